@@ -1,0 +1,311 @@
+"""The launcher: `python -m pipegen.launch output_dir=DIR [overrides]`.
+
+Resolves the config once (pipegen + verl groups) into DIR/conf/config.yaml, guards resumes with the
+run fingerprint, writes the unit manifest, plans this node's servers and actors, starts and
+supervises every role, shows the progress bar, and exits 0 when DIR/trajectories.pkl is complete.
+
+Owns: the life of every child process of a run, and DIR/conf/.
+Must never: generate, write streams or batches itself, or leave a child running when it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from pipegen.atomic import atomic_write_bytes
+from pipegen.config import CONF_DIR, RunDir, compose, save_run_config
+from pipegen.fingerprint import OVERRIDE_KEY, compute_fingerprint, mismatch_message, save_fingerprint
+from pipegen.logs import setup_logging
+from pipegen.supervise import CrashLoop, Role, Supervisor
+
+log = logging.getLogger("pipegen.launch")
+
+USAGE = """\
+usage: python -m pipegen.launch output_dir=DIR [key=value ...]     (or ./launch.sh output_dir=DIR ...)
+
+Generates trajectories for every (prompt, sample) of a verl-format parquet dataset and writes
+DIR/trajectories.pkl (a verl DataProto). Re-running the same command resumes an interrupted run.
+
+Common overrides:
+  model_path=PATH|smollm2-135m    model folder (default: the embedded SmolLM2-135M-Instruct)
+  train_files=PATH|demo           verl parquet file(s) (default: pipegen's 96 demo arithmetic problems)
+  n=4  max_samples=-1              samples per prompt; prompts to use (-1 = all)
+  temperature=0.7 max_response_length=512 max_prompt_length=1024
+  llm=sglang llm.tp=2              SGLang servers on this node's GPUs (needs the sglang extra)
+  llm=external 'llm.urls=[http://127.0.0.1:30000]'
+  actors.num_actors=2 actors.concurrency=64
+  generation.save_batch_size=256 generation.show_progress=false
+  actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent
+  actor_rollout_ref.rollout.multi_turn.tool_config_path=conf/tools/calculator.yaml
+  'trainer.logger=[console,wandb]'  log metrics (and upload the artifact) with verl's Tracking
+
+Every key, with its current value (comments in conf/*.yaml explain them):
+"""
+
+
+def print_help(overrides: list[str]) -> None:
+    print(USAGE)
+    try:
+        cfg = compose([o for o in overrides if o not in ("--help", "-h")] + ["output_dir=DIR"])
+        shown = {k: cfg[k] for k in cfg if k not in ("actor_rollout_ref", "data", "distillation")}
+        print(OmegaConf.to_yaml(OmegaConf.create(shown)))
+        print("verl's own groups (actor_rollout_ref.model / .rollout, data) keep verl's keys and defaults;")
+        print(f"see {CONF_DIR}/pipegen.yaml for the ones pipegen sets.")
+    except Exception as e:  # help must print even when an override is broken
+        print(f"(could not compose the config: {e})")
+
+
+def fail(message: str) -> int:
+    print(f"pipegen: error: {message}", file=sys.stderr)
+    return 2
+
+
+def resolve_inputs(cfg: DictConfig) -> None:
+    """Short names -> real paths, so every child reads concrete paths from the saved config."""
+    from pipegen.data import resolve_train_files
+    from pipegen.models import resolve_model_path
+
+    with open_dict(cfg):
+        model = resolve_model_path(str(cfg.actor_rollout_ref.model.path))
+        cfg.model_path = model
+        cfg.actor_rollout_ref.model.path = model
+        files = cfg.data.train_files
+        resolved = resolve_train_files(files if isinstance(files, str) else list(files))
+        cfg.train_files = resolved[0] if len(resolved) == 1 else resolved
+        cfg.data.train_files = cfg.train_files
+
+
+def validate(cfg: DictConfig) -> None:
+    rollout = cfg.actor_rollout_ref.rollout
+    if int(rollout.n) < 1:
+        raise ValueError(f"n={rollout.n}: samples per prompt must be at least 1")
+    if int(cfg.generation.save_batch_size) < 1:
+        raise ValueError("generation.save_batch_size must be at least 1")
+    if int(cfg.actors.num_actors) < 1 or int(cfg.actors.concurrency) < 1:
+        raise ValueError("actors.num_actors and actors.concurrency must be at least 1")
+
+
+def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
+    """Save config + fingerprint for a new run, or check them for a resumed one. Returns an error."""
+    current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
+    if run.fingerprint_file.exists() and not cfg.get(OVERRIDE_KEY):
+        problem = mismatch_message(orjson.loads(run.fingerprint_file.read_bytes()), current, run.root)
+        if problem:
+            return problem
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    save_run_config(run, cfg)
+    save_fingerprint(run.fingerprint_file, current)
+    return None
+
+
+def build_manifest(cfg: DictConfig, run: RunDir) -> int:
+    """Load the dataset once through verl, check it, and record its unit indices."""
+    from pipegen.dataset import check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer, write_manifest
+
+    tokenizer = load_tokenizer(cfg)
+    dataset = load_dataset(cfg, tokenizer)
+    indices = dataset_indices(dataset)
+    if not indices:
+        raise ValueError("train_files: the dataset has no rows (after max_samples / filtering)")
+    check_prompt_lengths(cfg, dataset, tokenizer)
+    write_manifest(run.units_file, indices)
+    return len(indices)
+
+
+class Launcher:
+    def __init__(self, cfg: DictConfig, run: RunDir):
+        self.cfg = cfg
+        self.run = run
+        self.sup = Supervisor(run.logs)
+        self.n = int(cfg.actor_rollout_ref.rollout.n)
+        self._stopping = False
+
+    def _role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
+        return self.sup.add(Role(name, argv, env or {}, self.run.logs / f"{name}.log", restartable,
+                                 int(self.cfg.generation.restart_limit)))
+
+    def start_servers(self, plan) -> None:
+        from pipegen.servers.launch_commands import cpu_server_command, sglang_server_command, wait_ready
+
+        llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
+        build = cpu_server_command if llm["kind"] == "cpu" else sglang_server_command
+        roles = []
+        for server in plan.servers:
+            argv, env = build(server, self.cfg.actor_rollout_ref.model.path, llm, int(self.cfg.seed))
+            role = self._role(server.name, argv, env)
+            self.sup.start(role)
+            roles.append((server, role))
+        for server, role in roles:
+            waited = wait_ready(server.url, float(llm["ready_timeout_s"]), lambda r=role: r.alive, role.log_path)
+            log.info("%s ready at %s after %.1fs", server.name, server.url, waited)
+        for url in plan.external_urls:
+            waited = wait_ready(url, float(llm["ready_timeout_s"]))
+            log.info("external server %s ready after %.1fs", url, waited)
+
+    def run_roles(self, plan, total: int) -> int:
+        py = sys.executable
+        out = f"output_dir={self.run.root}"
+        writer = None
+        if plan.runs_writer:
+            writer = self._role("writer", [py, "-m", "pipegen.writer", out])
+            self.sup.start(writer)
+        world_actors = plan.num_actors * plan.node.world_size
+        for k in range(plan.num_actors):
+            rank = plan.node.rank * plan.num_actors + k
+            self.sup.start(self._role(f"actor_{rank}", [py, "-m", "pipegen.actor", out, f"rank={rank}",
+                                                        f"num_actors={world_actors}"]))
+        return self.supervise(writer, total)
+
+    def supervise(self, writer: Role | None, total: int) -> int:
+        from pipegen.progress import snapshot
+
+        bar = None
+        if self.cfg.generation.show_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="sample", dynamic_ncols=True, desc="pipegen", file=sys.stderr)
+        last = 0.0
+        try:
+            while True:
+                finished = self.sup.poll()
+                if bar is not None and time.monotonic() - last > 0.5:
+                    snap = snapshot(self.run, self.n)
+                    bar.n = snap.committed
+                    bar.set_postfix_str(snap.postfix(), refresh=False)
+                    bar.refresh()
+                    last = time.monotonic()
+                if writer is not None and writer in finished:
+                    break
+                if writer is None and all(r.finished for name, r in self.sup.roles.items() if name.startswith("actor_")):
+                    break
+                time.sleep(0.2)
+        finally:
+            if bar is not None:
+                snap = snapshot(self.run, self.n)
+                bar.n = snap.committed
+                bar.set_postfix_str(snap.postfix(), refresh=True)
+                bar.close()
+        return 0
+
+    def stop(self) -> None:
+        self.sup.stop_all()
+
+
+def report(run: RunDir, n: int) -> int:
+    from pipegen.progress import snapshot
+
+    snap = snapshot(run, n)
+    if snap.complete:
+        tokens = f", {snap.output_tokens} output tokens" if snap.output_tokens else ""
+        print(f"pipegen: done: {snap.committed} samples{tokens}.")
+        if snap.merged:
+            print(f"  trajectories: {run.trajectories}")
+            print(f"  artifact:     {run.artifact}")
+        else:
+            print(f"  batches:      {run.root}/batch_*.pkl (generation.final_merge=false)")
+        print(f"  logs:         {run.logs}/   streams: {run.streams}/")
+        return 0
+    print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed. "
+          f"Reasons: {run.checkpoint} ('failed'); rerun the same command to retry them.", file=sys.stderr)
+    for unit, info in list(snap.failed_units.items())[:10]:
+        print(f"  unit {unit}: {info.get('reason')}", file=sys.stderr)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--help" in argv or "-h" in argv:
+        print_help(argv)
+        return 0
+    setup_logging("launch")
+    if not any(a.startswith("output_dir=") for a in argv):
+        return fail("missing output_dir=DIR (where the run's files go); see --help")
+    try:
+        cfg = compose(argv)
+    except Exception as e:  # Hydra's override errors are long; the first line names the key
+        return fail(str(e).splitlines()[0] + " (see python -m pipegen.launch --help)")
+    run = RunDir(Path(cfg.output_dir).expanduser().resolve())
+    with open_dict(cfg):
+        cfg.output_dir = str(run.root)
+    try:
+        resolve_inputs(cfg)
+        validate(cfg)
+        OmegaConf.resolve(cfg)
+    except (ValueError, RuntimeError) as e:
+        return fail(str(e))
+    problem = prepare_run(cfg, run)
+    if problem:
+        return fail(problem)
+    from pipegen.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(run.checkpoint)
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    if not run.units_file.exists():
+        try:
+            log.info("reading the dataset %s", cfg.data.train_files)
+            rows = build_manifest(cfg, run)
+        except ValueError as e:
+            return fail(str(e))
+        log.info("%d prompts x %d samples = %d units", rows, n, rows * n)
+    if ckpt.complete and not ckpt.failed and run.trajectories.exists() == bool(cfg.generation.final_merge):
+        print(f"pipegen: {run.root} is already complete.")
+        return report(run, n)
+
+    from pipegen.world import PlanError, current_plan
+
+    try:
+        plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), int(cfg.actors.num_actors))
+    except PlanError as e:
+        return fail(str(e))
+    launch_record = {
+        "launch": uuid.uuid4().hex,
+        "run_key": _run_key(run),
+        "servers": plan.urls,
+        "started": time.time(),
+        "node_rank": plan.node.rank,
+    }
+    atomic_write_bytes(run.launch_file, orjson.dumps(launch_record, option=orjson.OPT_INDENT_2))
+    launcher = Launcher(cfg, run)
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    total = len(orjson.loads(run.units_file.read_bytes())["indices"]) * n
+    started = time.monotonic()
+    try:
+        launcher.start_servers(plan)
+        launcher.run_roles(plan, total)
+    except KeyboardInterrupt:
+        print("\npipegen: interrupted; stopping every process. Run the same command to resume.", file=sys.stderr)
+        launcher.stop()
+        return 130
+    except CrashLoop as e:
+        launcher.stop()
+        return fail(str(e))
+    except Exception as e:
+        launcher.stop()
+        return fail(str(e))
+    launcher.stop()
+    log.info("run took %.1fs", time.monotonic() - started)
+    return report(run, n)
+
+
+def _run_key(run: RunDir) -> str:
+    """Stable across launches of one run and equal for identical setups: derived from the fingerprint."""
+    import hashlib
+
+    return hashlib.sha256(run.fingerprint_file.read_bytes()).hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

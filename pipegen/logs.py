@@ -1,0 +1,51 @@
+"""Per-process logging and the orphan guard.
+
+Owns: the log format every role uses (timestamps, role name; stdout/stderr go to DIR/logs/<role>.log
+because the launcher redirects them), and exiting when the launcher that started us is gone.
+Must never: write log files itself (the launcher owns where logs go, so a hand-restarted role logs to
+the terminal that started it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+PARENT_ENV = "PIPEGEN_PARENT_PID"
+
+
+def setup_logging(role: str, level: int = logging.INFO) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    # verl and transformers are chatty at INFO on import; keep their warnings only.
+    for noisy in ("verl", "transformers", "datasets", "httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def watch_parent(poll_s: float = 1.0) -> None:
+    """Exit at once when the launcher that started this process dies (even by SIGKILL).
+
+    Only active when the launcher set PIPEGEN_PARENT_PID; a role restarted by hand has no parent to
+    watch. Hand-written because the portable alternative (prctl PDEATHSIG) is Linux-only ctypes and
+    fires on thread exit, not process exit.
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
+    parent_pid = int(parent)
+
+    def loop() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=loop, name="parent-watch", daemon=True).start()

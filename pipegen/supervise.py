@@ -1,0 +1,145 @@
+"""Process supervision: start roles, restart them with bounded backoff, stop the whole tree.
+
+Owns: each child's process group, its log file (DIR/logs/<role>.log), the saved command line and
+environment next to it (DIR/logs/<role>.cmd.sh, runnable by hand), and the restart policy.
+Must never: leave a child running after stop_all(), or restart a role that exited 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipegen.logs import PARENT_ENV
+
+log = logging.getLogger("pipegen.supervise")
+
+
+class CrashLoop(RuntimeError):
+    def __init__(self, role: "Role"):
+        super().__init__(
+            f"{role.name} crashed {role.restarts + 1} times (last exit code {role.last_rc}); "
+            f"see its log: {role.log_path}"
+        )
+        self.role = role
+
+
+@dataclass
+class Role:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    restartable: bool = True
+    max_restarts: int = 5
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    last_rc: int | None = None
+    finished: bool = False
+    restart_at: float | None = None
+    started_at: float = field(default=0.0)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    def __init__(self, logs_dir: Path):
+        self.logs_dir = Path(logs_dir)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self.roles: dict[str, Role] = {}
+
+    def add(self, role: Role) -> Role:
+        self.roles[role.name] = role
+        return role
+
+    def start(self, role: Role) -> None:
+        env = {**os.environ, **role.env, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        self._save_command(role)
+        with open(role.log_path, "ab") as logf:
+            logf.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {role.name} =====\n".encode())
+            logf.flush()
+            # A new session per child: Ctrl-C reaches only the launcher, which then stops each
+            # child's whole process group (servers spawn their own subprocesses).
+            role.proc = subprocess.Popen(role.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, stdin=subprocess.DEVNULL)
+        role.started_at = time.monotonic()
+        role.restart_at = None
+        log.debug("started %s pid %d", role.name, role.proc.pid)
+
+    def _save_command(self, role: Role) -> None:
+        lines = ["#!/usr/bin/env bash", f"# restart {role.name} by hand: bash {role.log_path.with_suffix('.cmd.sh')}"]
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(role.env.items())]
+        lines.append(f"cd {shlex.quote(os.getcwd())}")
+        lines.append(" ".join(shlex.quote(a) for a in role.argv))
+        path = role.log_path.with_suffix(".cmd.sh")
+        path.write_text("\n".join(lines) + "\n")
+        path.chmod(0o755)
+
+    def poll(self) -> list[Role]:
+        """Reap exited roles, schedule restarts; returns roles that finished cleanly this call."""
+        finished = []
+        now = time.monotonic()
+        for role in self.roles.values():
+            if role.proc is None:
+                if role.restart_at is not None and now >= role.restart_at:
+                    log.warning("restarting %s (restart %d/%d)", role.name, role.restarts, role.max_restarts)
+                    self.start(role)
+                continue
+            rc = role.proc.poll()
+            if rc is None:
+                continue
+            role.proc = None
+            role.last_rc = rc
+            if rc == 0:
+                role.finished = True
+                finished.append(role)
+                continue
+            if not role.restartable or role.restarts >= role.max_restarts:
+                raise CrashLoop(role)
+            role.restarts += 1
+            # a role that ran a while before dying is not in a crash loop: restart it quickly
+            backoff = 0.5 if now - role.started_at > 30 else min(10.0, 0.5 * 2 ** role.restarts)
+            role.restart_at = now + backoff
+            log.warning("%s exited with code %s; restarting in %.1fs (log: %s)", role.name, rc, backoff, role.log_path)
+        return finished
+
+    def stop(self, role: Role, grace_s: float = 5.0) -> None:
+        self._signal_all([role], grace_s)
+
+    def stop_all(self, grace_s: float = 5.0) -> None:
+        self._signal_all(list(self.roles.values()), grace_s)
+
+    def _signal_all(self, roles: list[Role], grace_s: float) -> None:
+        live = [r for r in roles if r.proc is not None and r.proc.poll() is None]
+        for r in live:
+            _kill_group(r.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for r in live:
+            try:
+                r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for r in roles:
+            if r.proc is not None:
+                _kill_group(r.proc.pid, signal.SIGKILL)  # the group may outlive its leader
+                try:
+                    r.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+                r.proc = None
+            r.restart_at = None
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

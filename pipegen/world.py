@@ -1,0 +1,125 @@
+"""The world plan: which servers and actors this node runs, as a pure function of config + environment.
+
+Owns: splitting visible GPUs into SGLang tensor-parallel groups, picking ports, deciding how many
+actors this node runs and whether it runs the writer (rank 0 only), from WORLD_SIZE/RANK/MASTER_ADDR
+or Slurm's variables.
+Must never: start processes or touch the filesystem; port probing is passed in as a function so tests
+stay pure.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+
+class PlanError(ValueError):
+    """A configuration that cannot be placed, with a one-line fix."""
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    name: str
+    host: str
+    port: int
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    world_size: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+
+
+@dataclass
+class WorldPlan:
+    node: NodeInfo
+    servers: list[ServerPlan] = field(default_factory=list)
+    external_urls: list[str] = field(default_factory=list)
+    num_actors: int = 1
+    runs_writer: bool = True
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers] + list(self.external_urls)
+
+
+def node_info(env: Mapping[str, str]) -> NodeInfo:
+    """This node's place in a multi-node run (torchrun-style variables first, then Slurm's)."""
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return NodeInfo(int(env["WORLD_SIZE"]), int(env["RANK"]), env.get("MASTER_ADDR", "127.0.0.1"))
+    if "SLURM_NNODES" in env and "SLURM_NODEID" in env:
+        nodes = env.get("SLURM_JOB_NODELIST", "")
+        return NodeInfo(int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"]), env.get("MASTER_ADDR", nodes.split(",")[0] or "127.0.0.1"))
+    return NodeInfo()
+
+
+def visible_gpus(env: Mapping[str, str], count_devices: Callable[[], int]) -> list[int]:
+    if env.get("CUDA_VISIBLE_DEVICES", None) is not None:
+        ids = [x.strip() for x in env["CUDA_VISIBLE_DEVICES"].split(",") if x.strip()]
+        return [int(x) for x in ids]
+    return list(range(count_devices()))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def plan_world(
+    llm: Mapping,
+    num_actors: int,
+    env: Mapping[str, str],
+    count_devices: Callable[[], int] = lambda: 0,
+    pick_port: Callable[[str], int] = free_port,
+) -> WorldPlan:
+    node = node_info(env)
+    plan = WorldPlan(node=node, num_actors=int(num_actors), runs_writer=node.rank == 0)
+    kind = llm["kind"]
+    if kind == "external":
+        urls = list(llm.get("urls") or [])
+        if not urls:
+            raise PlanError("llm=external needs llm.urls=[http://HOST:PORT,...]")
+        plan.external_urls = [u.rstrip("/") for u in urls]
+        return plan
+    host = llm.get("host", "127.0.0.1")
+    if kind == "cpu":
+        count = int(llm.get("num_servers", 1))
+        plan.servers = [ServerPlan(f"server_{i}", host, pick_port(host)) for i in range(count)]
+        return plan
+    if kind == "sglang":
+        tp = int(llm.get("tp", 1))
+        gpus = visible_gpus(env, count_devices)
+        if not gpus:
+            raise PlanError("llm=sglang needs GPUs, and none are visible; use llm=cpu or set CUDA_VISIBLE_DEVICES")
+        if tp < 1 or len(gpus) % tp:
+            raise PlanError(
+                f"{len(gpus)} visible GPU(s) do not divide into tensor-parallel groups of llm.tp={tp}; "
+                f"use a tp that divides {len(gpus)} or set CUDA_VISIBLE_DEVICES"
+            )
+        groups = [tuple(gpus[i : i + tp]) for i in range(0, len(gpus), tp)]
+        plan.servers = [ServerPlan(f"server_{i}", host, pick_port(host), g) for i, g in enumerate(groups)]
+        return plan
+    raise PlanError(f"llm.kind={kind!r} is unknown; choose llm=cpu, llm=sglang or llm=external")
+
+
+def current_plan(llm: Mapping, num_actors: int) -> WorldPlan:
+    """The plan for this process's real environment."""
+
+    def count_devices() -> int:
+        try:
+            import torch
+
+            return torch.cuda.device_count()
+        except Exception:
+            return 0
+
+    return plan_world(llm, num_actors, os.environ, count_devices)

@@ -1,0 +1,68 @@
+"""The world plan: GPUs -> SGLang servers, nodes, clear errors."""
+
+import itertools
+
+import pytest
+
+from pipegen.servers.launch_commands import sglang_server_command
+from pipegen.world import PlanError, plan_world
+
+ports = itertools.count(31000)
+
+
+def plan(llm, env, gpus=8, actors=1):
+    return plan_world(llm, actors, env, count_devices=lambda: gpus, pick_port=lambda host: next(ports))
+
+
+@pytest.mark.parametrize("tp,servers", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_one_node_eight_gpus(tp, servers):
+    p = plan({"kind": "sglang", "tp": tp}, {})
+    assert len(p.servers) == servers
+    assert sorted(g for s in p.servers for g in s.gpus) == list(range(8))
+    assert all(len(s.gpus) == tp for s in p.servers)
+    assert len({s.port for s in p.servers}) == servers
+    assert all(s.host == "127.0.0.1" for s in p.servers)
+    assert p.runs_writer
+
+
+def test_cuda_visible_devices_is_respected():
+    p = plan({"kind": "sglang", "tp": 2}, {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert [s.gpus for s in p.servers] == [(4, 5), (6, 7)]
+
+
+def test_gpu_count_not_divisible_by_tp_is_a_clear_error():
+    with pytest.raises(PlanError, match="do not divide.*tp=4"):
+        plan({"kind": "sglang", "tp": 4}, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"})
+
+
+def test_two_nodes_writer_only_on_rank_zero():
+    env0 = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "10.0.0.1"}
+    env1 = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "10.0.0.1"}
+    p0 = plan({"kind": "sglang", "tp": 2, "host": "0.0.0.0"}, env0, actors=2)
+    p1 = plan({"kind": "sglang", "tp": 2, "host": "0.0.0.0"}, env1, actors=2)
+    assert p0.runs_writer and not p1.runs_writer
+    assert p1.node.rank == 1 and p1.node.world_size == 2 and len(p1.servers) == 4
+
+
+def test_slurm_variables():
+    p = plan({"kind": "cpu"}, {"SLURM_NNODES": "3", "SLURM_NODEID": "2"})
+    assert p.node.world_size == 3 and p.node.rank == 2 and not p.runs_writer
+
+
+def test_no_gpus_for_sglang_and_external_without_urls():
+    with pytest.raises(PlanError, match="needs GPUs"):
+        plan({"kind": "sglang", "tp": 1}, {}, gpus=0)
+    with pytest.raises(PlanError, match="llm.urls"):
+        plan({"kind": "external", "urls": []}, {})
+
+
+def test_sglang_command_line():
+    p = plan({"kind": "sglang", "tp": 2}, {"CUDA_VISIBLE_DEVICES": "2,3"})
+    argv, env = sglang_server_command(p.servers[0], "/models/m", {"tp": 2, "mem_fraction_static": 0.8,
+                                                                  "context_length": 4096, "extra_args": ["--dtype", "bfloat16"]}, 7)
+    joined = " ".join(argv)
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    for part in ("--model-path /models/m", "--tp-size 2", "--skip-tokenizer-init", "--host 127.0.0.1",
+                 "--mem-fraction-static 0.8", "--context-length 4096", "--random-seed 7", "--dtype bfloat16"):
+        assert part in joined
+    assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
