@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipegen.checkpoint import load_checkpoint
 from pipegen.config import RunDir, load_run_config, output_dir_from_args
-from pipegen.dataset import load_dataset, load_tokenizer, read_manifest, row_fields
+from pipegen.dataset import dataset_indices, load_dataset, load_tokenizer, read_manifest, row_fields
 from pipegen.logs import setup_logging, watch_parent
 from pipegen.stats import StatsAppender, percentile
 from pipegen.streams import ShardAppender, encode_record, scan_units
@@ -114,6 +114,12 @@ class Actor:
         self.tokenizer = load_tokenizer(cfg)
         self.dataset = load_dataset(cfg, self.tokenizer)
         self.indices = read_manifest(run.units_file)
+        if dataset_indices(self.dataset) != self.indices:
+            # e.g. data.shuffle=true without data.seed: verl then samples a different subset per process
+            raise SystemExit(
+                f"actor {rank}: the dataset's rows differ from {run.units_file}; the data files changed or "
+                "row selection is random (set data.seed, or data.shuffle=false)"
+            )
         hf_config = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path,
                                                trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
         self.hf_model_type = getattr(hf_config, "model_type", None)

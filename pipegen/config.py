@@ -38,6 +38,13 @@ def compose(overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def resolved(cfg: DictConfig) -> DictConfig:
+    """A fully resolved copy (in-place OmegaConf.resolve chokes on verl's `oc.select:...,[]` defaults)."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    assert isinstance(out, DictConfig)
+    return out
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Every path pipegen writes under output_dir, in one place."""

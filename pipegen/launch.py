@@ -21,7 +21,7 @@ import orjson
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipegen.atomic import atomic_write_bytes
-from pipegen.config import CONF_DIR, RunDir, compose, save_run_config
+from pipegen.config import CONF_DIR, RunDir, compose, resolved, save_run_config
 from pipegen.fingerprint import OVERRIDE_KEY, compute_fingerprint, mismatch_message, save_fingerprint
 from pipegen.logs import setup_logging
 from pipegen.supervise import CrashLoop, Role, Supervisor
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         resolve_inputs(cfg)
         validate(cfg)
-        OmegaConf.resolve(cfg)
+        cfg = resolved(cfg)
     except (ValueError, RuntimeError) as e:
         return fail(str(e))
     problem = prepare_run(cfg, run)

@@ -79,7 +79,7 @@ class Writer:
         self.buffered_rows = 0
         self.duplicates = 0
         self.unknown_units = 0
-        self.builder = None
+        self.builder: Any = None
         self.stats = StatsAppender(run.stats, "writer")
 
     # ---- start-up (step 5) ----
@@ -140,11 +140,6 @@ class Writer:
     async def commit(self) -> None:
         if not self.buffer:
             return
-        if self.builder is None:
-            from pipegen.batches import BatchBuilder
-            from pipegen.dataset import load_tokenizer
-
-            self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg))
         from pipegen.batches import to_storage
 
         keys = sorted(self.buffer)
@@ -242,6 +237,11 @@ class Writer:
         )
 
     async def main(self) -> int:
+        from pipegen.batches import BatchBuilder
+        from pipegen.dataset import load_tokenizer
+
+        # Import verl and load the tokenizer up front (seconds), not on the first commit.
+        self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg))
         self.recover()
         if self.ckpt.complete and self.ckpt.num_committed == self.total_units:
             log.info("run already complete: %s", self.run.trajectories)

@@ -1,0 +1,481 @@
+"""The transformers engine of the CPU reference server: one model, continuous batching, own decode loop.
+
+Owns:
+  * loading ``AutoModelForCausalLM`` from a local Hugging Face folder on CPU (``--dtype auto`` = bfloat16 only
+    where the CPU has native bf16, i.e. ``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo, else float32);
+  * batching concurrent requests: requests that arrive within ``batch_wait_ms`` of an idle engine are prefilled
+    together (left padding); while a batch decodes, newly queued requests are prefilled at the next step boundary
+    and merged into the running batch (KV caches left-padded to a common length), up to ``max_batch`` rows. One
+    forward per decode step for the whole batch; finished rows leave the batch at once (KV rows dropped, common
+    left padding trimmed), so a short answer never waits for a long one;
+  * per-row sampling: temperature, top_p, top_k, min_p, greedy for temperature < 1e-6, repetition / frequency /
+    presence penalties over output tokens, logit_bias, min_new_tokens; ``sampling_seed`` seeds a per-request RNG
+    (with the sample index), so a request's draws are reproducible;
+  * per-row stop: EOS ids (config.json + generation_config.json, lists allowed) and ``stop_token_ids`` unless
+    ``ignore_eos``, per-row max_new_tokens, length checked before stop (SGLang's order).
+Logprob convention: the reported logprob of a token is ``log_softmax`` of the raw model logits (before
+temperature, penalties and top-k/top-p filtering). SGLang by default reports the temperature-scaled
+distribution; with temperature 1.0 and no filtering (verl's rollout defaults) the two agree.
+Must never: run torch work on the event loop thread (all of it happens in one worker thread, so /health and
+/get_model_info keep answering), import torch at module import time (the server binds its port first), or
+touch the network / Hugging Face Hub (local folders only).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pipegen.servers.protocol import (
+    Engine,
+    EngineRequest,
+    GenerationResult,
+    ModelFacts,
+    TopList,
+    check_finish,
+    finish_abort,
+    finish_abort_waiting,
+    finish_length,
+)
+
+log = logging.getLogger("pipegen.hf_engine")
+
+MASK64 = (1 << 64) - 1
+
+
+def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU advertises avx512_bf16 or amx_bf16 (bf16 matmuls are slow without them)."""
+    try:
+        with open(cpuinfo_path) as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype_name(dtype: str) -> str:
+    """``auto`` -> ``bfloat16`` where native, else ``float32``; explicit names pass through."""
+    if dtype == "auto":
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise ValueError(f"unsupported --dtype {dtype!r} (auto, bfloat16, float32)")
+    return dtype
+
+
+def row_seed(sampling_seed: int, sample_index: int) -> int:
+    """A 64-bit RNG seed from (sampling_seed, sample index); independent of the server seed on purpose, so the
+    same sampling_seed reproduces on any server."""
+    x = (sampling_seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & MASK64
+    x ^= x >> 31
+    return x
+
+
+@dataclass(eq=False)
+class _Row:
+    """One generation inside the running batch (worker-thread state only)."""
+
+    req: EngineRequest
+    rng: random.Random
+    last: int = 0
+    result: GenerationResult = field(default_factory=lambda: GenerationResult([], finish_length(0)))
+    finished: bool = False
+    admitted: float = 0.0
+
+
+class HFEngine(Engine):
+    """Transformers on CPU behind the reference server (see the module docstring)."""
+
+    name = "hf"
+
+    def __init__(self, facts: ModelFacts, *, dtype: str = "auto", threads: int = 1, max_batch: int = 8,
+                 batch_wait_ms: float = 5.0, seed: int = 0, context_length: Optional[int] = None) -> None:
+        self.facts = facts
+        self.model_path = facts.model_path
+        self.vocab_size = facts.vocab_size
+        self.context_length = context_length or facts.context_length
+        self.eos_token_ids = facts.eos_token_ids
+        self.max_running_requests = max(1, max_batch)
+        self.max_batch = max(1, max_batch)
+        self.batch_wait = max(0.0, batch_wait_ms) / 1000.0
+        self.threads = max(1, threads)
+        self.dtype_name = resolve_dtype_name(dtype)
+        self._rng = random.Random(seed)  # seeds rows without a sampling_seed
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        # Running batch (worker thread only).
+        self._rows: list[_Row] = []
+        self._cache: Any = None
+        self._mask: Any = None
+        # Counters (written by the worker, read by the loop; plain ints are fine under the GIL).
+        self._max_batch_seen = 0
+        self._decode_steps = 0
+        self._prefills = 0
+        self._busy_slot_seconds = 0.0
+        self._tokens = 0
+        self._torch: Any = None
+        self.model: Any = None
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Import torch, load the model, warm it up. Runs in a worker thread after the port is bound."""
+        t0 = time.monotonic()
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._torch = torch
+        torch.set_num_threads(self.threads)
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass  # already set / parallel work started: harmless
+        torch_dtype = getattr(torch, self.dtype_name)
+        from pipegen.models import quiet_progress_bars  # keeps the weight-loading bar out of the server log
+
+        with quiet_progress_bars():
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype).eval()
+        cfg_vocab = getattr(self.model.config, "vocab_size", None)
+        if cfg_vocab and cfg_vocab != self.vocab_size:
+            self.vocab_size = int(cfg_vocab)
+        # Warm up: the first forward pays for lazy initialisation; keep that out of the first request.
+        with torch.inference_mode():
+            self._forward_prefill([[1 % self.vocab_size, 2 % self.vocab_size, 3 % self.vocab_size]], keep_all=False)
+        log.info("hf engine: loaded %s (%s, %d thread(s)) in %.2f s", self.model_path, self.dtype_name,
+                 self.threads, time.monotonic() - t0)
+
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._worker, name="hf-engine", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+
+    # -- requests (event-loop side) ---------------------------------------------------------------------
+
+    def submit(self, req: EngineRequest) -> None:
+        with self._cv:
+            self._waiting.append(req)
+            self._cv.notify()
+
+    def abort(self, req: EngineRequest) -> None:
+        req.abort_requested = True  # a running row sees it at the next step boundary
+        with self._cv:
+            try:
+                self._waiting.remove(req)
+            except ValueError:
+                return
+        req.finish(GenerationResult([], finish_abort_waiting(), aborted_in_queue=True))
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self._rows),
+            "waiting": len(self._waiting),
+            "max_batch_size": self._max_batch_seen,
+            "busy_slot_seconds": round(self._busy_slot_seconds, 6),
+            "slots": self.max_batch,
+            "decode_steps": self._decode_steps,
+            "prefill_batches": self._prefills,
+            "engine_tokens_generated": self._tokens,
+            "dtype": self.dtype_name,
+            "threads": self.threads,
+        }
+
+    # -- worker thread ----------------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        torch = self._torch
+        with torch.inference_mode():
+            while True:
+                newcomers: list[EngineRequest] = []
+                with self._cv:
+                    while not self._stop and not self._waiting and not self._rows:
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    if not self._rows and self.batch_wait > 0:
+                        # Idle engine: give concurrent arrivals a few ms to join the first prefill.
+                        deadline = self._waiting[0].created + self.batch_wait
+                        while not self._stop and len(self._waiting) < self.max_batch:
+                            remaining = deadline - time.monotonic()
+                            if remaining <= 0:
+                                break
+                            self._cv.wait(remaining)
+                    room = 1 if not self._rows else 0
+                    while room > 0 and self._waiting:
+                        req = self._waiting.popleft()
+                        req.state = "running"
+                        newcomers.append(req)
+                        room -= 1
+                try:
+                    if newcomers:
+                        self._admit(newcomers)
+                    if self._rows:
+                        self._decode_step()
+                except Exception as exc:  # a bug or OOM: fail the affected requests, keep serving
+                    log.exception("hf engine: step failed")
+                    reason = {"type": "abort", "message": f"internal error: {exc!r}", "status_code": 500,
+                              "err_type": "InternalServerError"}
+                    for row in self._rows:
+                        row.result.finish_reason = reason
+                        self._finish_row(row)
+                    for req in newcomers:
+                        req.finish(GenerationResult([], reason))
+                    self._rows, self._cache, self._mask = [], None, None
+
+    # -- model work (worker thread) ---------------------------------------------------------------------
+
+    def _forward_prefill(self, prompts: list[tuple[int, ...]] | list[list[int]], keep_all: bool) -> tuple[Any, Any, Any]:
+        """Left-padded prefill of a group; returns (logits, cache, mask). ``keep_all``: logits at every position."""
+        torch = self._torch
+        from transformers import DynamicCache
+
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, logits_to_keep=0 if keep_all else 1)
+        return out.logits, cache, mask
+
+    def _admit(self, reqs: list[EngineRequest]) -> None:
+        """Prefill newcomers (plain ones together; prompt-logprob ones alone), sample their first token, merge."""
+        plain = [r for r in reqs if r.spec.logprob_start_len < 0]
+        full = [r for r in reqs if r.spec.logprob_start_len >= 0]
+        groups = ([plain] if plain else []) + [[r] for r in full]
+        for group in groups:
+            now = time.monotonic()
+            rows = []
+            for req in group:
+                sp = req.spec.sampling
+                seed = row_seed(sp.sampling_seed, req.spec.sample_index) if sp.sampling_seed is not None \
+                    else self._rng.getrandbits(64)
+                req.started = now
+                rows.append(_Row(req=req, rng=random.Random(seed), admitted=now))
+                if req.spec.top_logprobs_num > 0:
+                    rows[-1].result.output_top_logprobs = []
+                if req.spec.token_ids_logprob is not None:
+                    rows[-1].result.output_token_ids_logprobs = []
+            keep_all = group is not plain
+            logits, cache, mask = self._forward_prefill([r.req.spec.input_ids for r in rows], keep_all=keep_all)
+            self._prefills += 1
+            if keep_all:
+                self._prompt_logprobs(rows[0], logits[0])
+            last = logits[:, -1, :].float()
+            self._merge(cache, mask, rows)
+            self._max_batch_seen = max(self._max_batch_seen, len(self._rows))
+            # Sampling after the merge: the new rows are the last len(rows) of the batch.
+            self._advance(rows, last)
+            self._prune()
+
+    def _prompt_logprobs(self, row: _Row, logits: Any) -> None:
+        """Prompt-side logprobs from a full-logits prefill; position k's entry is None (as SGLang)."""
+        torch = self._torch
+        spec = row.req.spec
+        ids = spec.input_ids
+        k = spec.logprob_start_len
+        lp_all = torch.log_softmax(logits[:-1].float(), dim=-1)  # lp_all[i] predicts ids[i + 1]
+        vals: list[Optional[float]] = [None]
+        tops: list[Optional[TopList]] = [None]
+        tids: list[Optional[TopList]] = [None]
+        if len(ids) - 1 > k:
+            positions = torch.arange(k, len(ids) - 1)
+            targets = torch.tensor(ids[k + 1:], dtype=torch.long)
+            vals += lp_all[positions, targets].tolist()
+            if spec.top_logprobs_num > 0:
+                tv, ti = lp_all[positions].topk(spec.top_logprobs_num, dim=-1)
+                tops += [list(zip(a, b)) for a, b in zip(tv.tolist(), ti.tolist())]
+            if spec.token_ids_logprob is not None:
+                sel = torch.tensor(spec.token_ids_logprob, dtype=torch.long)
+                tids += [list(zip(a, spec.token_ids_logprob)) for a in lp_all[positions][:, sel].tolist()]
+        row.result.input_logprobs = vals
+        row.result.input_top_logprobs = tops if spec.top_logprobs_num > 0 else None
+        row.result.input_token_ids_logprobs = tids if spec.token_ids_logprob is not None else None
+
+    def _merge(self, cache: Any, mask: Any, rows: list[_Row]) -> None:
+        """Append a prefilled group to the running batch, left-padding KV and mask to a common length."""
+        torch = self._torch
+        if self._cache is None or not self._rows:
+            self._cache, self._mask, self._rows = cache, mask, list(rows)
+            return
+        ta, tb = self._mask.shape[1], mask.shape[1]
+        width = max(ta, tb)
+
+        def lpad(t: Any, n: int, dim: int) -> Any:
+            if n == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = n
+            return torch.cat([torch.zeros(shape, dtype=t.dtype), t], dim=dim)
+
+        for la, lb in zip(self._cache.layers, cache.layers):
+            la.keys = torch.cat([lpad(la.keys, width - ta, 2), lpad(lb.keys, width - tb, 2)], dim=0)
+            la.values = torch.cat([lpad(la.values, width - ta, 2), lpad(lb.values, width - tb, 2)], dim=0)
+        self._mask = torch.cat([lpad(self._mask, width - ta, 1), lpad(mask, width - tb, 1)], dim=0)
+        self._rows = self._rows + list(rows)
+
+    def _prune(self) -> None:
+        """Drop finished rows from the batch and trim padding columns no remaining row needs."""
+        torch = self._torch
+        keep = [i for i, r in enumerate(self._rows) if not r.finished]
+        if len(keep) == len(self._rows):
+            return
+        if not keep:
+            self._rows, self._cache, self._mask = [], None, None
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        mask = self._mask[idx]
+        lead = int((mask.cumsum(1) == 0).sum(1).min())  # leading all-padding columns
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[idx, :, lead:]
+            layer.values = layer.values[idx, :, lead:]
+        self._mask = mask[:, lead:]
+        self._rows = [self._rows[i] for i in keep]
+
+    def _decode_step(self) -> None:
+        torch = self._torch
+        for row in self._rows:
+            if row.req.abort_requested and not row.finished:
+                row.result.finish_reason = finish_abort()
+                self._finish_row(row)
+        self._prune()
+        if not self._rows:
+            return
+        b = len(self._rows)
+        ids = torch.tensor([[r.last] for r in self._rows], dtype=torch.long)
+        self._mask = torch.cat([self._mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
+        pos = self._mask.sum(dim=1, keepdim=True) - 1
+        out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=pos, past_key_values=self._cache,
+                         use_cache=True, logits_to_keep=1)
+        self._decode_steps += 1
+        self._max_batch_seen = max(self._max_batch_seen, b)
+        self._advance(list(self._rows), out.logits[:, -1, :].float())
+        self._prune()
+
+    def _advance(self, rows: list[_Row], logits: Any) -> None:
+        """Sample one token per row (``logits``: [len(rows), V] float32), record it, check finish."""
+        tokens, lps, raw_lp = self._sample(rows, logits)
+        for i, row in enumerate(rows):
+            spec = row.req.spec
+            res = row.result
+            tok, lp = tokens[i], lps[i]
+            if spec.top_logprobs_num > 0:
+                tv, ti = raw_lp[i].topk(spec.top_logprobs_num)
+                res.output_top_logprobs.append(list(zip(tv.tolist(), ti.tolist())))
+            if spec.token_ids_logprob is not None:
+                sel = raw_lp[i, list(spec.token_ids_logprob)].tolist()
+                res.output_token_ids_logprobs.append(list(zip(sel, spec.token_ids_logprob)))
+            res.output_logprobs.append(lp)
+            res.output_logprob_ids.append(tok)
+            if spec.max_new_tokens == 0:
+                # SGLang still samples one token: empty output_ids, one phantom logprob, finish length 0.
+                res.finish_reason = finish_length(0)
+                self._finish_row(row)
+                continue
+            res.output_ids.append(tok)
+            row.last = tok
+            fin = check_finish(tok, len(res.output_ids), spec, self.eos_token_ids)
+            if fin is not None:
+                res.finish_reason = fin
+                self._finish_row(row)
+
+    def _finish_row(self, row: _Row) -> None:
+        if row.finished:
+            return
+        row.finished = True
+        self._busy_slot_seconds += time.monotonic() - row.admitted
+        self._tokens += len(row.result.output_ids)
+        row.req.finish(row.result)
+
+    def _sample(self, rows: list[_Row], logits: Any) -> tuple[list[int], list[float], Any]:
+        """Per-row sampling; returns tokens, their raw-logit logprobs, and the raw log_softmax matrix."""
+        torch = self._torch
+        b, vocab = logits.shape
+        raw_lp = torch.log_softmax(logits, dim=-1)
+        work = logits
+        # Rare per-row adjustments (penalties, bias, min_new_tokens) on a copy.
+        adjust = [i for i, r in enumerate(rows) if _needs_adjust(r)]
+        if adjust:
+            work = logits.clone()
+            for i in adjust:
+                work[i] = self._adjust_row(rows[i], work[i], vocab)
+        tokens = [0] * b
+        greedy = [i for i, r in enumerate(rows) if r.req.spec.sampling.greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.req.spec.sampling.greedy]
+        if greedy:
+            g = work[greedy].argmax(dim=-1).tolist()
+            for i, t in zip(greedy, g):
+                tokens[i] = t
+        if sampled:
+            sub = work[sampled]
+            temps = torch.tensor([rows[i].req.spec.sampling.temperature for i in sampled], dtype=sub.dtype)
+            sub = sub / temps[:, None]
+            specs = [rows[i].req.spec.sampling for i in sampled]
+            filtered = any((0 < s.top_k < vocab) or s.top_p < 1.0 or s.min_p > 0.0 for s in specs)
+            u = torch.tensor([rows[i].rng.random() for i in sampled], dtype=torch.float64)
+            if filtered:
+                sorted_logits, order = sub.sort(dim=-1, descending=True)
+                ks = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in specs])
+                ar = torch.arange(vocab)[None, :]
+                sorted_logits = sorted_logits.masked_fill(ar >= ks[:, None], float("-inf"))
+                probs = torch.softmax(sorted_logits, dim=-1)
+                ps = torch.tensor([s.top_p for s in specs], dtype=probs.dtype)
+                cum = probs.cumsum(dim=-1)
+                drop = (cum - probs) > ps[:, None]
+                mps = torch.tensor([s.min_p for s in specs], dtype=probs.dtype)
+                drop |= probs < (mps[:, None] * probs[:, :1])
+                drop[:, 0] = False  # always keep the most likely token
+                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+                cdf = torch.softmax(sorted_logits, dim=-1).double().cumsum(dim=-1)
+                pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+                chosen = order.gather(1, pick).squeeze(1).tolist()
+            else:
+                cdf = torch.softmax(sub, dim=-1).double().cumsum(dim=-1)
+                # Scale u by the total so float rounding can never push the draw past the last token.
+                chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
+                chosen = chosen.squeeze(1).tolist()
+            for i, t in zip(sampled, chosen):
+                tokens[i] = t
+        idx = torch.tensor(tokens, dtype=torch.long)
+        lps = raw_lp[torch.arange(b), idx].tolist()
+        return tokens, lps, raw_lp
+
+    def _adjust_row(self, row: _Row, logits: Any, vocab: int) -> Any:
+        torch = self._torch
+        sp = row.req.spec.sampling
+        out = row.result.output_ids
+        if out and (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
+            seen = counts > 0
+            if sp.repetition_penalty != 1.0:
+                penalised = torch.where(logits > 0, logits / sp.repetition_penalty, logits * sp.repetition_penalty)
+                logits = torch.where(seen, penalised, logits)
+            if sp.frequency_penalty != 0.0:
+                logits = logits - sp.frequency_penalty * counts
+            if sp.presence_penalty != 0.0:
+                logits = logits - sp.presence_penalty * seen.to(logits.dtype)
+        for tid, bias in sp.logit_bias:
+            logits[tid] += bias
+        if len(out) < sp.min_new_tokens:
+            stops = [t for t in (set(self.eos_token_ids) | set(sp.stop_token_ids)) if 0 <= t < vocab]
+            if stops:
+                logits[stops] = float("-inf")
+        return logits
+
+
+def _needs_adjust(row: _Row) -> bool:
+    sp = row.req.spec.sampling
+    return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+            or bool(sp.logit_bias) or len(row.result.output_ids) < sp.min_new_tokens)

@@ -1,0 +1,466 @@
+"""pipegen's CPU reference server: an aiohttp process that speaks SGLang 0.5.12's native protocol.
+
+    python -m pipegen.servers.reference_server --model-path DIR [--engine hf|fake] [--host 127.0.0.1] [--port N]
+
+Owns the HTTP side of the contract in docs/sglang-protocol.md §1-§4 and §10: ``POST|PUT /generate`` (single,
+batch, ``n > 1``), ``GET /health`` and ``GET /health_generate`` (503 with an empty body until the engine is
+loaded), ``GET /get_model_info`` and ``/model_info`` (answer during startup too), ``GET /get_server_info``,
+``GET /v1/models``, ``GET|POST /flush_cache``, ``POST /abort_request`` (rid prefix semantics), and pipegen's
+``GET /pipegen_stats`` (JSON counters for tests and benchmarks). It binds the port first and loads the model
+after, so liveness is visible early; a client disconnect aborts its request; fault knobs (``--fail-rate``,
+``--hang-rate``, ``--crash-after``) inject SGLang-shaped failures.
+It always behaves as ``--skip-tokenizer-init``: token ids in, token ids + logprobs out, no ``text``.
+Must never: bind anything but the given host (loopback by default), do model work on the event loop, answer a
+request it did not validate, or re-tokenize. Acceptable differences from SGLang (§10): no streaming, no stop
+strings, ``cached_tokens`` always 0, instant ``/health``, no ``/metrics``, ids >= vocab size rejected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import random
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+import orjson
+from aiohttp import web
+
+from pipegen.servers import protocol as P
+
+log = logging.getLogger("pipegen.reference_server")
+
+CRASH_EXIT_CODE = 86  # --crash-after: distinctive, so a supervisor's log says what happened
+HEALTH_PROBE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
+SGLANG_VERSION = "0.5.12"
+
+
+class ReferenceServer:
+    """State shared by the handlers: the engine, readiness, in-flight requests, counters, fault RNG."""
+
+    def __init__(self, args: argparse.Namespace, engine: P.Engine, facts: P.ModelFacts) -> None:
+        self.args = args
+        self.engine = engine
+        self.facts = facts
+        self.ready = asyncio.Event()
+        self.inflight: dict[str, P.EngineRequest] = {}
+        self.port: Optional[int] = None
+        # A str seed is hashed with SHA-512 by random.Random: the fault sequence is reproducible per --seed.
+        self.fault_rng = random.Random(f"pipegen-faults-{args.seed}")
+        self.started_at = time.time()
+        self.generate_requests = 0
+        self.by_status: dict[str, int] = {}
+        self.finish_reasons: dict[str, int] = {}
+        self.generations = 0
+        self.tokens_generated = 0
+        self.prompt_tokens = 0
+        self.injected_503 = 0
+        self.hung = 0
+        self.client_disconnects = 0
+        self.aborted_via_endpoint = 0
+        self.handlers_in_flight = 0
+        self.max_handlers_in_flight = 0
+        self.last_log_tokens = 0
+
+    # -- helpers ---------------------------------------------------------------------------------------
+
+    def count_status(self, status: int) -> None:
+        key = str(status)
+        self.by_status[key] = self.by_status.get(key, 0) + 1
+
+    def error_response(self, err: P.ProtocolError) -> web.Response:
+        self.count_status(err.status)
+        return web.Response(status=err.status, body=err.body, content_type=err.content_type)
+
+    def json_response(self, obj: Any, status: int = 200) -> web.Response:
+        return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+
+    # -- /generate -------------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        self.generate_requests += 1
+        if self.args.crash_after is not None and self.generate_requests > self.args.crash_after:
+            # Hard crash, like a dead scheduler: no answer, connections reset, exit code says why.
+            log.error("crash-after %d: request #%d arrived, exiting hard (code %d)", self.args.crash_after,
+                      self.generate_requests, CRASH_EXIT_CODE)
+            logging.shutdown()
+            os._exit(CRASH_EXIT_CODE)
+        t0 = time.monotonic()
+        self.handlers_in_flight += 1
+        self.max_handlers_in_flight = max(self.max_handlers_in_flight, self.handlers_in_flight)
+        try:
+            return await self._generate(request, t0)
+        finally:
+            self.handlers_in_flight -= 1
+
+    async def _generate(self, request: web.Request, t0: float) -> web.StreamResponse:
+        raw = await request.read()
+        u = self.fault_rng.random() if (self.args.fail_rate > 0 or self.args.hang_rate > 0) else 1.0
+        if u < self.args.fail_rate:
+            self.injected_503 += 1
+            return self.error_response(P.service_unavailable())
+        if u < self.args.fail_rate + self.args.hang_rate:
+            self.hung += 1
+            await asyncio.Event().wait()  # never answers; cancelled when the client goes away
+        try:
+            body = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError as exc:
+            return self.error_response(P.validation_error(f"JSON decode error: {exc}"))
+        await self.ready.wait()  # before the model is loaded, requests wait (SGLang would refuse connections)
+        try:
+            parsed = P.parse_generate_request(
+                body,
+                context_length=self.engine.context_length,
+                vocab_size=self.engine.vocab_size,
+                unknown_key_status=self.args.unknown_key_status,
+            )
+            if parsed.user_rids:
+                for e in parsed.entries:
+                    if e.rid in self.inflight:
+                        raise P.bad_request(f"Duplicate request ID detected: {e.rid}")
+        except P.ProtocolError as err:
+            return self.error_response(err)
+
+        loop = asyncio.get_running_loop()
+        reqs = [P.EngineRequest(e, loop) for e in parsed.entries]
+        for r in reqs:
+            self.inflight[r.spec.rid] = r
+        try:
+            for r in reqs:
+                self.engine.submit(r)
+            results = await asyncio.gather(*(r.future for r in reqs))
+        except asyncio.CancelledError:
+            # Client disconnect (aiohttp cancels the handler): abort server-side, as SGLang does.
+            self.client_disconnects += 1
+            for r in reqs:
+                if not r.done:
+                    self.engine.abort(r)
+            log.info("client disconnected: aborted %d generation(s) (first rid %s)", len(reqs), reqs[0].spec.rid)
+            raise
+        finally:
+            for r in reqs:
+                if self.inflight.get(r.spec.rid) is r:
+                    del self.inflight[r.spec.rid]
+
+        for res in results:
+            fr = res.finish_reason or {}
+            if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
+                # An engine-side failure: SGLang raises HTTPException with that status.
+                status = int(fr["status_code"])
+                return self.error_response(P.ProtocolError(status, orjson.dumps({"error": {"message": fr.get("message")}})))
+        e2e = time.monotonic() - t0
+        outs = []
+        for spec, res in zip(parsed.entries, results):
+            self.generations += 1
+            self.tokens_generated += len(res.output_ids)
+            self.prompt_tokens += len(spec.input_ids)
+            kind = str((res.finish_reason or {}).get("type"))
+            self.finish_reasons[kind] = self.finish_reasons.get(kind, 0) + 1
+            outs.append(P.build_output(spec, res, e2e_latency=e2e))
+        self.count_status(200)
+        return self.json_response(outs[0] if parsed.is_single else outs)
+
+    # -- health and info -------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.ready.is_set() else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.ready.is_set():
+            return web.Response(status=503)
+        ok = await self.probe()
+        return web.Response(status=200 if ok else 503)
+
+    async def probe(self) -> bool:
+        """A one-token greedy generation through the engine (SGLang's health check), 20 s budget."""
+        if self.engine.trivial_probe:
+            return True  # e.g. the fake engine: nothing can get stuck, and it must not queue behind its slots
+        v = self.engine.vocab_size
+        spec = P.EntrySpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=(10 % v, 11 % v, 12 % v),
+                           sampling=P.SamplingSpec(max_new_tokens=1, top_k=1), max_new_tokens=1)
+        req = P.EngineRequest(spec, asyncio.get_running_loop())
+        self.engine.submit(req)
+        try:
+            await asyncio.wait_for(asyncio.shield(req.future), HEALTH_PROBE_TIMEOUT_S)
+            return True
+        except asyncio.TimeoutError:
+            self.engine.abort(req)
+            log.warning("health probe produced nothing within %.0f s", HEALTH_PROBE_TIMEOUT_S)
+            return False
+        except asyncio.CancelledError:
+            self.engine.abort(req)
+            raise
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.args.model_path,
+            "tokenizer_path": self.args.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": P.WEIGHT_VERSION,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": self.facts.model_type,
+            "architectures": self.facts.architectures,
+        }
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        return self.json_response(self.model_info())
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        a = self.args
+        c = self.engine.context_length
+        info = {
+            "model_path": a.model_path,
+            "tokenizer_path": a.model_path,
+            "served_model_name": a.served_model_name or a.model_path,
+            "host": a.host,
+            "port": self.port,
+            "context_length": c,
+            "skip_tokenizer_init": True,
+            "dtype": getattr(self.engine, "dtype_name", a.dtype),
+            "device": "cpu",
+            "tp_size": 1,
+            "dp_size": 1,
+            "random_seed": a.seed,
+            "max_running_requests": self.engine.max_running_requests,
+            "max_queued_requests": None,
+            "skip_server_warmup": True,
+            "max_total_num_tokens": c * self.engine.max_running_requests,
+            "max_req_input_len": c - P.SCHEDULER_INPUT_MARGIN,
+            "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}}],
+            "version": SGLANG_VERSION,
+            "pipegen_reference_server": True,
+            "engine": self.engine.name,
+            "vocab_size": self.engine.vocab_size,
+            "eos_token_ids": sorted(self.engine.eos_token_ids),
+        }
+        return self.json_response(info)
+
+    async def v1_models(self, request: web.Request) -> web.Response:
+        name = self.args.served_model_name or self.args.model_path
+        data = [{"id": name, "object": "model", "created": int(self.started_at), "owned_by": "sglang",
+                 "root": self.args.model_path, "parent": None, "max_model_len": self.engine.context_length}]
+        return self.json_response({"object": "list", "data": data})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        timeout = request.query.get("timeout")
+        deadline = time.monotonic() + (float(timeout) if timeout else 0.0)
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            return web.Response(status=400, text="Flush cache failed.")
+        return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. "
+                                             "(When there are running or waiting requests, the operation will not "
+                                             "be performed.)\n")
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read() or b"{}")
+        except orjson.JSONDecodeError:
+            body = {}
+        if not isinstance(body, dict):
+            body = {}
+        rid = body.get("rid")
+        if body.get("abort_all"):
+            targets = list(self.inflight.values())
+        elif isinstance(rid, str) and rid in self.inflight:
+            # SGLang: only a rid that is exactly in flight triggers; then every rid starting with it goes.
+            targets = [r for k, r in self.inflight.items() if k.startswith(rid)]
+        else:
+            targets = []
+        for r in targets:
+            if not r.done:
+                self.engine.abort(r)
+        self.aborted_via_endpoint += len(targets)
+        if targets:
+            log.info("abort_request: aborted %d generation(s) for rid=%r abort_all=%s", len(targets), rid,
+                     bool(body.get("abort_all")))
+        return web.Response(status=200)
+
+    def stats(self) -> dict:
+        out = {
+            "engine": self.engine.name,
+            "ready": self.ready.is_set(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "requests_total": self.generate_requests,
+            "responses_by_status": dict(self.by_status),
+            "generations_total": self.generations,
+            "finish_reasons": dict(self.finish_reasons),
+            "tokens_generated": self.tokens_generated,
+            "prompt_tokens": self.prompt_tokens,
+            "inflight_generations": len(self.inflight),
+            "http_requests_in_flight": self.handlers_in_flight,
+            "max_http_requests_in_flight": self.max_handlers_in_flight,
+            "injected_503": self.injected_503,
+            "hung": self.hung,
+            "client_disconnects": self.client_disconnects,
+            "aborted_via_endpoint": self.aborted_via_endpoint,
+        }
+        out.update(self.engine.stats())
+        return out
+
+    async def pipegen_stats(self, request: web.Request) -> web.Response:
+        return self.json_response(self.stats())
+
+    async def log_stats_periodically(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            s = self.stats()
+            if s["tokens_generated"] != self.last_log_tokens or s.get("running"):
+                rate = (s["tokens_generated"] - self.last_log_tokens) / interval
+                self.last_log_tokens = s["tokens_generated"]
+                log.info("stats: running=%s waiting=%s gen_throughput=%.1f tok/s requests=%d by_status=%s",
+                         s.get("running"), s.get("waiting"), rate, s["requests_total"], s["responses_by_status"])
+
+
+def build_app(server: ReferenceServer) -> web.Application:
+    """The aiohttp application with every route of the contract."""
+    app = web.Application(client_max_size=512 * 1024 * 1024)
+    app.router.add_route("POST", "/generate", server.generate)
+    app.router.add_route("PUT", "/generate", server.generate)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/health_generate", server.health_generate)
+    app.router.add_get("/get_model_info", server.get_model_info)
+    app.router.add_get("/model_info", server.get_model_info)
+    app.router.add_get("/get_server_info", server.get_server_info)
+    app.router.add_get("/server_info", server.get_server_info)
+    app.router.add_get("/v1/models", server.v1_models)
+    app.router.add_get("/flush_cache", server.flush_cache)
+    app.router.add_post("/flush_cache", server.flush_cache)
+    app.router.add_post("/abort_request", server.abort_request)
+    app.router.add_get("/pipegen_stats", server.pipegen_stats)
+    return app
+
+
+def make_engine(args: argparse.Namespace, facts: P.ModelFacts) -> P.Engine:
+    """Construct (not load) the engine named by ``--engine``."""
+    if args.engine == "fake":
+        from pipegen.testing.fake_engine import FakeEngine
+
+        return FakeEngine(facts, seed=args.seed, slots=args.slots or args.max_batch,
+                          token_latency=args.token_latency, eos_prob=args.eos_prob, script_path=args.script,
+                          context_length=args.context_length)
+    from pipegen.servers.hf_engine import HFEngine
+
+    return HFEngine(facts, dtype=args.dtype, threads=args.threads, max_batch=args.max_batch,
+                    batch_wait_ms=args.batch_wait_ms, seed=args.seed, context_length=args.context_length)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pipegen.servers.reference_server",
+                                description="pipegen's CPU reference server (SGLang 0.5.12 native /generate protocol)")
+    p.add_argument("--model-path", default=None,
+                   help="local Hugging Face folder (or a pipegen short name such as smollm2-135m); optional "
+                        "for --engine fake (vocab/eos/context then default to 32000/2/4096)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=30000, help="0 = any free port (see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port here once listening (atomic)")
+    p.add_argument("--engine", choices=("hf", "fake"), default="hf")
+    p.add_argument("--context-length", type=int, default=None, help="default: from config.json")
+    p.add_argument("--seed", type=int, default=0, help="server seed (fake tokens, unseeded rows, fault draws)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is best on small boxes)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="auto = bfloat16 where the CPU has avx512_bf16/amx_bf16, else float32")
+    p.add_argument("--max-batch", type=int, default=8, help="max rows decoded together (hf)")
+    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="gather window when the engine is idle (hf)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--unknown-key-status", type=int, choices=(400, 500), default=400,
+                   help="unknown sampling_params key: 400 (SGLang 0.5.23) or bare 500 (0.5.12)")
+    # fake engine
+    p.add_argument("--slots", type=int, default=None, help="fake: max concurrently running requests "
+                                                           "(default --max-batch)")
+    p.add_argument("--token-latency", type=float, default=0.0, help="fake: seconds per generated token")
+    p.add_argument("--eos-prob", type=float, default=0.02, help="fake: EOS chance per token")
+    p.add_argument("--script", default=None, help="fake: JSON list of assistant replies (needs tokenizer.json)")
+    # faults
+    p.add_argument("--fail-rate", type=float, default=0.0, help="fraction of /generate answered 503 (queue full)")
+    p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of /generate never answered")
+    p.add_argument("--crash-after", type=int, default=None,
+                   help=f"the (K+1)-th /generate request kills the process (exit code {CRASH_EXIT_CODE})")
+    p.add_argument("--startup-delay", type=float, default=0.0,
+                   help="seconds to wait after binding before loading (tests of the 503 startup window)")
+    p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between stats log lines (0 = off)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    args = p.parse_args(argv)
+    if args.engine == "hf" and not args.model_path:
+        p.error("--model-path is required for --engine hf")
+    for name in ("fail_rate", "hang_rate"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
+    return args
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Bind, then load, then serve until SIGTERM/SIGINT. Returns the exit code."""
+    if args.model_path and not Path(args.model_path).is_dir():
+        from pipegen.models import resolve_model_path
+
+        args.model_path = resolve_model_path(args.model_path)
+    facts = P.read_model_facts(args.model_path)
+    engine = make_engine(args, facts)
+    server = ReferenceServer(args, engine, facts)
+    app = build_app(server)
+    runner = web.AppRunner(app, handler_cancellation=True,
+                           access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
+    await site.start()
+    sockets = getattr(getattr(site, "_server", None), "sockets", None) or []
+    server.port = sockets[0].getsockname()[1] if sockets else args.port
+    log.info("pipegen reference server listening on http://%s:%d (engine=%s, model=%s, context=%d)",
+             args.host, server.port, engine.name, args.model_path or "-", engine.context_length)
+    if args.port_file:
+        tmp = f"{args.port_file}.tmp{os.getpid()}"
+        Path(tmp).write_text(str(server.port))
+        os.replace(tmp, args.port_file)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    if args.startup_delay > 0:
+        await asyncio.sleep(args.startup_delay)
+    t0 = time.monotonic()
+    try:
+        await asyncio.to_thread(engine.load)
+    except Exception:
+        log.exception("model load failed: %s", args.model_path)
+        await runner.cleanup()
+        return 1
+    await engine.start()
+    server.ready.set()
+    log.info("engine %s loaded in %.2f s; The server is fired up and ready to roll!", engine.name,
+             time.monotonic() - t0)
+    stats_task = loop.create_task(server.log_stats_periodically(args.stats_interval)) \
+        if args.stats_interval > 0 else None
+    await stop.wait()
+    log.info("shutting down")
+    if stats_task:
+        stats_task.cancel()
+    await engine.close()
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency
+        return asyncio.run(serve(args))
+    return uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

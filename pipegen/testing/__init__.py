@@ -1,0 +1,1 @@
+"""Test helpers shipped with pipegen (tiny models, fakes). Never imported by production code paths."""

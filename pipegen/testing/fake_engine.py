@@ -1,0 +1,368 @@
+"""A deterministic fake LLM engine for the reference server: tests and benchmarks without a model.
+
+Owns:
+  * ``FakeModel`` - the pure token function. Each next token is a function of (server seed, sampling_seed,
+    sample index, the full context token ids) through a 64-bit hash: an FNV-style fold over the context, then a
+    splitmix64 finalizer. It is drawn from a small range of ordinary token ids, with an EOS chance per token so
+    lengths vary; its logprob is a deterministic negative float. Because the hash is a fold over the context,
+    re-sending ``prompt + partial output`` continues exactly the same trajectory (resume == uninterrupted), in
+    any process, after any restart.
+  * ``FakeEngine`` - the ``Engine`` the server runs with ``--engine fake``: per-token latency and a fixed number
+    of running slots (requests beyond ``--slots`` wait, FIFO), for occupancy benchmarks; aborts of waiting and
+    running requests with SGLang's finish shapes.
+  * ``--script FILE`` mode: a JSON list of assistant reply texts; the reply for a request is ``script[k]`` where
+    k = number of assistant turns already in the prompt (``<|im_start|>assistant`` headers in the decoded prompt
+    minus one), encoded with the model folder's tokenizer and ended with the EOS id - enough to script a
+    tool-calling conversation.
+Must never: import torch or transformers (it must start in well under a second), use Python's randomized
+``hash()``, or re-tokenize output: the output ids are exactly what gets returned.
+
+Sampling parameters other than greedy vs. sampled (temperature < 1e-6), ``sampling_seed``, ``ignore_eos``,
+``stop_token_ids`` and ``min_new_tokens`` are accepted and ignored. Without ``sampling_seed`` the seed is 42
+(SGLang's deterministic-inference default), so identical prompts give identical samples unless the client
+varies ``sampling_seed``; ``n > 1`` samples of one request differ through their sample index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+from pipegen.servers.protocol import (
+    Engine,
+    EngineRequest,
+    EntrySpec,
+    GenerationResult,
+    ModelFacts,
+    TopList,
+    check_finish,
+    finish_abort,
+    finish_abort_waiting,
+    finish_length,
+)
+
+log = logging.getLogger("pipegen.fake_engine")
+
+MASK64 = (1 << 64) - 1
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+DEFAULT_SAMPLING_SEED = 42
+ASSISTANT_HEADER = "<|im_start|>assistant"
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finalizer: a fast, well-mixed 64-bit bijection (stable across processes, unlike hash())."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def fold(h: int, token: int) -> int:
+    """Extend a context hash by one token (FNV-1a over whole token ids; mixing happens at draw time)."""
+    return ((h ^ (token + 1)) * FNV_PRIME) & MASK64
+
+
+def fold_all(tokens: tuple[int, ...] | list[int], h: int = FNV_OFFSET) -> int:
+    """The context hash of a whole sequence; ``fold_all(a + b) == fold_all(b, fold_all(a))``."""
+    for t in tokens:
+        h = ((h ^ (t + 1)) * FNV_PRIME) & MASK64
+    return h
+
+
+class FakeModel:
+    """The pure token function (no I/O, no time): same arguments, same tokens, everywhere."""
+
+    def __init__(self, facts: ModelFacts, *, seed: int = 0, eos_prob: float = 0.02,
+                 token_range: Optional[tuple[int, int]] = None) -> None:
+        self.vocab_size = facts.vocab_size
+        self.eos_ids = facts.eos_token_ids
+        self.eos = facts.primary_eos
+        self.seed = seed
+        if token_range is None:
+            # Ordinary ids, away from the low special ids many tokenizers use and from the added tokens at the top.
+            lo = min(100, self.vocab_size // 4)
+            hi = min(lo + 1000, (self.vocab_size * 3) // 4)
+            token_range = (lo, max(hi, lo + 1))
+        self.lo, self.hi = token_range
+        self.span = self.hi - self.lo
+        self.eos_threshold = int(max(0.0, min(1.0, eos_prob)) * (1 << 32))
+
+    def key(self, spec: EntrySpec) -> int:
+        """Per-generation key. Greedy ignores sampling_seed and the sample index (argmax has no randomness)."""
+        if spec.sampling.greedy:
+            return mix64(mix64(self.seed) ^ 0x6A09E667F3BCC908)
+        s = spec.sampling.sampling_seed
+        s = DEFAULT_SAMPLING_SEED if s is None else s
+        k = mix64(mix64(self.seed) ^ mix64(s & MASK64))
+        if spec.sample_index:
+            k = mix64(k ^ mix64(spec.sample_index + 0x3C6EF372FE94F82B))
+        return k
+
+    def logprob(self, r: int) -> float:
+        """A deterministic logprob in (-3.05, -0.05] from hash bits."""
+        return -(0.05 + ((r >> 16) & 0xFFFF) / 65536.0 * 3.0)
+
+    def ordinary(self, r: int, avoid: frozenset[int]) -> int:
+        tok = self.lo + ((r >> 32) % self.span)
+        tries = 0
+        while (tok in avoid or tok in self.eos_ids) and tries < self.span:
+            tok = self.lo + ((tok - self.lo + 1) % self.span)
+            tries += 1
+        return tok
+
+    def draw(self, h: int, key: int, allow_stop: bool, stop_ids: frozenset[int]) -> tuple[int, float]:
+        """Next token and its logprob for context hash ``h``."""
+        r = mix64(h ^ key)
+        if allow_stop and (r & 0xFFFFFFFF) < self.eos_threshold:
+            return self.eos, self.logprob(r)
+        return self.ordinary(r, frozenset() if allow_stop else stop_ids), self.logprob(r)
+
+    def token_logprob(self, h: int, key: int, token: int) -> float:
+        """Deterministic logprob of an arbitrary token at context ``h`` (prompt logprobs, token_ids_logprob)."""
+        r = mix64(h ^ key ^ mix64(token + 0x510E527FADE682D1))
+        return -(0.5 + ((r >> 16) & 0xFFFF) / 65536.0 * 8.0)
+
+    def top_list(self, h: int, key: int, chosen: int, lp: float, n: int) -> TopList:
+        """A fake top-n list: the chosen token first, then distinct ordinary ids with lower logprobs."""
+        out: TopList = [(lp, chosen)]
+        r = mix64(h ^ key ^ 0x1F83D9ABFB41BD6B)
+        j = 0
+        while len(out) < n and j < self.span + n:
+            tok = self.lo + ((r >> 32) + 7919 * (j + 1)) % self.span
+            j += 1
+            if tok != chosen and all(tok != t for _, t in out):
+                out.append((lp - 0.25 * len(out), tok))
+        return out
+
+
+class FakeEngine(Engine):
+    """The deterministic engine behind ``--engine fake`` (see the module docstring)."""
+
+    name = "fake"
+    trivial_probe = True
+
+    def __init__(self, facts: ModelFacts, *, seed: int = 0, slots: int = 8, token_latency: float = 0.0,
+                 eos_prob: float = 0.02, script_path: Optional[str] = None,
+                 context_length: Optional[int] = None, token_range: Optional[tuple[int, int]] = None) -> None:
+        self.facts = facts
+        self.model = FakeModel(facts, seed=seed, eos_prob=eos_prob, token_range=token_range)
+        self.vocab_size = facts.vocab_size
+        self.context_length = context_length or facts.context_length
+        self.eos_token_ids = facts.eos_token_ids
+        self.max_running_requests = max(1, slots)
+        self.token_latency = max(0.0, token_latency)
+        self.script_path = script_path
+        self._script: Optional[list[list[int]]] = None
+        self._tokenizer = None
+        self._sem: Optional[asyncio.Semaphore] = None
+        self._tasks: dict[EngineRequest, asyncio.Task] = {}
+        self._running = 0
+        self._waiting = 0
+        self._max_running = 0
+        self._busy_slot_seconds = 0.0
+        self._tokens = 0
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the script and tokenizer when ``--script`` is given; nothing else to load."""
+        if not self.script_path:
+            return
+        texts = json.loads(Path(self.script_path).read_text())
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts) or not texts:
+            raise ValueError(f"--script {self.script_path}: expected a non-empty JSON list of reply strings")
+        tok_file = Path(self.facts.model_path) / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"--script needs a tokenizer: {tok_file} does not exist")
+        from tokenizers import Tokenizer  # light (no torch); only needed in script mode
+
+        self._tokenizer = Tokenizer.from_file(str(tok_file))
+        self._script = [self._tokenizer.encode(t, add_special_tokens=False).ids + [self.model.eos] for t in texts]
+        log.info("fake engine: loaded a script of %d replies from %s", len(texts), self.script_path)
+
+    async def start(self) -> None:
+        self._sem = asyncio.Semaphore(self.max_running_requests)
+
+    async def close(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+
+    # -- requests ---------------------------------------------------------------------------------------
+
+    def submit(self, req: EngineRequest) -> None:
+        self._waiting += 1
+        self._tasks[req] = asyncio.get_running_loop().create_task(self._run(req))
+
+    def abort(self, req: EngineRequest) -> None:
+        req.abort_requested = True
+        task = self._tasks.get(req)
+        if task is not None and req.state == "waiting":
+            task.cancel()  # wakes it out of the slot queue; _run answers "Abort in waiting queue"
+
+    async def _run(self, req: EngineRequest) -> None:
+        assert self._sem is not None, "start() not called"
+        try:
+            try:
+                await self._sem.acquire()
+            except asyncio.CancelledError:
+                self._waiting -= 1
+                req.finish(GenerationResult([], finish_abort_waiting(), aborted_in_queue=True))
+                return
+            self._waiting -= 1
+            if req.abort_requested:
+                self._sem.release()
+                req.finish(GenerationResult([], finish_abort_waiting(), aborted_in_queue=True))
+                return
+            req.state = "running"
+            req.started = time.monotonic()
+            self._running += 1
+            self._max_running = max(self._max_running, self._running)
+            try:
+                result = await self._generate(req)
+            except asyncio.CancelledError:
+                result = GenerationResult([], finish_abort())
+            finally:
+                self._running -= 1
+                self._busy_slot_seconds += time.monotonic() - req.started
+                self._sem.release()
+            self._tokens += len(result.output_ids)
+            req.finish(result)
+        finally:
+            self._tasks.pop(req, None)
+
+    # -- generation -------------------------------------------------------------------------------------
+
+    def _script_reply(self, ids: tuple[int, ...]) -> tuple[list[int], int]:
+        """The scripted reply for this prompt and how much of it the prompt already holds (resume)."""
+        assert self._script is not None and self._tokenizer is not None
+        text = self._tokenizer.decode(list(ids), skip_special_tokens=False)
+        k = max(0, text.count(ASSISTANT_HEADER) - 1)
+        reply = self._script[min(k, len(self._script) - 1)]
+        # A resumed request ends with part of the reply after the last header: continue, do not restart.
+        tail = text[text.rfind(ASSISTANT_HEADER) + len(ASSISTANT_HEADER):] if ASSISTANT_HEADER in text else ""
+        if tail.strip("\n"):
+            for p in range(min(len(reply), len(ids)), 0, -1):
+                if list(ids[-p:]) == reply[:p]:
+                    return reply, p
+        return reply, 0
+
+    def _prompt_pass(self, spec: EntrySpec, key: int) -> tuple[int, GenerationResult]:
+        """Fold the prompt; fill prompt-side logprob lists when asked."""
+        ids = spec.input_ids
+        res = GenerationResult([], finish_length(0))
+        k = spec.logprob_start_len
+        if k < 0:
+            return fold_all(ids), res
+        m = self.model
+        in_lp: list[Optional[float]] = []
+        in_top: list[Optional[TopList]] = []
+        in_tid: list[Optional[TopList]] = []
+        h = FNV_OFFSET
+        for i, t in enumerate(ids):
+            if i >= k:
+                if i == k:
+                    in_lp.append(None)
+                    in_top.append(None)
+                    in_tid.append(None)
+                else:
+                    lp = m.token_logprob(h, key, t)
+                    in_lp.append(lp)
+                    if spec.top_logprobs_num > 0:
+                        in_top.append(m.top_list(h, key, t, lp, spec.top_logprobs_num))
+                    if spec.token_ids_logprob is not None:
+                        in_tid.append([(lp if x == t else m.token_logprob(h, key, x), x) for x in spec.token_ids_logprob])
+            h = fold(h, t)
+        res.input_logprobs = in_lp
+        res.input_top_logprobs = in_top if spec.top_logprobs_num > 0 else None
+        res.input_token_ids_logprobs = in_tid if spec.token_ids_logprob is not None else None
+        return h, res
+
+    def generate_sync(self, spec: EntrySpec) -> GenerationResult:
+        """The whole generation without latency or slots (benchmarks and unit tests)."""
+        state = self._begin(spec)
+        while True:
+            done = self._step(spec, state)
+            if done is not None:
+                return done
+
+    def _begin(self, spec: EntrySpec) -> dict:
+        key = self.model.key(spec)
+        h, res = self._prompt_pass(spec, key)
+        reply, pos = (self._script_reply(spec.input_ids) if self._script is not None else ([], 0))
+        if spec.top_logprobs_num > 0:
+            res.output_top_logprobs = []
+        if spec.token_ids_logprob is not None:
+            res.output_token_ids_logprobs = []
+        return {"key": key, "h": h, "res": res, "reply": reply, "pos": pos}
+
+    def _step(self, spec: EntrySpec, st: dict) -> Optional[GenerationResult]:
+        """One token; returns the finished result or None."""
+        m = self.model
+        res: GenerationResult = st["res"]
+        h, key = st["h"], st["key"]
+        n_out = len(res.output_ids)
+        sp = spec.sampling
+        if st["pos"] < len(st["reply"]):
+            tok = st["reply"][st["pos"]]
+            st["pos"] += 1
+            lp = m.logprob(mix64(h ^ key))
+        else:
+            allow_stop = n_out >= sp.min_new_tokens and not sp.ignore_eos
+            tok, lp = m.draw(h, key, allow_stop, sp.stop_token_ids)
+        if spec.top_logprobs_num > 0:
+            res.output_top_logprobs.append(m.top_list(h, key, tok, lp, spec.top_logprobs_num))
+        if spec.token_ids_logprob is not None:
+            res.output_token_ids_logprobs.append(
+                [(lp if x == tok else m.token_logprob(h, key, x), x) for x in spec.token_ids_logprob])
+        res.output_logprobs.append(lp)
+        res.output_logprob_ids.append(tok)
+        if spec.max_new_tokens == 0:
+            # SGLang still samples one token: no output ids, one phantom logprob, finish length 0.
+            res.finish_reason = finish_length(0)
+            return res
+        res.output_ids.append(tok)
+        st["h"] = fold(h, tok)
+        fin = check_finish(tok, n_out + 1, spec, self.eos_token_ids)
+        if fin is not None:
+            res.finish_reason = fin
+            return res
+        return None
+
+    async def _generate(self, req: EngineRequest) -> GenerationResult:
+        spec = req.spec
+        st = self._begin(spec)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        lat = self.token_latency
+        i = 0
+        while True:
+            if lat > 0:
+                # Deadline-based so timer jitter does not accumulate over long generations.
+                delay = t0 + (i + 1) * lat - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            elif i % 256 == 255:
+                await asyncio.sleep(0)  # stay responsive to health probes and aborts
+            if req.abort_requested:
+                res: GenerationResult = st["res"]
+                res.finish_reason = finish_abort()
+                return res
+            done = self._step(spec, st)
+            if done is not None:
+                return done
+            i += 1
+
+    def stats(self) -> dict:
+        return {
+            "running": self._running,
+            "waiting": self._waiting,
+            "max_batch_size": self._max_running,
+            "busy_slot_seconds": round(self._busy_slot_seconds, 6),
+            "slots": self.max_running_requests,
+            "engine_tokens_generated": self._tokens,
+        }

@@ -1,0 +1,45 @@
+"""Shared fixtures: the tiny random-weight model, and running the real launcher as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small, fast defaults for pipeline tests: a handful of demo prompts, short answers, small batches.
+FAST = [
+    "max_samples=6",
+    "n=2",
+    "max_response_length=24",
+    "llm.max_batch=8",
+    "actors.concurrency=8",
+    "actors.stats_interval_s=0.5",
+    "generation.save_batch_size=4",
+    "generation.pull_timeout=0.3",
+    "generation.show_progress=false",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from pipegen.testing.tiny_models import tiny_model_path
+
+    return tiny_model_path()
+
+
+def launch(out: Path, *overrides: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m pipegen.launch output_dir=OUT ...` in a subprocess and return its result."""
+    cmd = [sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def load_trajectories(path: Path):
+    from verl import DataProto
+
+    return DataProto.load_from_disk(str(path))
