@@ -1,0 +1,98 @@
+"""pipegen's trajectories.pkl equals what verl's own AgentLoopWorker produces for the same server outputs.
+
+The reference is verl's real `AgentLoopWorker(cfg, llm_client=...).generate_sequences(batch)` (built
+without Ray), fed the batch verl's trainer would build: the dataset collated by verl's collate_fn,
+`uid` per prompt, `repeat(n, interleave=True)`, `priority = arange`. Both sides talk to the same
+deterministic fake SGLang-protocol server, so every tensor must match exactly, padding included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import numpy as np
+import torch
+
+from conftest import FAST, launch, load_trajectories
+from pipegen.config import RunDir, load_run_config
+from pipegen.servers.launch_commands import cpu_server_command, wait_ready
+from pipegen.world import ServerPlan, free_port
+
+
+def _verl_reference(cfg, url: str, uids_by_index: dict):
+    import aiohttp
+    from transformers import AutoConfig
+    from verl import DataProto
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    from pipegen.client import ClientLimits, ServerPool
+    from pipegen.dataset import load_dataset, load_tokenizer
+
+    dataset = load_dataset(cfg, load_tokenizer(cfg))
+    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
+    batch.non_tensor_batch["uid"] = np.array([uids_by_index[int(i)] for i in batch.non_tensor_batch["index"]],
+                                             dtype=object)
+    batch = batch.repeat(int(cfg.actor_rollout_ref.rollout.n), interleave=True)
+    batch.non_tensor_batch["priority"] = np.arange(len(batch), dtype=np.int64)
+    rollout = cfg.actor_rollout_ref.rollout
+    hf = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path)
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            limits = ClientLimits(int(rollout.prompt_length), int(rollout.response_length), hf.max_position_embeddings)
+            worker = AgentLoopWorker(cfg, llm_client=ServerPool([url], limits, session))
+            return await worker.generate_sequences(batch)
+
+    return asyncio.run(run())
+
+
+def test_trajectories_equal_verl_agent_loop_output(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    overrides = [f"model_path={tiny_model}", *FAST, "llm.engine=fake", "actors.per_unit_seed=false",
+                 "actors.scoring=false"]
+    result = launch(out, *overrides)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours = load_trajectories(out / "trajectories.pkl")
+
+    cfg = load_run_config(RunDir(out))
+    plan = ServerPlan("parity", "127.0.0.1", free_port())
+    argv, env = cpu_server_command(plan, cfg.actor_rollout_ref.model.path, dict(cfg.llm), int(cfg.seed))
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(plan.url, 60, lambda: server.poll() is None)
+        uids = {int(i): u for i, u in zip(ours.non_tensor_batch["index"], ours.non_tensor_batch["uid"])}
+        theirs = _verl_reference(cfg, plan.url, uids)
+    finally:
+        server.kill()
+        server.wait()
+
+    assert len(ours) == len(theirs) == 12
+    assert set(ours.batch.keys()) == set(theirs.batch.keys())
+    for key in theirs.batch.keys():
+        a, b = ours.batch[key], theirs.batch[key]
+        assert a.dtype == b.dtype and a.shape == b.shape, key
+        assert torch.equal(a, b), key
+    pipegen_only = {"sample", "trajectory"}
+    assert set(ours.non_tensor_batch) - set(theirs.non_tensor_batch) == pipegen_only
+    assert set(theirs.non_tensor_batch) <= set(ours.non_tensor_batch)
+    for key, theirs_values in theirs.non_tensor_batch.items():
+        mine = ours.non_tensor_batch[key]
+        assert mine.dtype == theirs_values.dtype, key
+        assert [_plain(x) for x in mine] == [_plain(x) for x in theirs_values], key
+    # the padding verl uses is the tokenizer's pad id (2000 for the tiny model), not 0
+    P = ours.batch["prompts"].shape[1]
+    assert (ours.batch["responses"][ours.batch["attention_mask"][:, P:] == 0] == 2000).all()
+
+
+def _plain(x):
+    if isinstance(x, np.ndarray):
+        return [_plain(v) for v in x.tolist()]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
