@@ -155,7 +155,7 @@ class Launcher:
         py = sys.executable
         out = f"output_dir={self.run.root}"
         writer = None
-        if plan.runs_writer:
+        if plan.runs_writer and self.cfg.generation.run_writer:
             writer = self._role("writer", [py, "-m", "pipegen.writer", out])
             self.sup.start(writer)
         world_actors = plan.num_actors * plan.node.world_size
@@ -297,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     launcher.stop()
     log.info("run took %.1fs", time.monotonic() - started)
+    if not (plan.runs_writer and cfg.generation.run_writer):
+        print(f"pipegen: this node's actors finished; the writer of {run.root} commits and merges "
+              f"(python -m pipegen.writer output_dir={run.root}).")
+        return 0
     return report(run, n)
 
 

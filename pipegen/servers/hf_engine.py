@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pipegen.servers.protocol import (
+    HEALTH_CHECK_PREFIX,
     Engine,
     EngineRequest,
     GenerationResult,
@@ -163,7 +164,10 @@ class HFEngine(Engine):
 
     def submit(self, req: EngineRequest) -> None:
         with self._cv:
-            self._waiting.append(req)
+            if req.spec.rid.startswith(HEALTH_CHECK_PREFIX):
+                self._waiting.appendleft(req)  # a health probe must not time out behind a long queue
+            else:
+                self._waiting.append(req)
             self._cv.notify()
 
     def abort(self, req: EngineRequest) -> None:
@@ -209,7 +213,7 @@ class HFEngine(Engine):
                             if remaining <= 0:
                                 break
                             self._cv.wait(remaining)
-                    room = 1 if not self._rows else 0
+                    room = self.max_batch - len(self._rows)
                     while room > 0 and self._waiting:
                         req = self._waiting.popleft()
                         req.state = "running"

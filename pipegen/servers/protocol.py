@@ -35,6 +35,7 @@ UNLIMITED = 1 << 30  # what the scheduler uses for max_new_tokens=null before cl
 SAMPLING_EPS = 1e-6  # temperature below this means greedy (top_k = 1)
 SCHEDULER_INPUT_MARGIN = 6  # max_req_input_len = context_len - 1 - 5
 WEIGHT_VERSION = "default"  # SGLang's --weight-version default
+HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"  # rids of the server's own /health_generate probes (as SGLang names them)
 
 # SamplingParams.__init__ arguments in 0.5.12, in declaration order. Anything else inside sampling_params is
 # an unknown field (0.5.12: TypeError -> bare 500; 0.5.23: 400 with a serde-style message).
@@ -721,7 +722,10 @@ class EngineRequest:
         if running is self.loop:
             _set()
         else:
-            self.loop.call_soon_threadsafe(_set)
+            try:
+                self.loop.call_soon_threadsafe(_set)
+            except RuntimeError:
+                pass  # the loop is closed (shutdown): nobody is waiting any more
 
 
 class Engine(abc.ABC):

@@ -182,7 +182,7 @@ class ReferenceServer:
         if self.engine.trivial_probe:
             return True  # e.g. the fake engine: nothing can get stuck, and it must not queue behind its slots
         v = self.engine.vocab_size
-        spec = P.EntrySpec(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=(10 % v, 11 % v, 12 % v),
+        spec = P.EntrySpec(rid=f"{P.HEALTH_CHECK_PREFIX}{uuid.uuid4().hex}", input_ids=(10 % v, 11 % v, 12 % v),
                            sampling=P.SamplingSpec(max_new_tokens=1, top_k=1), max_new_tokens=1)
         req = P.EngineRequest(spec, asyncio.get_running_loop())
         self.engine.submit(req)
