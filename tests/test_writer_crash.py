@@ -1,0 +1,144 @@
+"""The writer's exactly-once promise: SIGKILL it anywhere, restart it alone, get the same output.
+
+The actors keep generating (launcher with generation.run_writer=false) while the test kills the writer
+more than 20 times: at random moments, and deliberately inside each step of the commit cycle through
+the writer's fault hook (mid batch write, between batch rename and checkpoint, mid checkpoint write).
+The final trajectories.pkl must equal an uninterrupted run's, unit for unit, on a deterministic server.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import torch
+
+from conftest import FAST, REPO, launch, load_trajectories
+
+# The fake engine's output depends only on (seed, sampling_seed, context), not on its latency, so the
+# reference run can be instant while the killed run generates slowly enough to be killed 20+ times.
+RUN = ["llm.engine=fake", "max_samples=16", "n=2", "actors.concurrency=4", "generation.save_batch_size=2",
+       "generation.pull_timeout=0.2"]
+SLOW = ["llm.engine_args=[--token-latency,0.8]"]
+
+
+def _writer(out: Path, fault: str | None = None, capture: bool = False) -> subprocess.Popen:
+    env = {**os.environ}
+    env.pop("PIPEGEN_WRITER_FAULT", None)
+    if fault:
+        env["PIPEGEN_WRITER_FAULT"] = fault
+    # a file, not a pipe, for long-lived writers: nobody reads the pipe and a full one would block them
+    log = subprocess.PIPE if capture else open(out / "logs" / "test-writers.log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "pipegen.writer", f"output_dir={out}"], cwd=REPO, env=env,
+                            stdout=log, stderr=log)
+
+
+def _assert_same_trajectories(a, b):
+    assert len(a) == len(b)
+    assert set(a.batch.keys()) == set(b.batch.keys())
+    for key in a.batch.keys():
+        assert torch.equal(a.batch[key], b.batch[key]), key
+    assert set(a.non_tensor_batch) == set(b.non_tensor_batch)
+    for key in a.non_tensor_batch:
+        assert orjson.dumps(a.non_tensor_batch[key].tolist(), option=orjson.OPT_SERIALIZE_NUMPY) == \
+               orjson.dumps(b.non_tensor_batch[key].tolist(), option=orjson.OPT_SERIALIZE_NUMPY), key
+
+
+@pytest.mark.slow
+def test_writer_killed_over_and_over_gives_the_uninterrupted_output(tmp_path, tiny_model):
+    overrides = [f"model_path={tiny_model}", *FAST, *RUN]
+    reference = tmp_path / "reference"
+    ref = launch(reference, *overrides)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides, *SLOW,
+           "generation.run_writer=false"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rng = random.Random(1234)
+    kills = {"random": 0, "batch_write": 0, "after_batch_rename": 0, "checkpoint_write": 0}
+    kills_while_generating = 0
+    cycle = ["batch_write", "random", "after_batch_rename", "random", "checkpoint_write", "random"]
+    try:
+        while not (out / "conf" / "launch.json").exists():
+            assert launcher.poll() is None, launcher.stderr.read()[-2000:]
+            time.sleep(0.2)
+        for i in range(60):
+            if sum(kills.values()) >= 22 and min(kills.values()) >= 2:
+                break
+            mode = cycle[i % len(cycle)]
+            if mode == "random":
+                w = _writer(out)
+                time.sleep(rng.uniform(1.0, 7.0))
+                if w.poll() is None:
+                    w.send_signal(signal.SIGKILL)
+                    kills["random"] += 1
+                w.wait()
+            else:
+                w = _writer(out, fault=f"{mode}:1")
+                try:
+                    rc = w.wait(timeout=30)
+                except subprocess.TimeoutExpired:  # nothing reached the point: not a kill of this kind
+                    w.kill()
+                    w.wait()
+                    rc = None
+                if rc == -signal.SIGKILL:
+                    kills[mode] += 1
+            if launcher.poll() is None:
+                kills_while_generating = sum(kills.values())
+        assert launcher.wait(timeout=240) == 0, launcher.stderr.read()[-2000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    # the actors are done; one last writer finishes the job
+    final = _writer(out)
+    assert final.wait(timeout=120) == 0, (out / "logs" / "test-writers.log").read_text()[-2000:]
+
+    assert sum(kills.values()) >= 20, kills
+    assert kills_while_generating >= 15, (kills_while_generating, kills)
+    for point in ("batch_write", "after_batch_rename", "checkpoint_write"):
+        assert kills[point] >= 1, kills
+    ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
+    assert ckpt["complete"] and ckpt["num_committed"] == 32
+    listed = {b["file"] for b in ckpt["batches"]}
+    assert {p.name for p in out.glob("batch_*.pkl")} == listed  # no orphan batch survived
+    assert not list(out.glob(".*.tmp-*"))  # no temporary left behind
+    _assert_same_trajectories(load_trajectories(out / "trajectories.pkl"),
+                              load_trajectories(reference / "trajectories.pkl"))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*")
+            if p.is_file() and p.name != ".writer.lock" and "stats" not in p.parts}
+
+
+def test_second_writer_is_refused_and_changes_nothing(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "generation.run_writer=false")
+    assert result.returncode == 0, result.stderr[-2000:]
+    # Hide the streams so the first writer finds nothing to finish and keeps owning the directory.
+    (out / "streams" / "rollouts").rename(tmp_path / "hidden")
+    first = _writer(out)
+    try:
+        deadline = time.time() + 60
+        while not (out / "streams" / "stats" / "writer.jsonl").exists():
+            assert first.poll() is None and time.time() < deadline, "first writer died"
+            time.sleep(0.1)
+        assert (out / ".writer.lock").read_text().strip() == str(first.pid)
+        before = _files(out)
+        second = _writer(out, capture=True)
+        assert second.wait(timeout=60) == 3
+        err = second.stderr.read().decode()
+        assert f"pid {first.pid}" in err and "already owns" in err, err
+        assert _files(out) == before
+        assert first.poll() is None  # the owner is untouched
+    finally:
+        first.kill()
+        first.wait()
