@@ -455,6 +455,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
+    from pipegen.logs import watch_parent
+
+    watch_parent()  # started by a launcher: exit with it, even when it is SIGKILLed
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a declared dependency

@@ -1,0 +1,148 @@
+"""The launcher owns every process: a killed server is replaced, Ctrl-C leaves nothing behind, a crash
+loop ends the run with the failing role's log, and the same command resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from conftest import FAST, REPO, launch, load_trajectories
+
+
+def _run_processes(out: Path, launcher_pid: int | None = None) -> list[int]:
+    """Every live process of the run: its command line names the run directory, or the launcher
+    started it (children carry PIPEGEN_PARENT_PID in their environment)."""
+    pids = []
+    marker = f"PIPEGEN_PARENT_PID={launcher_pid}\0".encode() if launcher_pid else None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if stat.split(") ", 1)[-1].startswith("Z"):
+            continue  # a zombie is already dead
+        try:
+            environ = (entry / "environ").read_bytes() + b"\0" if marker else b""
+        except OSError:
+            environ = b""
+        if str(out).encode() in cmd or (marker and marker in environ):
+            pids.append(int(entry.name))
+    return pids
+
+
+def _server_pid(out: Path, launcher_pid: int) -> int | None:
+    for pid in _run_processes(out, launcher_pid):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"reference_server" in cmd:
+            return pid
+    return None
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _committed(out: Path) -> int:
+    try:
+        return orjson.loads((out / "checkpoint.json").read_bytes())["num_committed"]
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return 0
+
+
+SLOWISH = ["llm.engine=fake", "llm.engine_args=[--token-latency,0.05]", "max_samples=12"]
+
+
+def _start(out: Path, tiny_model: str, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pipegen.launch", f"output_dir={out}", f"model_path={tiny_model}", *FAST, *SLOWISH,
+           *extra]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _units(data) -> list[tuple[int, int]]:
+    return sorted(zip((int(i) for i in data.non_tensor_batch["index"]), (int(s) for s in data.non_tensor_batch["sample"])))
+
+
+@pytest.mark.slow
+def test_server_killed_mid_run_is_restarted_and_run_completes_exactly_once(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    proc = _start(out, tiny_model)
+    try:
+        _wait_for(lambda: _committed(out) > 0, 120, "a first commit")
+        victim = _server_pid(out, proc.pid)
+        assert victim
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "server_0 exited with code -9; restarting" in stderr  # replaced, not a dead run
+    data = load_trajectories(out / "trajectories.pkl")
+    assert _units(data) == [(i, s) for i in range(12) for s in range(2)]
+    assert _run_processes(out, proc.pid) == []
+
+
+@pytest.mark.slow
+def test_sigint_stops_every_process_and_the_same_command_finishes(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    proc = _start(out, tiny_model)
+    try:
+        _wait_for(lambda: _committed(out) > 0, 120, "a first commit")
+        children = [p for p in _run_processes(out, proc.pid) if p != proc.pid]
+        assert len(children) >= 3  # server, writer, actor
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "resume" in stderr
+    time.sleep(0.5)
+    assert _run_processes(out, proc.pid) == [], "processes of the run survived Ctrl-C"
+    committed_before = _committed(out)
+    assert 0 < committed_before < 24
+
+    again = launch(out, f"model_path={tiny_model}", *FAST, *SLOWISH)
+    assert again.returncode == 0, again.stderr[-3000:]
+    data = load_trajectories(out / "trajectories.pkl")
+    assert _units(data) == [(i, s) for i in range(12) for s in range(2)]
+
+
+def test_launcher_killed_with_sigkill_takes_its_children_along(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    proc = _start(out, tiny_model)
+    try:
+        _wait_for(lambda: len(_run_processes(out, proc.pid)) >= 4, 120, "server, writer and actor to start")
+        proc.kill()
+        proc.wait()
+        _wait_for(lambda: _run_processes(out, proc.pid) == [], 15, "orphans to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_crash_loop_ends_the_run_naming_the_role_log(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    # a server that dies on its first request, every time it is restarted
+    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "llm.engine_args=[--crash-after,0]",
+                    "generation.restart_limit=2")
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert "server_0" in last and "server_0.log" in last, last
+    assert _run_processes(out) == []
