@@ -90,6 +90,7 @@ class Writer:
             log.warning("deleting %s: written before a crash, never committed by the checkpoint", p.name)
             p.unlink()
         remove_stale_temporaries(self.run.root)
+        self.ckpt.fingerprint = _fingerprint_digest(self.run)
         if self.ckpt.launch != self.launch:
             # A new launch retries the units that failed before; forget their old failures.
             self.ckpt.failed = {}
@@ -267,6 +268,13 @@ class Writer:
                 self.write_stats()
                 return 0 if self.ckpt.complete else 1
             await asyncio.sleep(sleep)
+
+
+def _fingerprint_digest(run: RunDir) -> str:
+    import hashlib
+
+    path = run.fingerprint_file
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,52 @@
+"""Units that fail after their retries are reported, never written as samples, and retried on relaunch."""
+
+from __future__ import annotations
+
+import orjson
+
+from conftest import FAST, launch, load_trajectories
+
+
+def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    base = [f"model_path={tiny_model}", *FAST, "llm.engine=fake", "generation.max_attempts=1"]
+    first = launch(out, *base, "llm.engine_args=[--fail-rate,0.5]")
+    assert first.returncode == 1, first.stderr[-3000:]
+    assert "failed" in first.stderr and "rerun the same command" in first.stderr
+
+    ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
+    failed = set(ckpt["failed"])
+    assert failed, "with half the requests refused and one attempt, some units must fail"
+    assert all("503" in info["reason"] for info in ckpt["failed"].values())
+    assert ckpt["num_committed"] + len(failed) == 12 and not ckpt["complete"]
+    assert not (out / "trajectories.pkl").exists()
+    failure_lines = [orjson.loads(l) for p in (out / "streams" / "failures").rglob("*.jsonl")
+                     for l in p.read_bytes().splitlines()]
+    assert {f"{r['index']}:{r['sample']}" for r in failure_lines} == failed
+    # a failed unit is never in a batch, not even as an empty or zero-reward row
+    from pipegen.batches import from_storage, load_batch
+
+    in_batches = set()
+    for b in ckpt["batches"]:
+        data = from_storage(load_batch(out / b["file"]))
+        in_batches |= {f"{i}:{s}" for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"])}
+    assert not in_batches & failed and len(in_batches) == ckpt["num_committed"]
+
+    # the server recovered: the same setup relaunched retries exactly the failed units
+    second = launch(out, *base)
+    assert second.returncode == 0, second.stderr[-3000:]
+    data = load_trajectories(out / "trajectories.pkl")
+    units = sorted(zip((int(i) for i in data.non_tensor_batch["index"]), (int(s) for s in data.non_tensor_batch["sample"])))
+    assert units == [(i, s) for i in range(6) for s in range(2)]
+    ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
+    assert ckpt["complete"] and ckpt["failed"] == {}
+
+
+def test_final_merge_false_keeps_batches_only(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "generation.final_merge=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (out / "trajectories.pkl").exists()
+    ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
+    assert ckpt["complete"] and sum(b["rows"] for b in ckpt["batches"]) == 12
+    assert "batch_" in result.stdout
