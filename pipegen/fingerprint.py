@@ -1,12 +1,16 @@
 """The resume guard: a fingerprint of everything that defines the generated data.
 
-Components: model path and weights identity (file names and sizes), tokenizer files and chat template,
-data files and their sizes, sampling parameters, n, lengths, seed, agent loop and tool configs.
+Components: model path and weights identity (each weight file's name, size and a digest of three
+sampled 64 KiB blocks), tokenizer files and chat template (full digests: they are small), data files
+(size and sampled digest) and row selection, sampling parameters, n, lengths, seeds, the generator
+(the model or the fake test engine), agent loop, tool and loop configs, and scoring.
 Stored as `conf/fingerprint.json`; a launch or writer restart whose fingerprint differs is refused
-with what changed, so two datasets are never silently mixed in one output.
+with one line naming what changed and how to proceed (a new output_dir, or `resume_with_changes=true`),
+so two datasets are never silently mixed in one output.
 
-Owns: computing and comparing fingerprints. Must never: hash multi-GB weight files (sizes identify
-them well enough and keep a relaunch instant) or modify the run directory except through `save`.
+Owns: computing and comparing fingerprints. Must never: read whole multi-GB weight or data files
+(sampled blocks identify them and keep a relaunch instant), or modify the run directory except
+through `save_fingerprint`.
 """
 
 from __future__ import annotations
@@ -26,8 +30,27 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 OVERRIDE_KEY = "resume_with_changes"
 
 
+SAMPLE_BYTES = 64 << 10
+
+
 def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.is_file() else "missing"
+
+
+def sampled_digest(path: Path, block: int = SAMPLE_BYTES) -> str:
+    """A digest of a file's size and its first, middle and last blocks: constant time for any size,
+    and different for re-trained weights of the same shape (their bytes differ everywhere)."""
+    h = hashlib.sha256()
+    try:
+        size = path.stat().st_size
+        h.update(str(size).encode())
+        with open(path, "rb") as f:
+            for start in sorted({0, max(0, size // 2 - block // 2), max(0, size - block)}):
+                f.seek(start)
+                h.update(f.read(block))
+    except OSError:
+        return "missing"
+    return h.hexdigest()[:16]
 
 
 def _maybe_file(path: Any) -> str | None:
@@ -38,18 +61,30 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     rollout = cfg.actor_rollout_ref.rollout
     model_dir = Path(str(cfg.actor_rollout_ref.model.path)).expanduser()
     weights = sorted(
-        (p.name, p.stat().st_size) for p in model_dir.glob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES
+        (p.name, p.stat().st_size, sampled_digest(p))
+        for p in model_dir.glob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES
     ) if model_dir.is_dir() else []
     files = cfg.data.train_files
     files = [files] if isinstance(files, str) else list(files)
+    data = cfg.data
+    llm = cfg.get("llm") or {}
     return {
         "model_path": str(model_dir),
         "weights": weights,
         "tokenizer": {name: _file_digest(model_dir / name) for name in TOKENIZER_FILES if (model_dir / name).exists()},
         "custom_chat_template": cfg.actor_rollout_ref.model.get("custom_chat_template"),
-        "data_files": [(str(f), Path(str(f)).stat().st_size if Path(str(f)).exists() else None) for f in files],
-        "max_samples": cfg.data.get("train_max_samples"),
-        "prompt_key": cfg.data.prompt_key,
+        "data_files": [(str(f), Path(str(f)).stat().st_size if Path(str(f)).exists() else None,
+                        sampled_digest(Path(str(f)))) for f in files],
+        "max_samples": data.get("train_max_samples"),
+        "prompt_key": data.prompt_key,
+        "row_selection": {
+            "shuffle": data.get("shuffle"),
+            "data_seed": data.get("seed"),
+            "filter_overlong_prompts": data.get("filter_overlong_prompts"),
+            "truncation": data.get("truncation"),
+        },
+        "apply_chat_template_kwargs": _plain(data.get("apply_chat_template_kwargs")),
+        "generator": "fake engine" if llm.get("engine") == "fake" else "model",
         "n": int(rollout.n),
         "seed": cfg.get("seed"),
         "per_unit_seed": cfg.actors.get("per_unit_seed"),
@@ -72,20 +107,45 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
 def describe_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """One short phrase per changed component, e.g. `sampling.temperature: 1.0 -> 0.5`."""
     changes = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
-            changes += describe_changes(a, b, f"{prefix}{key}.")
-        elif a != b:
-            changes.append(f"{prefix}{key}: {_short(a)} -> {_short(b)}")
+            changes += describe_changes(a, b, f"{name}.")
+        elif a == b:
+            continue
+        elif key in ("weights", "data_files") and isinstance(a, list) and isinstance(b, list):
+            changes.append(f"{name}: {_describe_files(a, b)}")
+        elif prefix == "tokenizer." or key in ("agent_loop_config", "tool_config", "function_tools"):
+            changes.append(f"{name}: contents changed" if a and b else f"{name}: {_short(a)} -> {_short(b)}")
+        else:
+            changes.append(f"{name}: {_short(a)} -> {_short(b)}")
     return changes
 
 
-def _short(value: Any) -> str:
+def _describe_files(old: list, new: list) -> str:
+    """Which files of a [name, size, digest...] list were added, removed or changed."""
+    def by_name(entries: list) -> dict[str, Any]:
+        return {Path(str(e[0])).name if isinstance(e, (list, tuple)) else str(e): e for e in entries}
+
+    a, b = by_name(old), by_name(new)
+    parts = [f"{n} changed" for n in sorted(set(a) & set(b)) if a[n] != b[n]]
+    parts += [f"{n} removed" for n in sorted(set(a) - set(b))]
+    parts += [f"{n} added" for n in sorted(set(b) - set(a))]
+    return ", ".join(parts[:3]) + (", ..." if len(parts) > 3 else "") if parts else "changed"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """JSON text of value; a long one keeps its end (paths differ at the end, not at /home/...)."""
     text = orjson.dumps(value).decode()
-    return text if len(text) <= 60 else text[:57] + "..."
+    return text if len(text) <= limit else "..." + text[-(limit - 3):]
 
 
 def save_fingerprint(path: Path, fp: dict[str, Any]) -> None:
@@ -96,10 +156,10 @@ def mismatch_message(stored: dict[str, Any], current: dict[str, Any], output_dir
     changes = describe_changes(stored, current)
     if not changes:
         return None
+    shown = "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
     return (
-        f"{output_dir} was generated with a different setup ({'; '.join(changes[:4])}"
-        f"{'; ...' if len(changes) > 4 else ''}). Use a new output_dir, or pass {OVERRIDE_KEY}=true to "
-        "continue anyway (the output would mix both setups)"
+        f"{output_dir} was generated with a different setup ({shown}). To keep the datasets apart, use a "
+        f"new output_dir; to continue this run anyway, add {OVERRIDE_KEY}=true (its output would mix both setups)"
     )
 
 

@@ -25,6 +25,7 @@ from pipegen.config import CONF_DIR, RunDir, compose, resolved, save_run_config
 from pipegen.fingerprint import OVERRIDE_KEY, compute_fingerprint, mismatch_message, save_fingerprint
 from pipegen.logs import setup_logging
 from pipegen.supervise import CrashLoop, Role, Supervisor
+from pipegen.writer import EXIT_FAILED_UNITS
 
 log = logging.getLogger("pipegen.launch")
 
@@ -96,10 +97,12 @@ def validate(cfg: DictConfig) -> None:
 def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
     """Save config + fingerprint for a new run, or check them for a resumed one. Returns an error."""
     current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
-    if run.fingerprint_file.exists() and not cfg.get(OVERRIDE_KEY):
+    if run.fingerprint_file.exists():
         problem = mismatch_message(orjson.loads(run.fingerprint_file.read_bytes()), current, run.root)
-        if problem:
+        if problem and not cfg.get(OVERRIDE_KEY):
             return problem
+        if problem:
+            log.warning("%s=true: continuing despite: %s", OVERRIDE_KEY, problem)
     run.root.mkdir(parents=True, exist_ok=True)
     run.logs.mkdir(parents=True, exist_ok=True)
     save_run_config(run, cfg)
@@ -157,6 +160,7 @@ class Launcher:
         writer = None
         if plan.runs_writer and self.cfg.generation.run_writer:
             writer = self._role("writer", [py, "-m", "pipegen.writer", out])
+            writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
             self.sup.start(writer)
         world_actors = plan.num_actors * plan.node.world_size
         for k in range(plan.num_actors):
@@ -166,34 +170,60 @@ class Launcher:
         return self.supervise(writer, total)
 
     def supervise(self, writer: Role | None, total: int) -> int:
-        from pipegen.progress import snapshot
+        """Wait for the run to end while showing it: the progress bar (off with
+        generation.show_progress=false), every role's warnings and errors above it, and the run's
+        metrics through RunTracker (on the writer's node only, so a multi-node run tracks once)."""
+        from contextlib import ExitStack
 
-        bar = None
-        if self.cfg.generation.show_progress:
-            from tqdm import tqdm
+        from pipegen.progress import LogWatcher, ProgressBar, snapshot
+        from pipegen.tracking import RunTracker
 
-            bar = tqdm(total=total, unit="sample", dynamic_ncols=True, desc="pipegen", file=sys.stderr)
-        last = 0.0
-        try:
-            while True:
-                finished = self.sup.poll()
-                if bar is not None and time.monotonic() - last > 0.5:
-                    snap = snapshot(self.run, self.n)
-                    bar.n = snap.committed
-                    bar.set_postfix_str(snap.postfix(), refresh=False)
-                    bar.refresh()
-                    last = time.monotonic()
-                if writer is not None and writer in finished:
-                    break
-                if writer is None and all(r.finished for name, r in self.sup.roles.items() if name.startswith("actor_")):
-                    break
-                time.sleep(0.2)
-        finally:
+        watcher = LogWatcher(self.run.logs)
+        tracker = RunTracker(self.cfg, self.run) if writer is not None else None
+        snap = snapshot(self.run, self.n, total)
+        bar = ProgressBar(total, initial=snap.committed) if self.cfg.generation.show_progress else None
+
+        def refresh(force: bool = False) -> None:
+            nonlocal snap
+            for line in watcher.poll():  # warnings/errors of the roles reach this console
+                if bar is not None:
+                    bar.write(line)
+                else:
+                    print(line, file=sys.stderr, flush=True)
+            snap = snapshot(self.run, self.n, total)
+            if tracker is not None:
+                tracker.update(snap, force=force)
             if bar is not None:
-                snap = snapshot(self.run, self.n)
-                bar.n = snap.committed
-                bar.set_postfix_str(snap.postfix(), refresh=True)
-                bar.close()
+                bar.show(snap)
+
+        exit_code = 1
+        with ExitStack() as stack:
+            if bar is not None:
+                from tqdm.contrib.logging import logging_redirect_tqdm
+
+                stack.enter_context(logging_redirect_tqdm())  # the launcher's own log lines go above the bar
+            try:
+                last = 0.0
+                while True:
+                    finished = self.sup.poll()
+                    if time.monotonic() - last >= 0.5:
+                        refresh()
+                        last = time.monotonic()
+                    if writer is not None and writer in finished:
+                        break
+                    if writer is None and all(r.finished for name, r in self.sup.roles.items() if name.startswith("actor_")):
+                        break
+                    time.sleep(0.2)
+                exit_code = 0
+            finally:
+                try:
+                    refresh(force=True)
+                except Exception as e:  # showing the end state must not hide why the loop ended
+                    log.warning("final progress refresh failed: %s", e)
+                if bar is not None:
+                    bar.close()
+                if tracker is not None:
+                    tracker.finish(exit_code=exit_code)
         return 0
 
     def stop(self) -> None:
@@ -201,12 +231,19 @@ class Launcher:
 
 
 def report(run: RunDir, n: int) -> int:
+    """The closing summary: where the data is, or which units failed and why. 0 when complete."""
     from pipegen.progress import snapshot
+    from pipegen.stats import human_rate
 
     snap = snapshot(run, n)
+    launch = snap.roles.get("launch") or {}
     if snap.complete:
         tokens = f", {snap.output_tokens} output tokens" if snap.output_tokens else ""
-        print(f"pipegen: done: {snap.committed} samples{tokens}.")
+        took = ""
+        if launch.get("time/elapsed_s") and launch.get("throughput/units_per_s_launch_avg") is not None:
+            took = (f" (this launch: {launch['time/elapsed_s']:.1f}s, "
+                    f"{human_rate(launch['throughput/units_per_s_launch_avg'], 'samples')})")
+        print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
         if snap.merged:
             print(f"  trajectories: {run.trajectories}")
             print(f"  artifact:     {run.artifact}")
@@ -218,6 +255,7 @@ def report(run: RunDir, n: int) -> int:
           f"Reasons: {run.checkpoint} ('failed'); rerun the same command to retry them.", file=sys.stderr)
     for unit, info in list(snap.failed_units.items())[:10]:
         print(f"  unit {unit}: {info.get('reason')}", file=sys.stderr)
+    print(f"  logs: {run.logs}/   details: python -m pipegen.status {run.root}", file=sys.stderr)
     return 1
 
 
@@ -245,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     problem = prepare_run(cfg, run)
     if problem:
         return fail(problem)
+    root_logger = logging.getLogger()
+    file_handler = logging.FileHandler(run.logs / "launch.log")
+    file_handler.setFormatter(root_logger.handlers[0].formatter)
+    root_logger.addHandler(file_handler)
     from pipegen.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(run.checkpoint)

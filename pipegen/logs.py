@@ -28,6 +28,8 @@ def setup_logging(role: str, level: int = logging.INFO) -> None:
     # verl and transformers are chatty at INFO on import; keep their warnings only.
     for noisy in ("verl", "transformers", "datasets", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # "No supported accelerator detected" on every CPU-only import of verl: expected, not a warning here
+    logging.getLogger("verl.plugin.platform").setLevel(logging.ERROR)
 
 
 def watch_parent(poll_s: float = 1.0) -> None:

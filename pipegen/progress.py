@@ -1,19 +1,30 @@
-"""A read-only snapshot of a run's progress, for the launcher's bar and `pipegen.status`.
+"""What the launcher shows on its console: a read-only snapshot of a run, the progress bar, and the
+warnings and errors of every role's log.
 
-Owns: reading checkpoint.json, the unit manifest and the latest stats lines into one summary.
-Must never: write anything or take the writer lock (it runs beside a live writer).
+- `snapshot(run, n)`: checkpoint.json + the unit manifest + the latest stats line of each role, in
+  one summary (also read by `pipegen.status` and `pipegen.tracking`).
+- `ProgressBar`: tqdm with done/total, rate, ETA and `Saved: B batches | Pending: P | In-flight: F |
+  Failed: X` (plus output tokens/s when the actors report them).
+- `LogWatcher`: follows DIR/logs/<role>.log from each role's latest start banner and hands back the
+  WARNING/ERROR/CRITICAL lines and tracebacks, so they reach the launcher's console above the bar.
+
+Owns: reading a run's state for display. Must never: write anything, take the writer lock (it runs
+beside a live writer), or be needed for correctness.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import orjson
 
 from pipegen.checkpoint import load_checkpoint
 from pipegen.config import RunDir
-from pipegen.stats import latest_stats
+from pipegen.stats import aggregate, human_rate, latest_stats, line_alive
 
 
 @dataclass
@@ -23,27 +34,44 @@ class Snapshot:
     batches: int = 0
     failed: int = 0
     in_flight: int = 0
+    requests_in_flight: int = 0
     complete: bool = False
     merged: bool = False
     output_tokens: int = 0
     failed_units: dict[str, Any] = field(default_factory=dict)
     roles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)  # stats.aggregate() of the latest lines
+    tokens_per_s: float | None = None  # set by whoever measures it over time (the launcher's tracker)
 
     @property
     def pending(self) -> int:
         return max(0, self.total - self.committed - self.failed)
 
+    @property
+    def fraction(self) -> float:
+        return self.committed / self.total if self.total else 0.0
+
     def postfix(self) -> str:
-        return f"Saved: {self.batches} batches | Pending: {self.pending} | In-flight: {self.in_flight} | Failed: {self.failed}"
+        text = (f"Saved: {self.batches} batches | Pending: {self.pending} | In-flight: {self.in_flight} | "
+                f"Failed: {self.failed}")
+        if self.tokens_per_s is not None:
+            text += f" | {human_rate(self.tokens_per_s, 'tok')}"
+        return text
 
 
-def snapshot(run: RunDir, n: int) -> Snapshot:
+def read_total(run: RunDir, n: int) -> int:
+    if not run.units_file.exists():
+        return 0
+    return len(orjson.loads(run.units_file.read_bytes())["indices"]) * n
+
+
+def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
+    """The run's state now. Pass total when known: the manifest of a big dataset is not re-read."""
     snap = Snapshot()
-    if run.units_file.exists():
-        snap.total = len(orjson.loads(run.units_file.read_bytes())["indices"]) * n
+    snap.total = read_total(run, n) if total is None else total
     try:
         ckpt = load_checkpoint(run.checkpoint)
-    except (orjson.JSONDecodeError, OSError):
+    except (orjson.JSONDecodeError, OSError, KeyError, TypeError):
         ckpt = None
     if ckpt is not None:
         snap.committed = ckpt.num_committed
@@ -52,11 +80,159 @@ def snapshot(run: RunDir, n: int) -> Snapshot:
         snap.merged = ckpt.merged
         snap.failed_units = dict(ckpt.failed)
     snap.roles = latest_stats(run.stats)
-    actor_failed = 0
-    for role, line in snap.roles.items():
-        if role.startswith("actor_"):
-            snap.in_flight += int(line.get("in_flight") or 0)
-            snap.output_tokens += int(line.get("output_tokens") or 0)
-            actor_failed += int(line.get("failed") or 0)
-    snap.failed = max(len(snap.failed_units), 0)
+    snap.metrics = aggregate(snap.roles)
+    snap.in_flight = int(snap.metrics.get("actors/in_flight", 0))
+    snap.requests_in_flight = int(snap.metrics.get("actors/requests_in_flight", 0))
+    snap.output_tokens = int(snap.metrics.get("actors/output_tokens", 0))
+    snap.failed = len(snap.failed_units)
+    writer = snap.roles.get("writer")
+    if writer and not snap.complete and line_alive(writer):
+        # the live writer knows failures it has not checkpointed yet; its committed count is newer too
+        snap.failed = max(snap.failed, int(writer.get("failed") or 0))
+        snap.committed = max(snap.committed, int(writer.get("committed") or 0))
+        snap.batches = max(snap.batches, int(writer.get("batches") or 0))
     return snap
+
+
+class ProgressBar:
+    """The launcher's tqdm bar: samples committed out of all (prompt, sample) units of the run."""
+
+    def __init__(self, total: int, initial: int = 0, file: IO[str] | None = None):
+        from tqdm import tqdm
+
+        self._tqdm = tqdm
+        self.bar = tqdm(total=total, initial=initial, unit="sample", desc="pipegen", dynamic_ncols=True,
+                        file=file or sys.stderr, smoothing=0.3, mininterval=0.5)
+        self.initial = initial
+
+    def show(self, snap: Snapshot) -> None:
+        if snap.total and snap.total != self.bar.total:
+            self.bar.total = snap.total
+        delta = snap.committed - self.bar.n
+        self.bar.set_postfix_str(snap.postfix(), refresh=False)
+        if self.bar.n == self.initial:
+            # nothing committed yet (servers and roles starting): keep that wait out of the rate,
+            # which tqdm measures from the previous print; elapsed still counts from the start
+            self.bar.last_print_t = self.bar._time()
+        if delta > 0:
+            self.bar.update(delta)  # update() feeds tqdm's smoothed rate and ETA
+        else:
+            self.bar.refresh()
+
+    def write(self, line: str) -> None:
+        self._tqdm.write(line, file=self.bar.fp)
+
+    def close(self, snap: Snapshot | None = None) -> None:
+        if snap is not None:
+            self.show(snap)
+        self.bar.close()
+
+
+# ---- warnings and errors from the role logs ----
+
+# pipegen's own format (pipegen.logs): "2025-01-01 12:00:00 WARNING [writer] pipegen.writer: message"
+_OWN = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)? (WARNING|ERROR|CRITICAL) \[[^\]]+\] (.*)$")
+# anyone else's (uvicorn "ERROR:    ...", SGLang "[2025-..] WARNING ...", "... - ERROR - ...")
+_OTHER = re.compile(r"^.{0,48}?\b(WARNING|WARN|ERROR|CRITICAL|FATAL)\b[\s:\]-]")
+_BANNER = b"\n===== "
+# Harmless on every CPU-only run; shown once per log would still be noise above the bar.
+QUIET = ("No supported accelerator detected", "is registered but not available")
+MAX_LINES_PER_LOG = 40
+
+
+@dataclass
+class _Followed:
+    path: Path
+    offset: int
+    partial: bytes = b""
+    in_traceback: bool = False
+    forwarded: int = 0
+    muted: bool = False
+
+
+class LogWatcher:
+    """Follows every DIR/logs/*.log; `poll()` returns the new warning/error lines, each prefixed with
+    its role, deduplicated (a message seen from one role is not repeated from another) and capped
+    per log (then one line saying where the rest is). A log is read from its latest start banner,
+    so warnings a role printed before the watcher started are not lost, and older launches are not
+    replayed."""
+
+    def __init__(self, logs_dir: Path, max_lines_per_log: int = MAX_LINES_PER_LOG):
+        self.logs_dir = Path(logs_dir)
+        self.max_lines = max_lines_per_log
+        self.files: dict[str, _Followed] = {}
+        self.seen: set[str] = set()
+
+    def _start_offset(self, path: Path) -> int:
+        try:
+            data = path.read_bytes()[-(4 << 20):]
+            size = path.stat().st_size
+        except OSError:
+            return 0
+        pos = data.rfind(_BANNER)
+        return size - len(data) + pos + 1 if pos >= 0 else size
+
+    def poll(self) -> list[str]:
+        out: list[str] = []
+        if not self.logs_dir.is_dir():
+            return out
+        for path in sorted(self.logs_dir.glob("*.log")):
+            role = path.stem
+            if role.startswith("launch"):  # the launcher's own log already goes to its console
+                continue
+            f = self.files.get(role)
+            if f is None:
+                f = self.files[role] = _Followed(path, self._start_offset(path))
+            try:
+                size = path.stat().st_size
+                if size < f.offset:  # truncated or replaced: start over
+                    f.offset, f.partial = 0, b""
+                if size == f.offset:
+                    continue
+                with open(path, "rb") as fh:
+                    fh.seek(f.offset)
+                    data = fh.read(min(size - f.offset, 8 << 20))
+            except OSError:
+                continue
+            f.offset += len(data)
+            data = f.partial + data
+            lines = data.split(b"\n")
+            f.partial = lines.pop()
+            for raw in lines:
+                line = raw.decode(errors="replace").rstrip("\r")
+                message = self._classify(f, line)
+                if message is None or f.muted:
+                    continue
+                key = re.sub(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\S* ", "", message)
+                key = re.sub(r"\[[^\]]+\] ", "", key, count=1)
+                if key in self.seen or any(q in message for q in QUIET):
+                    continue
+                self.seen.add(key)
+                f.forwarded += 1
+                if f.forwarded > self.max_lines:
+                    f.muted = True
+                    out.append(f"[{role}] ... more warnings and errors in {path}")
+                    continue
+                out.append(message if f"[{role}]" in message else f"[{role}] {message}")
+        return out
+
+    @staticmethod
+    def _classify(f: _Followed, line: str) -> str | None:
+        if f.in_traceback:
+            if line.startswith((" ", "\t")) or not line.strip():
+                return None
+            if line.startswith(("During handling", "The above exception")):
+                return None
+            if line.startswith("Traceback (most recent call last)"):
+                return None
+            f.in_traceback = False  # the exception's own line ends the traceback
+            return f"{line[:400]}  (traceback in {f.path})"
+        if line.startswith("Traceback (most recent call last)"):
+            f.in_traceback = True
+            return None
+        m = _OWN.match(line)
+        if m:
+            return line[:400]
+        if _OTHER.match(line) and not line.startswith("=====") and "INFO" not in line[:48]:
+            return line[:400]
+        return None

@@ -1,17 +1,32 @@
 """The stats stream: periodic metric lines per role under DIR/streams/stats/<role>.jsonl.
 
-Owns: appending stats lines (orjson, one write each) and reading the latest line of each role.
-Must never: block a hot path (one small append every few seconds) or be needed for correctness.
+Every line is one orjson object written with one `write()`: `time`, `role`, `pid`, `host`, `seq` and
+the role's own counters (actors: units completed/failed/in flight, requests, output tokens, latency
+percentiles, finish reasons, turns, response lengths, rewards, errors by kind; the writer: committed,
+batches, duplicates dropped, torn lines skipped; the launcher: the aggregated view it tracks).
+Counters are cumulative *per process* (a restarted process starts again from zero under a new pid),
+so rates are computed between two lines of the same pid.
+
+Owns: appending stats lines, reading them back (latest line, recent history), aggregating the
+latest lines of all roles into one metrics dict, rates, and telling whether a line's process lives.
+Must never: block a hot path (one small append every few seconds), be needed for correctness, or
+write anything when reading.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+HOST = socket.gethostname()
+# Cumulative counters that get a `<name>_per_s` companion (the rate since this process's previous line).
+RATE_COUNTERS = ("completed", "output_tokens", "requests", "committed", "lines")
+RATE_WINDOW_S = 60.0  # "recent" rates are measured over about this much of the newest history
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
@@ -22,37 +37,261 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 
 
 class StatsAppender:
+    """Appends one role's stats lines. Adds the identity (time, role, pid, host, seq, uptime_s) and,
+    from the second line on, `<name>_per_s` since the previous line for the cumulative counters in
+    RATE_COUNTERS."""
+
     def __init__(self, stats_dir: Path, role: str):
         Path(stats_dir).mkdir(parents=True, exist_ok=True)
         self.role = role
         self.path = Path(stats_dir) / f"{role}.jsonl"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.started = time.time()
+        self.seq = 0
+        self._previous: tuple[float, dict[str, float]] = (self.started, {})
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def append(self, metrics: dict[str, Any]) -> None:
-        line = orjson.dumps({"time": time.time(), "role": self.role, "pid": os.getpid(), **metrics}) + b"\n"
+        if self._fd is None:
+            return
+        now = time.time()
+        head = {"time": now, "role": self.role, "pid": os.getpid(), "host": HOST, "seq": self.seq,
+                "uptime_s": round(now - self.started, 3)}
+        then, before = self._previous
+        counters = {k: float(metrics[k]) for k in RATE_COUNTERS
+                    if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)}
+        rates = {}
+        if before and now > then:  # not on the first line: a resumed writer starts from its checkpoint
+            rates = {f"{k}_per_s": round((v - before.get(k, 0.0)) / (now - then), 3) for k, v in counters.items()}
+        self._previous = (now, counters)
+        line = orjson.dumps({**head, **metrics, **rates}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
         os.write(self._fd, line)
+        self.seq += 1
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _complete_lines(data: bytes) -> list[dict[str, Any]]:
+    out = []
+    for raw in data.split(b"\n")[:-1]:  # only newline-terminated lines
+        if not raw:
+            continue
+        try:
+            rec = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def _tail(path: Path, max_bytes: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        start = max(0, size - max_bytes)
+        f.seek(start)
+        data = f.read()
+    if start:  # drop the partial first line
+        data = data[data.find(b"\n") + 1 :]
+    return data
+
+
+def read_stats(path: Path, max_bytes: int = 32 << 20) -> list[dict[str, Any]]:
+    """Every complete line of one role's stats file (the newest max_bytes of it), oldest first."""
+    try:
+        return _complete_lines(_tail(Path(path), max_bytes))
+    except OSError:
+        return []
 
 
 def latest_stats(stats_dir: Path) -> dict[str, dict[str, Any]]:
-    """The last complete line of every role's stats file."""
+    """The last complete line of every role's stats file (cheap: reads the last 16 KiB per role,
+    more only when no complete line fits in that)."""
     out: dict[str, dict[str, Any]] = {}
     stats_dir = Path(stats_dir)
     if not stats_dir.is_dir():
         return out
-    for path in stats_dir.glob("*.jsonl"):
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 65536))
-                tail = f.read()
-        except OSError:
-            continue
-        lines = [ln for ln in tail.split(b"\n")[:-1] if ln]  # only newline-terminated lines
-        for line in reversed(lines):
-            try:
-                out[path.stem] = orjson.loads(line)
-                break
-            except orjson.JSONDecodeError:
-                continue
+    for path in sorted(stats_dir.glob("*.jsonl")):
+        lines = read_stats(path, 16384) or read_stats(path, 1 << 20)
+        if lines:
+            out[path.stem] = lines[-1]
     return out
+
+
+def stats_history(stats_dir: Path, max_bytes: int = 32 << 20) -> dict[str, list[dict[str, Any]]]:
+    stats_dir = Path(stats_dir)
+    if not stats_dir.is_dir():
+        return {}
+    return {p.stem: read_stats(p, max_bytes) for p in sorted(stats_dir.glob("*.jsonl"))}
+
+
+def pid_alive(pid: Any, host: str | None = None) -> bool | None:
+    """True/False for a pid on this host (a reused pid that is not a pipegen process counts as dead);
+    None when the line came from another host (multi-node runs): unknown from here."""
+    if host and host != HOST:
+        return None
+    try:
+        pid = int(pid)
+        os.kill(pid, 0)
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False  # exited between the two checks
+    except OSError:
+        return True  # no /proc (macOS): trust kill(0)
+    if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X"):
+        return False  # a zombie: exited, not yet reaped by its parent
+    if not cmdline:
+        return True  # in the middle of exec(): nothing to check yet
+    return b"pipegen" in cmdline
+
+
+def line_alive(line: dict[str, Any]) -> bool | None:
+    return pid_alive(line.get("pid"), line.get("host"))
+
+
+def _is_actor(role: str) -> bool:
+    return role.startswith("actor_")
+
+
+def _num(value: Any) -> float:
+    try:
+        return float(value) if value is not None else 0.0
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def aggregate(roles: dict[str, dict[str, Any]], live_only_in_flight: bool = True) -> dict[str, Any]:
+    """One metrics dict from the latest line of every role (no rates: see `Rates`).
+
+    Latency: p50 is the request-weighted mean of the actors' p50s, p95 the worst actor's p95 (each
+    actor measures its own newest requests). Means (turns, response length, reward) are weighted by
+    the units each actor completed. Counts are summed over the actors' current processes.
+    """
+    out: dict[str, Any] = {}
+    actors = {r: line for r, line in roles.items() if _is_actor(r)}
+    completed = sum(int(_num(a.get("completed"))) for a in actors.values())
+    out["actors/completed"] = completed
+    out["actors/failed"] = sum(int(_num(a.get("failed"))) for a in actors.values())
+    out["actors/requests"] = sum(int(_num(a.get("requests"))) for a in actors.values())
+    out["actors/output_tokens"] = sum(int(_num(a.get("output_tokens"))) for a in actors.values())
+    in_flight = requests_in_flight = alive = 0
+    for a in actors.values():
+        live = line_alive(a)
+        if live is not False:
+            alive += 1
+        if a.get("final") or (live_only_in_flight and live is False):
+            continue
+        in_flight += int(_num(a.get("in_flight")))
+        requests_in_flight += int(_num(a.get("requests_in_flight")))
+    out["actors/alive"] = alive
+    out["actors/total"] = len(actors)
+    out["actors/in_flight"] = in_flight
+    out["actors/requests_in_flight"] = requests_in_flight
+    weights = [(a, _num(a.get("requests"))) for a in actors.values() if a.get("latency_p50_s") is not None]
+    if weights:
+        total_w = sum(w for _, w in weights) or float(len(weights))
+        out["latency/p50_s"] = sum(_num(a["latency_p50_s"]) * (w or 1.0) for a, w in weights) / total_w
+        out["latency/p95_s"] = max(_num(a.get("latency_p95_s")) for a, _ in weights)
+    for key, name in (("mean_turns", "turns/mean"), ("mean_response_length", "response_length/mean"),
+                      ("mean_reward", "reward/mean")):
+        vals = [(_num(a[key]), _num(a.get("completed")) or 1.0) for a in actors.values() if a.get(key) is not None]
+        if vals:
+            out[name] = sum(v * w for v, w in vals) / sum(w for _, w in vals)
+    finish: dict[str, int] = {}
+    errors: dict[str, int] = {}
+    for a in actors.values():
+        for k, v in (a.get("finish_reasons") or {}).items():
+            finish[k] = finish.get(k, 0) + int(_num(v))
+        for k, v in (a.get("errors") or {}).items():
+            errors[k] = errors.get(k, 0) + int(_num(v))
+    for k, v in finish.items():
+        out[f"finish_reason/{k}"] = v
+    for k, v in errors.items():
+        out[f"errors/{k}"] = v
+    out["errors/total"] = sum(errors.values())
+    out["servers/out_of_rotation"] = len({u for a in actors.values() for u in a.get("servers_out_of_rotation") or []})
+    writer = roles.get("writer")
+    if writer:
+        for key in ("duplicates", "torn_lines", "unknown_units", "buffered", "lines"):
+            if key in writer:
+                out[f"writer/{key}"] = int(_num(writer.get(key)))
+    return out
+
+
+class Rates:
+    """Rates from successive observations of cumulative counters (restarts reset the baseline)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.window_s = window_s
+        self._points: dict[str, list[tuple[float, float, Any]]] = {}
+
+    def observe(self, name: str, t: float, value: float, identity: Any = None) -> float | None:
+        """Record value at time t; return the rate over the last window_s (None until two points)."""
+        points = self._points.setdefault(name, [])
+        if points and points[-1][2] != identity:  # another process: its counters started again
+            points.clear()
+        if not points or t > points[-1][0]:
+            points.append((t, value, identity))
+        while len(points) > 2 and t - points[1][0] >= self.window_s:
+            points.pop(0)
+        if len(points) < 2:
+            return None
+        (t0, v0, _), (t1, v1, _) = points[0], points[-1]
+        return (v1 - v0) / (t1 - t0) if t1 > t0 else None
+
+
+def history_rates(history: dict[str, list[dict[str, Any]]], window_s: float = RATE_WINDOW_S) -> dict[str, Any]:
+    """Units/s and output tokens/s from the actors' stats history, recent (the last window_s of
+    each actor's current process) and overall (from each process's first line to its last)."""
+    recent_units = recent_tokens = 0.0
+    overall_units = overall_tokens = 0.0
+    seen = False
+    for role, lines in history.items():
+        if not _is_actor(role) or not lines:
+            continue
+        last = lines[-1]
+        same = [ln for ln in lines if ln.get("pid") == last.get("pid") and ln.get("host") == last.get("host")]
+        first = same[0]
+        span = _num(last.get("time")) - _num(first.get("time"))
+        if span <= 0:
+            continue
+        seen = True
+        # the first line of a process counts from its start (uptime), so no early work is lost
+        start_t = _num(first.get("time")) - _num(first.get("uptime_s"))
+        whole = _num(last.get("time")) - start_t
+        overall_units += _num(last.get("completed")) / whole if whole > 0 else 0.0
+        overall_tokens += _num(last.get("output_tokens")) / whole if whole > 0 else 0.0
+        cutoff = _num(last.get("time")) - window_s
+        base = next((ln for ln in same if _num(ln.get("time")) >= cutoff), first)
+        if base is last:
+            base = same[-2]
+        dt = _num(last.get("time")) - _num(base.get("time"))
+        recent_units += (_num(last.get("completed")) - _num(base.get("completed"))) / dt
+        recent_tokens += (_num(last.get("output_tokens")) - _num(base.get("output_tokens"))) / dt
+    if not seen:
+        return {}
+    return {"recent_units_per_s": recent_units, "recent_output_tokens_per_s": recent_tokens,
+            "overall_units_per_s": overall_units, "overall_output_tokens_per_s": overall_tokens}
+
+
+def flatten_numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """Only the numeric entries (what metric backends accept)."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def human_rate(value: float | None, unit: str) -> str:
+    if value is None:
+        return f"? {unit}/s"
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:.1f}{suffix} {unit}/s"
+    return f"{value:.1f} {unit}/s" if value < 100 else f"{value:.0f} {unit}/s"

@@ -38,6 +38,7 @@ class Role:
     log_path: Path
     restartable: bool = True
     max_restarts: int = 5
+    final_codes: frozenset[int] = frozenset({0})  # exit codes that end the role without a restart
     proc: subprocess.Popen | None = None
     restarts: int = 0
     last_rc: int | None = None
@@ -84,7 +85,7 @@ class Supervisor:
         path.chmod(0o755)
 
     def poll(self) -> list[Role]:
-        """Reap exited roles, schedule restarts; returns roles that finished cleanly this call."""
+        """Reap exited roles, schedule restarts; returns roles that finished (a final exit code) this call."""
         finished = []
         now = time.monotonic()
         for role in self.roles.values():
@@ -98,7 +99,7 @@ class Supervisor:
                 continue
             role.proc = None
             role.last_rc = rc
-            if rc == 0:
+            if rc in role.final_codes:
                 role.finished = True
                 finished.append(role)
                 continue

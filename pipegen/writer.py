@@ -45,6 +45,7 @@ log = logging.getLogger("pipegen.writer")
 
 FAULT_ENV = "PIPEGEN_WRITER_FAULT"  # test hook: "<point>:<k>" SIGKILLs the writer the k-th time it reaches point
 EXIT_LOCKED = 3
+EXIT_FAILED_UNITS = 4  # settled, but some units failed in this launch: a restart would not change that
 
 
 class FaultInjector:
@@ -222,9 +223,10 @@ class Writer:
 
             upload_artifact(self.cfg, run)
 
-    def write_stats(self) -> None:
+    def write_stats(self, final: bool = False) -> None:
         self.stats.append(
             {
+                "final": final,
                 "committed": self.ckpt.num_committed,
                 "units_total": self.total_units,
                 "batches": len(self.ckpt.batches),
@@ -265,8 +267,8 @@ class Writer:
                 last_stats = now
             if self.settled() and not self.buffer:
                 self.finalize()
-                self.write_stats()
-                return 0 if self.ckpt.complete else 1
+                self.write_stats(final=True)
+                return 0 if self.ckpt.complete else EXIT_FAILED_UNITS
             await asyncio.sleep(sleep)
 
 

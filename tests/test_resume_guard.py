@@ -1,0 +1,183 @@
+"""The resume guard: a relaunch or a writer restart with a different setup is refused with one line
+naming what changed and how to proceed; an unchanged relaunch is accepted."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from conftest import FAST, REPO, launch
+
+from pipegen.fingerprint import OVERRIDE_KEY, check_fingerprint, compute_fingerprint, mismatch_message, sampled_digest
+
+FAKE = [*FAST, "llm.engine=fake"]
+
+
+def composed(out: Path, *overrides: str):
+    """The config exactly as the launcher resolves it."""
+    from omegaconf import open_dict
+
+    from pipegen.config import compose, resolved
+    from pipegen.launch import resolve_inputs
+
+    cfg = compose([f"output_dir={out}", *overrides])
+    with open_dict(cfg):
+        cfg.output_dir = str(out)
+    resolve_inputs(cfg)
+    return resolved(cfg)
+
+
+def fingerprint(out: Path, *overrides: str) -> dict:
+    return orjson.loads(orjson.dumps(compute_fingerprint(composed(out, *overrides))))
+
+
+def assert_refusal(message: str, *expected: str) -> None:
+    assert "\n" not in message.strip(), message
+    assert "new output_dir" in message and f"{OVERRIDE_KEY}=true" in message, message
+    for text in expected:
+        assert text in message, message
+
+
+@pytest.fixture
+def model_copy(tmp_path, tiny_model) -> Path:
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_model, dst)
+    return dst
+
+
+def test_fingerprint_names_each_kind_of_change(tmp_path, model_copy):
+    out = tmp_path / "run"
+    base = fingerprint(out, f"model_path={model_copy}")
+    assert base == fingerprint(out, f"model_path={model_copy}")  # stable
+    assert mismatch_message(base, base, out) is None
+
+    temp = fingerprint(out, f"model_path={model_copy}", "temperature=0.5")
+    assert_refusal(mismatch_message(base, temp, out), "sampling.temperature: 1.0 -> 0.5", str(out))
+
+    n = fingerprint(out, f"model_path={model_copy}", "n=3")
+    assert "n: 2 -> 3" in mismatch_message(base, n, out)
+    loop = fingerprint(out, f"model_path={model_copy}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
+    assert "agent.default_agent_loop" in mismatch_message(base, loop, out)
+    fake = fingerprint(out, f"model_path={model_copy}", "llm.engine=fake")
+    assert 'generator: "model" -> "fake engine"' in mismatch_message(base, fake, out)
+
+    # another model folder with the very same files: the path names it
+    other = tmp_path / "other-model"
+    shutil.copytree(model_copy, other)
+    moved = fingerprint(out, f"model_path={other}")
+    msg = mismatch_message(base, moved, out)
+    assert_refusal(msg, "model_path:", "other-model")
+    assert "weights" not in msg  # identical files are not reported as changed
+
+    # same path, same size, different weights (a re-trained checkpoint): the sampled digest catches it
+    weights = next(p for p in model_copy.iterdir() if p.suffix == ".safetensors")
+    size = weights.stat().st_size
+    before = sampled_digest(weights)
+    with open(weights, "r+b") as f:
+        f.seek(size // 2)
+        byte = f.read(1)
+        f.seek(size // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert weights.stat().st_size == size and sampled_digest(weights) != before
+    assert_refusal(mismatch_message(base, fingerprint(out, f"model_path={model_copy}"), out),
+                   f"weights: {weights.name} changed")
+
+    # the chat template (tokenizer_config.json) changed
+    base = fingerprint(out, f"model_path={model_copy}")
+    tok = model_copy / "tokenizer_config.json"
+    config = orjson.loads(tok.read_bytes())
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    tok.write_bytes(orjson.dumps(config))
+    assert_refusal(mismatch_message(base, fingerprint(out, f"model_path={model_copy}"), out),
+                   "tokenizer.tokenizer_config.json: contents changed")
+
+
+def test_launch_refuses_changed_temperature_and_model_and_accepts_unchanged(tmp_path, model_copy):
+    out = tmp_path / "run"
+    first = launch(out, f"model_path={model_copy}", *FAKE)
+    assert first.returncode == 0, first.stderr[-3000:]
+    stored = (out / "conf" / "fingerprint.json").read_bytes()
+    pkl = (out / "trajectories.pkl").read_bytes()
+
+    hotter = launch(out, f"model_path={model_copy}", *FAKE, "temperature=0.5")
+    assert hotter.returncode == 2
+    error = [ln for ln in hotter.stderr.splitlines() if ln.startswith("pipegen: error:")]
+    assert len(error) == 1, hotter.stderr
+    assert_refusal(error[0], "sampling.temperature: 1.0 -> 0.5")
+
+    other = tmp_path / "other-model"
+    shutil.copytree(model_copy, other)
+    moved = launch(out, f"model_path={other}", *FAKE)
+    assert moved.returncode == 2
+    assert_refusal(moved.stderr.strip().splitlines()[-1], "model_path:", "other-model")
+
+    # refusals touch nothing
+    assert (out / "conf" / "fingerprint.json").read_bytes() == stored
+    assert (out / "trajectories.pkl").read_bytes() == pkl
+
+    same = launch(out, f"model_path={model_copy}", *FAKE)
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "already complete" in same.stdout
+
+    # the explicit override is accepted and becomes the run's new fingerprint
+    forced = launch(out, f"model_path={model_copy}", *FAKE, "temperature=0.5", f"{OVERRIDE_KEY}=true")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert orjson.loads((out / "conf" / "fingerprint.json").read_bytes())["sampling"]["temperature"] == 0.5
+
+
+def test_writer_restarted_alone_refuses_a_changed_setup(tmp_path, model_copy):
+    out = tmp_path / "run"
+    first = launch(out, f"model_path={model_copy}", *FAKE)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    def writer() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipegen.writer", f"output_dir={out}"], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+
+    # the model's chat template was edited on disk after the run started
+    tok = model_copy / "tokenizer_config.json"
+    original = tok.read_bytes()
+    config = orjson.loads(original)
+    config["chat_template"] = "{{ messages[0]['content'] }}"
+    tok.write_bytes(orjson.dumps(config))
+    refused = writer()
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith("pipegen.writer:")
+    assert_refusal(line, "tokenizer.tokenizer_config.json: contents changed")
+
+    # ... or the saved config was edited by hand
+    tok.write_bytes(original)
+    config_file = out / "conf" / "config.yaml"
+    text = config_file.read_text()
+    config_file.write_text(text.replace("temperature: 1.0", "temperature: 0.7"))
+    refused = writer()
+    assert refused.returncode == 2
+    assert_refusal(refused.stderr.strip().splitlines()[-1], "sampling.temperature: 1.0 -> 0.7")
+
+    # restored: the check the writer runs at start passes again (a real writer start on an unchanged
+    # setup is what every launcher test does)
+    config_file.write_text(text)
+    from pipegen.config import RunDir, load_run_config
+
+    assert check_fingerprint(load_run_config(RunDir(out)), RunDir(out)) is None
+
+
+def test_check_fingerprint_passes_a_new_run_and_the_override(tmp_path, model_copy):
+    from pipegen.config import RunDir
+    from pipegen.fingerprint import save_fingerprint
+
+    out = tmp_path / "run"
+    run = RunDir(out)
+    cfg = composed(out, f"model_path={model_copy}")
+    assert check_fingerprint(cfg, run) is None  # nothing stored yet
+    run.conf.mkdir(parents=True)
+    save_fingerprint(run.fingerprint_file, compute_fingerprint(composed(out, f"model_path={model_copy}", "n=4")))
+    assert "n: 4 -> 2" in check_fingerprint(cfg, run)
+    forced = composed(out, f"model_path={model_copy}", f"{OVERRIDE_KEY}=true")
+    assert check_fingerprint(forced, run) is None

@@ -1,0 +1,268 @@
+"""`python -m pipegen.status DIR` on real runs: live, finished, with a killed writer, crashed, and with
+failed units; plus the launcher forwarding the roles' warnings to its console."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from conftest import FAST, REPO, launch, load_trajectories
+
+from pipegen.config import RunDir
+from pipegen.progress import LogWatcher
+from pipegen.status import gather, render
+
+# A run slow enough to watch: 12 prompts x 2 samples, ~2.4 s per unit on the fake engine, 8 at a time.
+SLOW = [o for o in FAST if not o.startswith(("max_samples=",))] + [
+    "max_samples=12", "llm.engine=fake", "llm.engine_args=[--token-latency,0.1,--eos-prob,0]",
+]
+
+
+def status_cli(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipegen.status", str(out), *extra], cwd=REPO,
+                          capture_output=True, text=True, timeout=30)
+
+
+def status_json(out: Path) -> dict:
+    result = status_cli(out, "--json")
+    assert result.returncode == 0, result.stderr
+    return orjson.loads(result.stdout)
+
+
+def start_launcher(out: Path, *overrides: str) -> subprocess.Popen:
+    log = open(out.parent / f"{out.name}.launcher.log", "wb")
+    return subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"launcher exited with {proc.returncode} while waiting for {what}")
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def try_gather(run: RunDir):
+    """gather(), or None while the launcher has not written the run's config yet."""
+    from pipegen.status import NotARun
+
+    try:
+        return gather(run)
+    except NotARun:
+        return None
+
+
+def role(st, name: str):
+    return next((r for r in st.roles if r.name == name), None)
+
+
+def writer_pid(out: Path) -> int:
+    return int((out / ".writer.lock").read_text().strip())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/cmdline").exists() and Path(f"/proc/{pid}/cmdline").read_bytes() != b""
+
+
+def test_status_refuses_a_directory_that_is_not_a_run(tmp_path):
+    result = status_cli(tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not a pipegen run directory" in lines[0], result.stderr
+    missing = status_cli(tmp_path / "nope")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_status_live_run_with_killed_writer_then_finished(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    run = RunDir(out)
+    proc = start_launcher(out, f"model_path={tiny_model}", *SLOW)
+    try:
+        # live: units committed, actors generating, the writer holding its lock
+        def live():
+            s = try_gather(run)
+            if s is None:
+                return None
+            actor, writer = role(s, "actor_0"), role(s, "writer")
+            return s if s.progress["committed"] >= 2 and actor and actor.alive and writer and writer.pid else None
+
+        st = wait_for(live, 120, "a live run with commits", proc)
+        assert st.state == "running"
+        assert st.progress["total"] == 24 and st.progress["committed"] < 24
+        actor = role(st, "actor_0")
+        assert actor.alive and alive(actor.pid) and actor.stats_age_s < 10
+        assert st.writer_lock.held and st.writer_lock.pid == writer_pid(out) == role(st, "writer").pid
+        assert any(s["answering"] for s in st.servers)
+        text = status_cli(out).stdout
+        assert "RUNNING" in text and f"pid {actor.pid} alive" in text and f"held by pid {st.writer_lock.pid}" in text
+        assert str(out / "logs") in text
+
+        # kill the writer: status names its pid as not running while the actors go on
+        killed = writer_pid(out)
+        os.kill(killed, signal.SIGKILL)
+        wait_for(lambda: not alive(killed), 10, "the writer to die")
+        st = gather(run)
+        w = role(st, "writer")
+        assert w.pid == killed and w.alive is False, w
+        assert st.state == "running"  # actors (and soon the restarted writer) are alive
+        assert f"pid {killed} not running" in render(st)
+
+        # the launcher restarts the writer, which finishes the run
+        assert proc.wait(timeout=180) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            kill_orphans_of(proc.pid)
+    st = gather(run)
+    assert st.state == "finished", render(st)
+    assert st.progress["committed"] == 24 and st.progress["pending"] == 0 and st.progress["in_flight"] == 0
+    assert role(st, "writer").pid != killed and not role(st, "writer").alive
+    assert st.writer_lock.held is False
+    assert st.rates and st.rates["overall_units_per_s"] > 0 and st.rates["overall_output_tokens_per_s"] > 0
+    assert st.metrics["latency/p95_s"] >= st.metrics["latency/p50_s"] > 0
+    text = status_cli(out).stdout
+    assert "FINISHED" in text and "24/24 samples committed" in text and "trajectories.pkl" in text
+    assert "finish reasons:" in text and "latency p50" in text
+    data = load_trajectories(out / "trajectories.pkl")
+    assert len(data) == 24
+    assert len({(int(i), int(s)) for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"])}) == 24
+
+
+def kill_orphans_of(launcher_pid: int) -> None:
+    """SIGKILL of the launcher leaves its reference server behind (servers have no orphan guard yet):
+    stop exactly the processes that launcher started (PIPEGEN_PARENT_PID=<its pid> in their environment)."""
+    marker = f"PIPEGEN_PARENT_PID={launcher_pid}".encode()
+    for proc_dir in Path("/proc").iterdir():
+        if not proc_dir.name.isdigit():
+            continue
+        try:
+            environ = (proc_dir / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker in environ:
+            try:
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_status_crashed_run_and_writer_restarted_alone(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    run = RunDir(out)
+    proc = start_launcher(out, f"model_path={tiny_model}", *SLOW)
+    try:
+        wait_for(lambda: (s := try_gather(run)) is not None and s.progress["committed"] >= 2, 120, "first commits",
+                 proc)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher dies; actors and writer follow (orphan guard)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        kill_orphans_of(proc.pid)
+    def stopped():
+        s = gather(run)
+        return s if s.state != "running" else None
+
+    st = wait_for(stopped, 30, "children to exit")
+    assert st.state == "stopped before completion", render(st)
+    assert not any(r.alive for r in st.roles if r.pid is not None)
+    assert st.writer_lock.held is False
+    assert "STOPPED BEFORE COMPLETION" in status_cli(out).stdout and "relaunch" in status_cli(out).stdout
+
+    # the writer alone: live, holding the lock; then SIGKILLed: not running, lock free
+    writer = subprocess.Popen([sys.executable, "-m", "pipegen.writer", f"output_dir={out}"], cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def lone_writer():
+            s = gather(run)
+            return s if role(s, "writer").pid == writer.pid else None
+
+        st = wait_for(lone_writer, 90, "the lone writer's stats line")
+        assert st.state == "running" and role(st, "writer").alive
+        assert st.writer_lock.held and st.writer_lock.pid == writer.pid
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=10)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    st = gather(run)
+    assert st.state == "stopped before completion"
+    assert role(st, "writer").pid == writer.pid and role(st, "writer").alive is False
+    assert st.writer_lock.held is False and st.writer_lock.pid == writer.pid
+    assert f"free (last holder pid {writer.pid})" in render(st)
+
+
+def test_failed_units_in_status_and_warnings_on_the_launcher_console(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    result = launch(out, f"model_path={tiny_model}", *[o for o in FAST if not o.startswith("max_samples")],
+                    "max_samples=2", "llm.engine=fake", "llm.engine_args=[--fail-rate,1.0]",
+                    "generation.max_attempts=1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    # the actor's warnings reach the launcher's console, prefixed with the role
+    forwarded = [ln for ln in result.stderr.splitlines() if "[actor_0]" in ln and "failed" in ln]
+    assert forwarded, result.stderr[-3000:]
+    assert "WARNING" in forwarded[0] and "503" in forwarded[0]
+    st = gather(RunDir(out))
+    assert st.state == "finished with failures", render(st)
+    assert st.progress["failed"] == 4 and len(st.failed_units) == 4
+    assert all("503" in u["reason"] for u in st.failed_units.values())  # the server's answer, kept as the reason
+    assert st.metrics["errors/total"] >= 4
+    text = status_cli(out).stdout
+    assert "failed units (4" in text and "503" in text and "relaunch" in text
+
+
+def test_log_watcher_forwards_warnings_errors_and_tracebacks(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    old = "2025-01-01 00:00:00 WARNING [writer] pipegen.writer: from an earlier launch\n"
+    (logs / "writer.log").write_text(f"\n===== 2025-01-01 00:00:00 starting writer =====\n{old}"
+                                     "\n===== 2025-01-01 00:01:00 starting writer =====\n"
+                                     "2025-01-01 00:01:01 INFO [writer] pipegen.writer: fine\n"
+                                     "2025-01-01 00:01:02 WARNING [writer] pipegen.writer: disk almost full\n")
+    watcher = LogWatcher(logs, max_lines_per_log=3)
+    assert watcher.poll() == ["2025-01-01 00:01:02 WARNING [writer] pipegen.writer: disk almost full"]
+    assert watcher.poll() == []
+    with open(logs / "actor_0.log", "a") as f:  # a new role's log: read from its start banner
+        f.write("\n===== 2025-01-01 00:01:00 starting actor_0 =====\nTraceback (most recent call last):\n"
+                '  File "x.py", line 1, in <module>\nValueError: bad row\n'
+                "ERROR:    Exception in ASGI application\n"
+                "2025-01-01 00:01:03 WARNING [actor_0] verl.plugin: No supported accelerator detected.\n")
+    got = watcher.poll()
+    assert got[0].startswith("[actor_0] ValueError: bad row") and "traceback in" in got[0]
+    assert got[1] == "[actor_0] ERROR:    Exception in ASGI application"
+    assert len(got) == 2  # the known-harmless CPU warning is muted
+    with open(logs / "actor_0.log", "a") as f:  # a partial line waits for its newline; duplicates are dropped
+        f.write("2025-01-01 00:01:04 ERROR [actor_0] pipegen.actor: boom")
+    assert watcher.poll() == []
+    with open(logs / "actor_0.log", "a") as f:
+        f.write("\n2025-01-01 00:01:05 ERROR [actor_0] pipegen.actor: boom\n"
+                + "".join(f"2025-01-01 00:01:06 ERROR [actor_0] pipegen.actor: e{i}\n" for i in range(5)))
+    got = watcher.poll()
+    assert got[0] == "2025-01-01 00:01:04 ERROR [actor_0] pipegen.actor: boom"
+    assert got[-1].startswith("[actor_0] ... more warnings and errors in") and len(got) == 2
+
+
+@pytest.mark.parametrize("garbage", [b"", b'{"time": 1, "pid"', b"not json\n"])
+def test_status_survives_partial_stats_lines(tmp_path, garbage):
+    from pipegen.stats import latest_stats
+
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    (stats / "actor_0.jsonl").write_bytes(b'{"time": 1.0, "pid": 1, "completed": 3}\n' + garbage)
+    assert latest_stats(stats)["actor_0"]["completed"] == 3
