@@ -1,11 +1,22 @@
 """HTTP server manager: what verl agent loops call `server_manager.generate(...)` on, over SGLang's /generate.
 
-Owns: mapping verl's sampling params to SGLang's native request exactly as verl's SGLang adapter does
-(max_new_tokens rule, `logprobs` popped to top-level `return_logprob`), parsing SGLang's answer into
-verl's `TokenOutput`, routing (least in-flight, sticky per prompt), timeouts, retries with backoff on
-another server, and taking failing servers out of rotation until a health probe passes.
-Must never: re-tokenize anything (ids in, ids out), retry a 400 (a client bug retries forever), or
-fabricate an output when the retry budget is spent (it raises; the actor records a failure).
+Owns:
+- the request: verl's sampling params mapped to SGLang's native body exactly as verl's SGLang adapter does
+  (the `max_new_tokens` rule, `logprobs` popped to top-level `return_logprob`, no unknown keys inside
+  `sampling_params`), a fresh `rid` per attempt, the unit's `sampling_seed`, token ids checked against the
+  vocabulary before sending (sglang-protocol.md §6, §9);
+- the answer: SGLang's JSON parsed into verl's `TokenOutput` the way verl's SGLang server builds it;
+- routing: every request of one sticky key (the prompt's index: its n samples and every turn of a unit)
+  goes to one server, chosen by least in-flight requests when the key is new or its server is out of
+  rotation;
+- failure handling: a timeout on every request; connection errors, 5xx/408/429, timeouts, aborts and
+  unreadable answers are retried with exponential backoff and jitter on another server when there is
+  one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
+  (`GET /health_generate`) until it answers 200; when no server is in rotation, requests wait for one
+  to come back (bounded by the request timeout).
+Must never: re-tokenize anything (ids in, ids out), retry a 4xx other than 408/429 (a client bug would
+retry forever), send an id outside the vocabulary, or fabricate an output when the retry budget is spent
+(it raises `RetriesExhausted`; the actor records the unit as failed).
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ import logging
 import random
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,11 +36,11 @@ import orjson
 log = logging.getLogger("pipegen.client")
 
 STICKY_CACHE_SIZE = 10000
-FAILURES_BEFORE_QUARANTINE = 3
+RETRYABLE_4XX = (408, 429)  # request timeout / too many requests (routers): transient, not a client bug
 
 
 class RequestRejected(Exception):
-    """The server refused the request itself (HTTP 4xx): retrying cannot help."""
+    """The request itself is wrong (HTTP 4xx, too long, bad ids): retrying cannot help."""
 
 
 class RetriesExhausted(Exception):
@@ -43,6 +54,8 @@ class ServerState:
     consecutive_failures: int = 0
     healthy: bool = True
     requests: int = 0
+    successes: int = 0
+    quarantines: int = 0
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -52,10 +65,13 @@ class ClientLimits:
     response_length: int
     max_model_len: int
     request_timeout_s: float = 600.0
-    max_attempts: int = 4
+    max_attempts: int = 4  # tries per request (over servers) before RetriesExhausted
     backoff_base_s: float = 0.2
     backoff_max_s: float = 5.0
+    quarantine_after: int = 3  # consecutive failures that take a server out of rotation
     probe_interval_s: float = 1.0
+    probe_timeout_s: float = 30.0  # /health_generate generates one token: give it time under load
+    vocab_size: int | None = None  # ids >= this are refused before sending (SGLang does not check)
 
 
 def max_new_tokens_for(sampling_params: dict[str, Any], prompt_len: int, limits: ClientLimits) -> int:
@@ -79,16 +95,24 @@ def build_request(
     prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits, sampling_seed: int | None
 ) -> dict[str, Any]:
     """The JSON body for SGLang's POST /generate (single form)."""
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise RequestRejected("empty prompt")
+    if limits.vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise RequestRejected(f"{len(bad)} prompt token id(s) outside the vocabulary of "
+                                  f"{limits.vocab_size} (first {bad[0]})")
     params = dict(sampling_params)
-    max_new = max_new_tokens_for(params, len(prompt_ids), limits)
+    max_new = max_new_tokens_for(params, len(ids), limits)
     return_logprob = bool(params.pop("logprobs", False))
     params.pop("prompt_logprobs", None)
     params["max_new_tokens"] = max_new
     if sampling_seed is not None:
-        params["sampling_seed"] = sampling_seed
+        params["sampling_seed"] = int(sampling_seed)
     return {
         "rid": uuid.uuid4().hex,  # fresh per attempt: re-sending an in-flight rid is a 400 in SGLang
-        "input_ids": list(prompt_ids),
+        "input_ids": ids,
         "sampling_params": params,
         "return_logprob": return_logprob,
     }
@@ -98,10 +122,10 @@ def parse_response(body: dict[str, Any], return_logprob: bool):
     """SGLang /generate answer -> verl TokenOutput, the way verl's SGLang server builds it."""
     from verl.workers.rollout.replica import TokenOutput
 
-    meta = body.get("meta_info", {})
+    meta = body.get("meta_info") or {}
     finish = meta.get("finish_reason")
-    stop_reason = finish.get("type") if finish else None
-    token_ids = list(body.get("output_ids", []))
+    stop_reason = finish.get("type") if isinstance(finish, dict) else None
+    token_ids = [int(t) for t in body.get("output_ids") or []]
     if return_logprob:
         triples = meta.get("output_token_logprobs") or []
         if triples and len(triples) == len(token_ids):
@@ -115,7 +139,11 @@ def parse_response(body: dict[str, Any], return_logprob: bool):
 
 
 class ServerPool:
-    """Routes requests over a fixed list of servers. One per actor process, used from one event loop."""
+    """Routes requests over a fixed list of servers. One per actor process, used from one event loop.
+
+    Also usable directly as verl's `llm_client` / `server_manager`: without a sticky key, the
+    request_id is the key (verl's ToolAgentLoop reuses one request_id for every turn).
+    """
 
     def __init__(self, urls: list[str], limits: ClientLimits, session: aiohttp.ClientSession):
         if not urls:
@@ -127,51 +155,98 @@ class ServerPool:
         self._recovered = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
         self.requests_sent = 0
+        self.retries = 0
         self.output_tokens = 0
-        self.latencies: list[float] = []
+        self.latencies: deque[float] = deque(maxlen=4096)
         self.finish_reasons: dict[str, int] = {}
 
     # ---- routing ----
-    def pick(self, sticky_key: Any, exclude: set[str]) -> ServerState | None:
-        healthy = [s for s in self.servers if s.healthy and s.url not in exclude]
-        if not healthy:
-            healthy = [s for s in self.servers if s.healthy]
+    def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:
+        """The key's server if it is in rotation and not excluded; else the least loaded one.
+
+        A key is re-pinned only when its server left rotation (or it had none): a one-off retry
+        elsewhere keeps the pin, so the prefix cache of the prompt stays on one server.
+        """
+        healthy = [s for s in self.servers if s.healthy]
         if not healthy:
             return None
-        chosen = self._sticky.get(sticky_key)
-        if chosen is None or chosen not in healthy:
-            chosen = min(healthy, key=lambda s: s.in_flight)
-            self._sticky[sticky_key] = chosen
+        pinned = self._sticky.get(sticky_key)
+        if pinned is not None and pinned.healthy:
+            self._sticky.move_to_end(sticky_key)
+            if pinned.url not in exclude:
+                return pinned
+            candidates = [s for s in healthy if s.url not in exclude] or healthy
+            return self._least_loaded(candidates)
+        candidates = [s for s in healthy if s.url not in exclude] or healthy
+        chosen = self._least_loaded(candidates)
+        self._sticky[sticky_key] = chosen
         self._sticky.move_to_end(sticky_key)
         while len(self._sticky) > STICKY_CACHE_SIZE:
             self._sticky.popitem(last=False)
         return chosen
 
+    @staticmethod
+    def _least_loaded(candidates: list[ServerState]) -> ServerState:
+        # ties (e.g. all idle at start) go to the server that has had fewer requests, not always the first
+        return min(candidates, key=lambda s: (s.in_flight, s.requests))
+
     def _record_failure(self, server: ServerState, kind: str) -> None:
         server.errors[kind] = server.errors.get(kind, 0) + 1
         server.consecutive_failures += 1
-        if server.healthy and server.consecutive_failures >= FAILURES_BEFORE_QUARANTINE:
+        if server.healthy and server.consecutive_failures >= self.limits.quarantine_after:
             server.healthy = False
-            log.warning("server %s left rotation after %d failures in a row; probing it", server.url,
-                        server.consecutive_failures)
-            self._recovered.clear()
-            self._probes[server.url] = asyncio.get_running_loop().create_task(self._probe(server))
+            server.quarantines += 1
+            log.warning("server %s left rotation after %d failures in a row (last: %s); probing it", server.url,
+                        server.consecutive_failures, kind)
+            if not any(s.healthy for s in self.servers):
+                self._recovered.clear()
+            task = self._probes.get(server.url)
+            if task is None or task.done():
+                self._probes[server.url] = asyncio.get_running_loop().create_task(self._probe(server))
+
+    def _record_success(self, server: ServerState) -> None:
+        server.consecutive_failures = 0
+        server.successes += 1
 
     async def _probe(self, server: ServerState) -> None:
+        """Poll /health_generate until 200, then put the server back into rotation."""
         while True:
             await asyncio.sleep(self.limits.probe_interval_s)
             try:
                 async with self.session.get(
-                    f"{server.url}/health_generate", timeout=aiohttp.ClientTimeout(total=30)
+                    f"{server.url}/health_generate",
+                    timeout=aiohttp.ClientTimeout(total=min(self.limits.probe_timeout_s, self.limits.request_timeout_s)),
                 ) as resp:
+                    await resp.read()
                     if resp.status == 200:
                         server.healthy = True
                         server.consecutive_failures = 0
-                        log.warning("server %s is healthy again", server.url)
+                        log.warning("server %s answers /health_generate again: back in rotation", server.url)
                         self._recovered.set()
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 pass
+
+    async def _wait_for_a_server(self, sticky_key: Any, exclude: set[str]) -> ServerState:
+        server = self.pick(sticky_key, exclude)
+        deadline = time.monotonic() + self.limits.request_timeout_s
+        while server is None:  # every server is out of rotation: wait for a probe to bring one back
+            self._recovered.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RetriesExhausted(
+                    f"no LLM server in rotation for {self.limits.request_timeout_s:.0f}s (llm.request_timeout_s); "
+                    f"errors: {self.error_summary()}")
+            try:
+                await asyncio.wait_for(self._recovered.wait(), timeout=remaining)
+            except asyncio.TimeoutError:
+                pass
+            server = self.pick(sticky_key, exclude)
+        return server
+
+    def _backoff(self, attempt: int) -> float:
+        delay = min(self.limits.backoff_max_s, self.limits.backoff_base_s * 2 ** (attempt - 1))
+        return delay * (0.5 + random.random())  # jitter: retries of many units do not arrive in lockstep
 
     # ---- the verl server-manager contract ----
     async def generate(
@@ -185,68 +260,80 @@ class ServerPool:
         **_: Any,
     ):
         body = build_request(prompt_ids, sampling_params, self.limits, sampling_seed)
-        payload = orjson.dumps(body)
+        key = sticky_key if sticky_key is not None else request_id
         tried: set[str] = set()
-        last_error = "no attempt made"
+        errors: list[str] = []
         for attempt in range(self.limits.max_attempts):
             if attempt:
-                delay = min(self.limits.backoff_max_s, self.limits.backoff_base_s * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * (0.5 + random.random()))
+                self.retries += 1
+                await asyncio.sleep(self._backoff(attempt))
                 body["rid"] = uuid.uuid4().hex
-                payload = orjson.dumps(body)
-            server = self.pick(sticky_key if sticky_key is not None else request_id, tried)
-            while server is None:  # every server quarantined: wait for a probe to bring one back
-                try:
-                    await asyncio.wait_for(self._recovered.wait(), timeout=self.limits.request_timeout_s)
-                except asyncio.TimeoutError:
-                    raise RetriesExhausted("no healthy LLM server for the whole request timeout") from None
-                server = self.pick(sticky_key, tried)
+            server = await self._wait_for_a_server(key, tried)
             tried.add(server.url)
-            server.in_flight += 1
-            server.requests += 1
-            self.requests_sent += 1
-            started = time.monotonic()
-            try:
-                async with self.session.post(
-                    f"{server.url}/generate",
-                    data=payload,
-                    headers={"Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=self.limits.request_timeout_s),
-                ) as resp:
-                    raw = await resp.read()
-                    status = resp.status
-            except asyncio.TimeoutError:
-                last_error = f"timeout after {self.limits.request_timeout_s:.0f}s from {server.url}"
-                self._record_failure(server, "timeout")
+            if len(tried) >= len(self.servers):
+                tried.clear()  # every server had a go: the next attempt may return to any of them
+                tried.add(server.url)
+            error = await self._attempt(server, body)
+            if isinstance(error, str):
+                errors.append(error)
                 continue
-            except aiohttp.ClientError as e:
-                last_error = f"{type(e).__name__} from {server.url}: {e}"
-                self._record_failure(server, "connection")
-                continue
-            finally:
-                server.in_flight -= 1
-            if status >= 500:
-                last_error = f"HTTP {status} from {server.url}: {raw[:200]!r}"
-                self._record_failure(server, f"http_{status}")
-                continue
-            if status != 200:
-                raise RequestRejected(f"HTTP {status} from {server.url}: {raw[:300].decode(errors='replace')}")
+            return error
+        raise RetriesExhausted(f"gave up after {self.limits.max_attempts} attempts: " + "; ".join(errors[-4:]))
+
+    async def _attempt(self, server: ServerState, body: dict[str, Any]):
+        """One POST: the TokenOutput, or a string describing a transient failure (already recorded)."""
+        server.in_flight += 1
+        server.requests += 1
+        self.requests_sent += 1
+        started = time.monotonic()
+        try:
+            async with self.session.post(
+                f"{server.url}/generate",
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=self.limits.request_timeout_s),
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except asyncio.TimeoutError:
+            self._record_failure(server, "timeout")
+            return f"no answer from {server.url} within {self.limits.request_timeout_s:g}s"
+        except (aiohttp.ClientError, OSError) as e:
+            self._record_failure(server, "connection")
+            return f"{type(e).__name__} from {server.url}: {e}"
+        finally:
+            server.in_flight -= 1
+        if status >= 500 or status in RETRYABLE_4XX:
+            self._record_failure(server, f"http_{status}")
+            return f"HTTP {status} from {server.url}: {raw[:200].decode(errors='replace')}"
+        if status != 200:
+            raise RequestRejected(f"HTTP {status} from {server.url}: {raw[:300].decode(errors='replace')}")
+        try:
             answer = orjson.loads(raw)
-            finish = (answer.get("meta_info", {}).get("finish_reason") or {}).get("type")
-            if finish == "abort":
-                last_error = f"request aborted by {server.url}"
-                self._record_failure(server, "abort")
-                continue
-            server.consecutive_failures = 0
-            out = parse_response(answer, body["return_logprob"])
-            self.latencies.append(time.monotonic() - started)
-            self.output_tokens += len(out.token_ids)
-            self.finish_reasons[finish or "none"] = self.finish_reasons.get(finish or "none", 0) + 1
-            return out
-        raise RetriesExhausted(f"gave up after {self.limits.max_attempts} attempts; last error: {last_error}")
+            if not isinstance(answer, dict):
+                raise ValueError(f"expected a JSON object, got {type(answer).__name__}")
+        except (orjson.JSONDecodeError, ValueError) as e:
+            self._record_failure(server, "bad_response")
+            return f"unreadable answer from {server.url}: {e}"
+        finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
+        finish_type = finish.get("type") if isinstance(finish, dict) else None
+        if finish_type == "abort":
+            # SGLang answers 200 for aborted requests; the partial output is dropped and the request re-sent
+            self._record_failure(server, "abort")
+            return f"request aborted by {server.url}: {finish.get('message')}"
+        out = parse_response(answer, body["return_logprob"])
+        self._record_success(server)
+        self.latencies.append(time.monotonic() - started)
+        self.output_tokens += len(out.token_ids)
+        reason = finish_type or "none"
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+        return out
 
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.servers)
+
+    def error_summary(self) -> dict[str, int]:
+        return {f"{s.url} {k}": v for s in self.servers for k, v in s.errors.items()}
 
     def close(self) -> None:
         for task in self._probes.values():
@@ -260,8 +347,10 @@ class UnitServerManager:
         self.pool = pool
         self.sticky_key = sticky_key
         self.sampling_seed = sampling_seed
+        self.requests = 0
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
+        self.requests += 1
         return await self.pool.generate(
             request_id,
             prompt_ids=prompt_ids,

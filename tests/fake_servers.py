@@ -1,0 +1,159 @@
+"""Test helpers: pipegen's reference server with the fake engine as a real subprocess on a loopback port,
+the recording proxy in front of it, a launcher run with `llm=external`, and small dataset builders.
+
+The launcher stops the servers it starts, so tests that read a server's /pipegen_stats after a run, give
+servers different fault flags, or put a proxy in front, start the servers here and attach the launcher
+with `llm=external 'llm.urls=[...]'`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+
+
+class Proc:
+    """A subprocess that writes its port to a file once it listens."""
+
+    def __init__(self, name: str, tmp: Path, argv: list[str]):
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.port_file = tmp / f"{name}.port"
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self._port: int | None = None
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            deadline = time.monotonic() + 60
+            while not self.port_file.exists():
+                assert self.proc.poll() is None, f"{self.name} exited:\n{self.log_tail()}"
+                assert time.monotonic() < deadline, f"{self.name} never bound a port:\n{self.log_tail()}"
+                time.sleep(0.02)
+            self._port = int(self.port_file.read_text())
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def get(self, path: str, timeout: float = 10):
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as resp:
+            return resp.status, resp.read()
+
+    def wait_ready(self, timeout: float = 60) -> "Proc":
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log_tail()}"
+            try:
+                if self.get("/health_generate")[0] == 200:
+                    return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            assert time.monotonic() < deadline, f"{self.name} not ready:\n{self.log_tail()}"
+            time.sleep(0.05)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class FakeServer(Proc):
+    """`python -m pipegen.servers.reference_server --engine fake ...` (extra flags: --script, --fail-rate, ...)."""
+
+    def __init__(self, name: str, tmp: Path, model: str, *args: str, seed: int = 0, port: int = 0):
+        port_file = tmp / f"{name}.port"
+        port_file.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "pipegen.servers.reference_server", "--engine", "fake", "--model-path", model,
+                "--host", HOST, "--port", str(port), "--port-file", str(port_file), "--stats-interval", "0",
+                "--seed", str(seed), *args]
+        super().__init__(name, tmp, argv)
+
+    def stats(self) -> dict:
+        return orjson.loads(self.get("/pipegen_stats")[1])
+
+
+class RecordingProxy(Proc):
+    """tests/recording_proxy.py in front of one upstream; `entries()` reads its log."""
+
+    def __init__(self, name: str, tmp: Path, upstream: str):
+        self.log_file = tmp / f"{name}.requests.jsonl"
+        argv = [sys.executable, str(REPO / "tests" / "recording_proxy.py"), "--upstream", upstream,
+                "--port-file", str(tmp / f"{name}.port"), "--log", str(self.log_file)]
+        super().__init__(name, tmp, argv)
+
+    def entries(self) -> list[dict]:
+        if not self.log_file.exists():
+            return []
+        return [orjson.loads(line) for line in self.log_file.read_bytes().splitlines() if line]
+
+
+def launch_external(out: Path, urls: list[str], *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The real launcher attached to servers started by the test."""
+    from conftest import launch
+
+    url_list = ",".join(urls)
+    return launch(out, "llm=external", f"llm.urls=[{url_list}]", *overrides, timeout=timeout)
+
+
+def write_dataset(path: Path, rows: list[dict]) -> str:
+    """A verl-format parquet (gsm8k layout) from dicts with at least `content`; returns its path.
+
+    Optional keys per row: `ground_truth` (default "5"), `agent_name`, `data_source` (default openai/gsm8k).
+    """
+    import pandas as pd
+
+    records = []
+    for i, r in enumerate(rows):
+        rec = {
+            "data_source": r.get("data_source", "openai/gsm8k"),
+            "prompt": [{"role": "user", "content": r["content"]}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(r.get("ground_truth", "5"))},
+            "extra_info": {"split": "train", "index": int(r.get("index", i))},
+        }
+        if "agent_name" in r:
+            rec["agent_name"] = r["agent_name"]
+        records.append(rec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(records).to_parquet(path)
+    return str(path)
+
+
+def read_records(out: Path, topic: str = "rollouts") -> list[dict]:
+    """Every complete line of every shard of a run's topic, in shard order."""
+    recs = []
+    for shard in sorted((out / "streams" / topic).glob("actor_*/*.jsonl")):
+        for line in shard.read_bytes().splitlines(keepends=True):
+            if line.endswith(b"\n"):
+                rec = orjson.loads(line)
+                rec["_shard"] = f"{shard.parent.name}/{shard.name}"
+                recs.append(rec)
+    return recs

@@ -1,0 +1,381 @@
+"""Faults around the actors: the client's routing and retries against real fake-engine servers, an actor
+SIGKILLed mid-run, a flaky server (503s and hangs), a server that dies mid-run, and seeded reruns.
+
+Servers are pipegen's reference server with `--engine fake` in real subprocesses on loopback ports. The
+pipeline scenarios attach the real launcher to them with `llm=external`, so the test can give each server
+its own fault flags and read its /pipegen_stats after the run; a recording proxy counts the requests per
+unit (the request's `sampling_seed` is `unit_seed(seed, index, sample)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAST, launch, load_trajectories
+from fake_servers import FakeServer, RecordingProxy, launch_external, read_records
+from pipegen.world import free_port
+
+TOKEN_LATENCY = "0.002"
+FAST_EXTERNAL = [o for o in FAST if not o.startswith("llm.")]  # llm=external has no server knobs
+
+# ------------------------------------------------------------------------------ the client (ServerPool)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pool")
+    procs = {
+        "a": FakeServer("a", tmp, tiny_model, "--token-latency", "0.01", "--slots", "64"),
+        "b": FakeServer("b", tmp, tiny_model, "--token-latency", "0.01", "--slots", "64"),
+        "always503": FakeServer("always503", tmp, tiny_model, "--fail-rate", "1.0"),
+        "hangs": FakeServer("hangs", tmp, tiny_model, "--hang-rate", "1.0"),
+    }
+    try:
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def pool_run(urls: list[str], body, **limit_kw):
+    """Run `await body(pool)` with a fresh ServerPool over urls; returns (result, pool)."""
+    import aiohttp
+
+    from pipegen.client import ClientLimits, ServerPool
+
+    async def main():
+        kw = dict(request_timeout_s=10.0, max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05,
+                  probe_interval_s=0.2, vocab_size=2048)
+        kw.update(limit_kw)
+        limits = ClientLimits(prompt_length=64, response_length=8, max_model_len=8192, **kw)
+        async with aiohttp.ClientSession() as session:
+            pool = ServerPool(urls, limits, session)
+            try:
+                return await body(pool), pool
+            finally:
+                pool.close()
+
+    return asyncio.run(main())
+
+
+PARAMS = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
+
+
+def gen(pool, key, seed=1, ids=(10, 11, 12), **params):
+    return pool.generate("rid", prompt_ids=list(ids), sampling_params={**PARAMS, **params}, sticky_key=key,
+                         sampling_seed=seed)
+
+
+def test_routing_is_sticky_per_prompt_and_least_in_flight(servers):
+    a, b = servers["a"], servers["b"]
+    before = {n: servers[n].stats()["requests_total"] for n in ("a", "b")}
+
+    async def body(pool):
+        # 8 prompts x 3 requests each, all at once: new prompts go to the less busy server, and every
+        # request of a prompt goes where its first one went
+        outs = await asyncio.gather(*(gen(pool, key, seed=key * 10 + s) for key in range(8) for s in range(3)))
+        return outs, {key: pool._sticky[key].url for key in range(8)}
+
+    (outs, pinned), pool = pool_run([a.url, b.url], body)
+    assert all(len(o.token_ids) == len(o.log_probs) > 0 for o in outs)
+    by_url = {s.url: s.requests for s in pool.servers}
+    assert by_url[a.url] == 12 and by_url[b.url] == 12  # balanced by in-flight count
+    for key, url in pinned.items():
+        assert sum(1 for k, u in pinned.items() if u == url) == 4
+    after = {n: servers[n].stats()["requests_total"] for n in ("a", "b")}
+    assert after["a"] - before["a"] == 12 and after["b"] - before["b"] == 12
+
+    # a prompt keeps its server even when that server is busier
+    async def body2(pool):
+        await gen(pool, "p")
+        first = pool._sticky["p"].url
+        pool._sticky["p"].in_flight += 100  # pretend it is overloaded
+        await gen(pool, "p")
+        return first, pool
+
+    (first, _), pool = pool_run([a.url, b.url], body2)
+    assert {s.url: s.requests for s in pool.servers}[first] == 2
+
+
+def test_failing_servers_leave_rotation_and_requests_go_elsewhere(servers):
+    a, bad = servers["a"], servers["always503"]
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+    bad_before = bad.stats()["requests_total"]
+
+    seen: dict[str, int] = {}
+
+    async def body(pool):
+        first = await asyncio.gather(*(gen(pool, key) for key in range(12)))
+        seen["bad"] = bad.stats()["requests_total"] - bad_before
+        second = await asyncio.gather(*(gen(pool, key) for key in range(12, 24)))
+        return first + second
+
+    outs, pool = pool_run([bad.url, dead, a.url], body, quarantine_after=2, probe_interval_s=60)
+    assert all(o.token_ids for o in outs)  # every request succeeded, on the healthy server
+    state = {s.url: s for s in pool.servers}
+    assert not state[bad.url].healthy and not state[dead].healthy and state[a.url].healthy
+    # concurrent requests may all hit a failing server before it leaves rotation, but none after
+    assert state[bad.url].errors["http_503"] >= 2 and state[dead].errors["connection"] >= 2
+    assert state[a.url].requests == 24 and state[a.url].successes == 24
+    assert bad.stats()["requests_total"] - bad_before == seen["bad"] == state[bad.url].errors["http_503"]
+
+
+def test_hung_request_times_out_and_is_retried_elsewhere(servers):
+    a, hangs = servers["a"], servers["hangs"]
+
+    async def body(pool):
+        t0 = time.monotonic()
+        out = await gen(pool, "k")
+        return out, time.monotonic() - t0
+
+    (out, took), pool = pool_run([hangs.url, a.url], body, request_timeout_s=0.5)
+    assert out.token_ids and 0.5 <= took < 5
+    state = {s.url: s for s in pool.servers}
+    assert state[hangs.url].errors == {"timeout": 1} and state[a.url].requests == 1
+
+
+def test_budget_spent_raises_and_client_errors_are_not_retried(servers):
+    from pipegen.client import RequestRejected, RetriesExhausted
+
+    bad, a = servers["always503"], servers["a"]
+    before = bad.stats()["requests_total"]
+
+    async def exhaust(pool):
+        with pytest.raises(RetriesExhausted, match="HTTP 503"):
+            await gen(pool, "k")
+
+    pool_run([bad.url], exhaust, max_attempts=3, quarantine_after=10)
+    assert bad.stats()["requests_total"] - before == 3
+
+    before = a.stats()["requests_total"]
+
+    async def rejected(pool):
+        with pytest.raises(RequestRejected, match="HTTP 400"):
+            await gen(pool, "k", temperature=-1.0)  # the server's 400: a client bug, never retried
+        with pytest.raises(RequestRejected, match="outside the vocabulary"):
+            await gen(pool, "k", ids=(10, 5000))  # refused before sending
+        with pytest.raises(RequestRejected, match="context length"):
+            await gen(pool, "k", ids=[10] * 9000)
+
+    pool_run([a.url], rejected)
+    assert a.stats()["requests_total"] - before == 1
+
+
+def test_all_servers_down_waits_for_the_probe_to_bring_one_back(tiny_model, tmp_path):
+    port = free_port()
+    first = FakeServer("first", tmp_path, tiny_model, port=port).wait_ready()
+    url = first.url
+    first.stop()  # gone: connection refused
+    later: dict[str, FakeServer] = {}
+
+    async def body(pool):
+        task = asyncio.create_task(gen(pool, "k"))
+        while pool.servers[0].healthy:  # 3 refused connections take it out of rotation
+            await asyncio.sleep(0.02)
+        later["s"] = FakeServer("second", tmp_path, tiny_model, port=port)  # back on the same address
+        return await task
+
+    try:
+        out, pool = pool_run([url], body, max_attempts=4, quarantine_after=3, probe_interval_s=0.2,
+                             request_timeout_s=30)
+    finally:
+        if "s" in later:
+            later["s"].stop()
+    assert out.token_ids and pool.servers[0].healthy and pool.servers[0].quarantines == 1
+    assert pool.servers[0].errors == {"connection": 3}
+
+
+# ------------------------------------------------------------------------------------ pipeline scenarios
+
+
+def units_of(data) -> list[tuple[int, int]]:
+    nt = data.non_tensor_batch
+    return [(int(i), int(s)) for i, s in zip(nt["index"], nt["sample"])]
+
+
+def find_actor_pid(out: Path, rank: int = 0) -> int | None:
+    """The pid of this run's actor (matched on its exact command line, never by a broad name)."""
+    want = [b"pipegen.actor", f"output_dir={out}".encode(), f"rank={rank}".encode()]
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if all(w in argv for w in want):
+            return int(d.name)
+    return None
+
+
+def test_actor_sigkill_mid_run_loses_nothing_duplicates_nothing_and_never_resends_a_done_unit(
+        tmp_path, tiny_model):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from pipegen.units import unit_seed
+
+    server = FakeServer("slow", tmp_path, tiny_model, "--token-latency", "0.02", "--slots", "4").wait_ready()
+    proxy = RecordingProxy("proxy", tmp_path, server.url).wait_ready()
+    out = tmp_path / "run"
+    # the writer commits nothing before the end (big batches, long pull timeout): the restarted actor can
+    # only learn what is done from the shard lines themselves
+    overrides = [f"model_path={tiny_model}", *FAST_EXTERNAL, "max_samples=16", "actors.concurrency=4", "seed=3",
+                 "generation.save_batch_size=1000", "generation.pull_timeout=60",
+                 "llm=external", f"llm.urls=[{proxy.url}]"]
+    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        shard = out / "streams" / "rollouts" / "actor_0" / "000000.jsonl"
+        deadline = time.monotonic() + 120
+        while not (shard.exists() and shard.read_bytes().count(b"\n") >= 8):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the actor never wrote 8 records"
+            time.sleep(0.05)
+        pid = find_actor_pid(out)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.time()
+        stdout, stderr = launcher.communicate(timeout=180)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        entries = proxy.entries()
+        proxy.stop()
+        server.stop()
+    assert launcher.returncode == 0, stderr[-3000:]
+
+    # the launcher restarted the actor, which opened a new shard and left out what the old one holds
+    actor_log = (out / "logs" / "actor_0.log").read_text()
+    assert actor_log.count("starting actor_0") == 2
+    records = read_records(out)
+    shards = {r["_shard"] for r in records}
+    assert shards == {"actor_0/000000.jsonl", "actor_0/000001.jsonl"}
+    before_kill = [r for r in records if r["_shard"] == "actor_0/000000.jsonl"]
+    assert f"actor 0: {32 - len(before_kill)} units pending" in actor_log.split("starting actor_0")[2]
+
+    # nothing missing, nothing duplicated
+    expected = sorted((i, s) for i in range(16) for s in range(2))
+    assert sorted((r["index"], r["sample"]) for r in records) == expected
+    data = load_trajectories(out / "trajectories.pkl")
+    assert units_of(data) == expected
+
+    # no unit already in a shard was asked for again; units in flight at the kill were
+    requests_per_seed: dict[int, list[dict]] = {}
+    for e in entries:
+        requests_per_seed.setdefault(e["seed"], []).append(e)
+    assert len(before_kill) >= 8
+    for r in before_kill:
+        assert r["seed"] == unit_seed(3, r["index"], r["sample"])
+        assert len(requests_per_seed[r["seed"]]) == 1, (r["index"], r["sample"])
+    resent = 0
+    for r in records:
+        calls = requests_per_seed[r["seed"]]
+        assert calls and calls[-1]["status"] == 200
+        if len(calls) > 1:  # only a unit that was in flight at the kill is sent again, after it
+            assert len(calls) == 2 and r["_shard"] == "actor_0/000001.jsonl"
+            assert calls[0]["t"] < killed_at < calls[1]["t"]
+            resent += 1
+    assert len(entries) == len(expected) + resent
+    assert resent <= 4  # at most actors.concurrency units were in flight
+
+
+def fault_seed(fail: float, hang: float, draws: int) -> int:
+    """A server --seed whose first `draws` fault draws include at least one hang and some 503s.
+
+    The reference server draws one `random.Random(f"pipegen-faults-{seed}").random()` per /generate in
+    arrival order (u < fail: 503, u < fail + hang: never answers), so the first requests' fates are fixed."""
+    for seed in range(1000):
+        rng = random.Random(f"pipegen-faults-{seed}")
+        u = [rng.random() for _ in range(draws)]
+        hangs = sum(fail <= x < fail + hang for x in u)
+        fails = sum(x < fail for x in u)
+        if hangs >= 1 and fails >= 3:
+            return seed
+    raise AssertionError("no seed found")
+
+
+def test_flaky_server_with_503s_and_hangs_completes_without_duplicates(tmp_path, tiny_model):
+    seed = fault_seed(0.2, 0.02, 20)
+    server = FakeServer("flaky", tmp_path, tiny_model, "--fail-rate", "0.2", "--hang-rate", "0.02",
+                        "--token-latency", TOKEN_LATENCY, seed=seed).wait_ready()
+    out = tmp_path / "run"
+    try:
+        result = launch_external(out, [server.url], f"model_path={tiny_model}", *FAST_EXTERNAL, "max_samples=12",
+                                 "llm.request_timeout_s=1.5", "generation.max_attempts=12")
+        stats = server.stats()
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert stats["injected_503"] >= 3 and stats["hung"] >= 1, stats
+    expected = sorted((i, s) for i in range(12) for s in range(2))
+    records = read_records(out)
+    assert sorted((r["index"], r["sample"]) for r in records) == expected  # each unit written exactly once
+    assert not read_records(out, "failures")
+    assert units_of(load_trajectories(out / "trajectories.pkl")) == expected
+    assert stats["responses_by_status"]["200"] == len(expected)  # no unit generated twice
+
+
+def test_server_dying_mid_run_is_routed_around(tmp_path, tiny_model):
+    dying = FakeServer("dying", tmp_path, tiny_model, "--crash-after", "4", "--token-latency", TOKEN_LATENCY)
+    healthy = FakeServer("healthy", tmp_path, tiny_model, "--token-latency", TOKEN_LATENCY)
+    out = tmp_path / "run"
+    try:
+        dying.wait_ready()
+        healthy.wait_ready()
+        result = launch_external(out, [dying.url, healthy.url], f"model_path={tiny_model}", *FAST_EXTERNAL,
+                                 "max_samples=12", "llm.request_timeout_s=10")
+        assert result.returncode == 0, result.stderr[-3000:]
+        dying.proc.wait(10)
+        stats = healthy.stats()
+    finally:
+        dying.stop()
+        healthy.stop()
+    assert dying.proc.returncode == 86  # --crash-after: it really died on its 5th request
+    expected = sorted((i, s) for i in range(12) for s in range(2))
+    assert sorted((r["index"], r["sample"]) for r in read_records(out)) == expected
+    assert units_of(load_trajectories(out / "trajectories.pkl")) == expected
+    assert stats["responses_by_status"]["200"] >= len(expected) - 4  # the survivor did (almost) everything
+    from pipegen.stats import latest_stats
+
+    actor = latest_stats(out / "streams" / "stats")["actor_0"]
+    assert actor["servers_out_of_rotation"] == [dying.url]
+    assert actor["errors"].get(f"{dying.url} connection", 0) >= 1
+
+
+@pytest.mark.slow  # two whole launches (~45 s on 2 cores)
+def test_n_samples_have_distinct_recorded_seeds_and_reruns_are_identical(tmp_path, tiny_model):
+    from pipegen.units import unit_seed
+
+    args = [f"model_path={tiny_model}", *FAST, "max_samples=4", "n=3", "seed=7", "llm.engine=fake",
+            f"llm.engine_args=[--token-latency,{TOKEN_LATENCY}]"]
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        result = launch(out, *args)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append((out, load_trajectories(out / "trajectories.pkl")))
+    (out1, a), (_, b) = runs
+    assert len(a) == 12 and units_of(a) == units_of(b)
+    for key in a.batch.keys():
+        assert torch.equal(a.batch[key], b.batch[key]), key
+    records = read_records(out1)
+    seeds = {(r["index"], r["sample"]): r["seed"] for r in records}
+    assert len(set(seeds.values())) == 12
+    assert all(seed == unit_seed(7, i, s) for (i, s), seed in seeds.items())
+    # the seeds matter: the 3 samples of each prompt are different generations
+    for i in range(4):
+        responses = {tuple(r["trajectories"][0]["response_ids"]) for r in records if r["index"] == i}
+        assert len(responses) == 3
