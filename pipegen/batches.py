@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-EXTRA_ROW_KEYS = ("sample", "trajectory")  # pipegen's own non-tensor keys beside verl's
+EXTRA_ROW_KEYS = ("sample", "trajectory", "seed")  # pipegen's own non-tensor keys beside verl's
 INT_TENSORS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 
 
@@ -67,7 +67,7 @@ class BatchBuilder:
             for t, traj in enumerate(record["trajectories"]):
                 output = AgentLoopOutput.model_validate(traj)
                 items.append(await self.worker._agent_loop_postprocess(output, False, **kwargs))
-                rows.append({**kwargs, "sample": record["sample"], "trajectory": t})
+                rows.append({**kwargs, "sample": record["sample"], "trajectory": t, "seed": record.get("seed")})
         keys = list(rows[0].keys())
         # dtypes as verl's collate_fn (object arrays) and AgentLoopManager (int64 priority) make them
         non_tensor = {k: object_array([r.get(k) for r in rows]) for k in keys}

@@ -142,9 +142,13 @@ class Launcher:
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
         build = cpu_server_command if llm["kind"] == "cpu" else sglang_server_command
         roles = []
-        for server in plan.servers:
+        per_server = list(llm.get("server_args") or [])
+        for i, server in enumerate(plan.servers):
             argv, env = build(server, self.cfg.actor_rollout_ref.model.path, llm, int(self.cfg.seed))
+            if i < len(per_server):
+                argv += [str(a) for a in per_server[i] or []]
             role = self._role(server.name, argv, env)
+            role.group = "servers"  # one server crash-looping must not end a run the others can finish
             self.sup.start(role)
             roles.append((server, role))
         for server, role in roles:

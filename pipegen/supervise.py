@@ -39,6 +39,8 @@ class Role:
     restartable: bool = True
     max_restarts: int = 5
     final_codes: frozenset[int] = frozenset({0})  # exit codes that end the role without a restart
+    group: str | None = None  # roles that stand in for each other (LLM servers): one may be given up
+    abandoned: bool = False
     proc: subprocess.Popen | None = None
     restarts: int = 0
     last_rc: int | None = None
@@ -104,7 +106,14 @@ class Supervisor:
                 finished.append(role)
                 continue
             if not role.restartable or role.restarts >= role.max_restarts:
-                raise CrashLoop(role)
+                peers = [r for r in self.roles.values() if r.group and r.group == role.group and r is not role
+                         and not r.abandoned]
+                if not peers:
+                    raise CrashLoop(role)
+                role.abandoned = True  # the others carry the load; the client routes around this one
+                log.error("%s keeps crashing (exit code %s); giving it up, %d other(s) of %s carry on (log: %s)",
+                          role.name, rc, len(peers), role.group, role.log_path)
+                continue
             role.restarts += 1
             # a role that ran a while before dying is not in a crash loop: restart it quickly
             backoff = 0.5 if now - role.started_at > 30 else min(10.0, 0.5 * 2 ** role.restarts)

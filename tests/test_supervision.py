@@ -146,3 +146,13 @@ def test_crash_loop_ends_the_run_naming_the_role_log(tmp_path, tiny_model):
     last = result.stderr.strip().splitlines()[-1]
     assert "server_0" in last and "server_0.log" in last, last
     assert _run_processes(out) == []
+
+
+def test_one_crash_looping_server_is_given_up_while_the_other_finishes_the_run(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "llm.num_servers=2",
+                    "llm.server_args=[[],[--crash-after,0]]", "generation.restart_limit=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "server_1 keeps crashing" in result.stderr
+    data = load_trajectories(out / "trajectories.pkl")
+    assert _units(data) == [(i, s) for i in range(6) for s in range(2)]

@@ -74,7 +74,7 @@ def test_trajectories_equal_verl_agent_loop_output(tmp_path, tiny_model):
         a, b = ours.batch[key], theirs.batch[key]
         assert a.dtype == b.dtype and a.shape == b.shape, key
         assert torch.equal(a, b), key
-    pipegen_only = {"sample", "trajectory"}
+    pipegen_only = {"sample", "trajectory", "seed"}
     assert set(ours.non_tensor_batch) - set(theirs.non_tensor_batch) == pipegen_only
     assert set(theirs.non_tensor_batch) <= set(ours.non_tensor_batch)
     for key, theirs_values in theirs.non_tensor_batch.items():

@@ -66,3 +66,6 @@ def test_sglang_command_line():
                  "--mem-fraction-static 0.8", "--context-length 4096", "--random-seed 7", "--dtype bfloat16"):
         assert part in joined
     assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert "--enable-deterministic-inference" not in argv
+    argv, _ = sglang_server_command(p.servers[0], "/m", {"tp": 2, "deterministic_inference": True}, 0)
+    assert "--enable-deterministic-inference" in argv

@@ -49,6 +49,8 @@ def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed:
         argv += ["--dp-size", str(llm["dp"])]
     if llm.get("context_length"):
         argv += ["--context-length", str(llm["context_length"])]
+    if llm.get("deterministic_inference"):
+        argv.append("--enable-deterministic-inference")
     if llm.get("max_running_requests"):
         argv += ["--max-running-requests", str(llm["max_running_requests"])]
     argv += [str(a) for a in (llm.get("extra_args") or [])]
