@@ -114,7 +114,7 @@ def pending_units(cfg: DictConfig, run: RunDir, indices: list[int], rank: int, n
     """(position, sample) pairs this actor still has to run, prompt-major so n samples share a prefix."""
     n = int(cfg.actor_rollout_ref.rollout.n)
     ckpt = load_checkpoint(run.checkpoint)
-    in_shards = scan_units(run.rollouts, ckpt.rollout_offsets)
+    in_shards = scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
     todo = []
     for pos in range(rank, len(indices), num_actors):
         index = indices[pos]

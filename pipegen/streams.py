@@ -115,11 +115,15 @@ class ShardTailer:
     """Reads complete new lines from every shard of a topic, from saved byte offsets.
 
     offsets maps a shard's path relative to the topic folder to the byte offset of the first
-    unconsumed line. The caller advances an offset only by consuming lines (see `lines()`).
+    unconsumed line. sealed maps an actor folder to a shard sequence number below which every shard
+    is sealed and fully consumed: those are skipped and their offsets dropped, so the saved state
+    stays O(actors) however many shards a long run rotates through. The caller advances an offset
+    only by consuming lines (see `lines()`).
     """
 
     topic_dir: Path
     offsets: dict[str, int] = field(default_factory=dict)
+    sealed: dict[str, int] = field(default_factory=dict)
     stats: TailStats = field(default_factory=TailStats)
     chunk_bytes: int = 8 << 20
 
@@ -130,10 +134,23 @@ class ShardTailer:
         iterating early leaves later lines for the next call.
         """
         for actor, shards in list_shards(self.topic_dir).items():
+            done_below = self.sealed.get(actor, 0)
             for i, path in enumerate(shards):
+                seq = int(path.stem)
+                if seq < done_below:
+                    continue
                 sealed = i < len(shards) - 1  # listed before reading: a newer shard means this one is final
                 rel = f"{actor}/{path.name}"
                 yield from self._read_shard(rel, path, sealed)
+                if sealed and seq == self.sealed.get(actor, 0) and self._consumed(rel, path):
+                    self.sealed[actor] = seq + 1  # everything up to here is final and read
+                    self.offsets.pop(rel, None)
+
+    def _consumed(self, rel: str, path: Path) -> bool:
+        try:
+            return self.offsets.get(rel, 0) >= path.stat().st_size
+        except FileNotFoundError:
+            return True
 
     def _read_shard(self, rel: str, path: Path, sealed: bool) -> Iterator[tuple[str, int, bytes]]:
         offset = self.offsets.get(rel, 0)
@@ -171,9 +188,9 @@ class ShardTailer:
                 self.offsets[rel] = size
 
 
-def scan_units(topic_dir: Path, offsets: dict[str, int]) -> set[tuple[int, int]]:
+def scan_units(topic_dir: Path, offsets: dict[str, int], sealed: dict[str, int] | None = None) -> set[tuple[int, int]]:
     """(index, sample) of every complete line past the given offsets (resume: work already done)."""
-    tailer = ShardTailer(Path(topic_dir), dict(offsets))
+    tailer = ShardTailer(Path(topic_dir), dict(offsets), dict(sealed or {}))
     found: set[tuple[int, int]] = set()
     for _, _, line in tailer.lines():
         head = read_head(line)

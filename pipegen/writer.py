@@ -85,7 +85,7 @@ class Writer:
 
     # ---- start-up (step 5) ----
     def recover(self) -> None:
-        listed = {b["file"] for b in self.ckpt.batches}
+        listed = set(self.ckpt.batches.files())
         orphans = [p for p in self.run.root.glob("batch_*.pkl") if p.name not in listed]
         for p in orphans:
             log.warning("deleting %s: written before a crash, never committed by the checkpoint", p.name)
@@ -97,8 +97,8 @@ class Writer:
             self.ckpt.failed = {}
             self.ckpt.launch = self.launch
             self.ckpt.complete = False
-        self.rollouts = ShardTailer(self.run.rollouts, dict(self.ckpt.rollout_offsets))
-        self.failures = ShardTailer(self.run.failures, dict(self.ckpt.failure_offsets))
+        self.rollouts = ShardTailer(self.run.rollouts, dict(self.ckpt.rollout_offsets), dict(self.ckpt.rollout_sealed))
+        self.failures = ShardTailer(self.run.failures, dict(self.ckpt.failure_offsets), dict(self.ckpt.failure_sealed))
         log.info(
             "writer: %d/%d units committed in %d batches; resuming from %d shard offsets",
             self.ckpt.num_committed, self.total_units, len(self.ckpt.batches), len(self.ckpt.rollout_offsets),
@@ -146,8 +146,7 @@ class Writer:
 
         keys = sorted(self.buffer)
         batch = to_storage(await self.builder.build([self.buffer[k] for k in keys]), bool(self.gen.batch_int32))
-        number = self.ckpt.next_batch_number()
-        path = self.run.batch_file(number)
+        path = self.run.batch_file(len(self.ckpt.batches))
         data = pickle.dumps(batch)  # what DataProto.save_to_disk writes
 
         def write_batch(f) -> None:
@@ -158,16 +157,20 @@ class Writer:
         atomic_write(path, write_batch)
         self.fault.reached("after_batch_rename")
         ckpt = self.ckpt
-        ckpt.batches.append({"file": path.name, "rows": len(batch), "units": len(keys)})
+        ckpt.batches.add(len(batch), len(keys))
         for k in keys:
             ckpt.committed.add(k)
             ckpt.failed.pop(f"{k // self.n}:{k % self.n}", None)
-        ckpt.rollout_offsets = dict(self.rollouts.offsets)
-        ckpt.failure_offsets = dict(self.failures.offsets)
+        self._record_offsets()
         self._save_checkpoint()
         self.buffer.clear()
         self.buffered_rows = 0
         log.info("committed %s: %d units, %d/%d done", path.name, len(keys), ckpt.num_committed, self.total_units)
+
+    def _record_offsets(self) -> None:
+        ckpt = self.ckpt
+        ckpt.rollout_offsets, ckpt.rollout_sealed = dict(self.rollouts.offsets), dict(self.rollouts.sealed)
+        ckpt.failure_offsets, ckpt.failure_sealed = dict(self.failures.offsets), dict(self.failures.sealed)
 
     def _save_checkpoint(self) -> None:
         data = self.ckpt.to_json()
@@ -188,14 +191,13 @@ class Writer:
     def finalize(self) -> None:
         ckpt = self.ckpt
         # failure offsets may have moved since the last batch: persist them with the final state
-        ckpt.failure_offsets = dict(self.failures.offsets)
-        ckpt.rollout_offsets = dict(self.rollouts.offsets)
+        self._record_offsets()
         complete = ckpt.num_committed == self.total_units
         if complete and self.gen.final_merge and ckpt.batches:
             from pipegen.batches import merge_batches
 
             started = time.monotonic()
-            merged = merge_batches([self.run.root / b["file"] for b in ckpt.batches])
+            merged = merge_batches([self.run.root / name for name in ckpt.batches.files()])
             atomic_write(self.run.trajectories, lambda f: pickle.dump(merged, f))
             del merged
             self._write_artifact()

@@ -22,12 +22,15 @@ def test_rangeset_matches_a_python_set_under_random_adds():
     assert all(e < s for e, s in zip(ends, starts[1:]))  # disjoint and non-adjacent
 
 
-def test_checkpoint_size_does_not_grow_with_in_order_commits(tmp_path):
+def test_checkpoint_size_does_not_grow_with_committed_units_or_batches(tmp_path):
     small, big = Checkpoint(), Checkpoint()
-    for k in range(1000):
-        small.committed.add(k)
-    big.committed.add_range(0, 1_000_000)
-    assert len(big.to_json()) - len(small.to_json()) < 10
+    for ckpt, units in ((small, 1000), (big, 1_000_000)):
+        for start in range(0, units, 64):  # commits of 64, the writer's default batch
+            ckpt.committed.add_range(start, start + 64)
+            ckpt.batches.add(64, 64)
+    assert len(big.batches) == 15625 and big.num_rows == 1_000_000
+    assert big.batches.files()[-1] == "batch_15624.pkl"
+    assert len(big.to_json()) - len(small.to_json()) < 40
     save_checkpoint(tmp_path / "c.json", big)
     back = load_checkpoint(tmp_path / "c.json")
     assert back.num_committed == 1_000_000 and 999_999 in back.committed and 1_000_000 not in back.committed
@@ -38,3 +41,21 @@ def test_seeds_distinct_per_unit_and_stable():
     assert len(seeds) == 1600
     assert unit_seed(0, 5, 1) == unit_seed(0, 5, 1) != unit_seed(1, 5, 1)
     assert prompt_uid("k", 3) == prompt_uid("k", 3) != prompt_uid("k", 4)
+
+
+def test_fully_read_sealed_shards_fold_into_a_per_actor_watermark(tmp_path):
+    from pipegen.streams import ShardAppender, ShardTailer, encode_record, scan_units
+
+    app = ShardAppender(tmp_path, 0, max_bytes=200, fsync_interval_s=60)
+    for i in range(50):
+        app.append(encode_record(i, 0, {"pad": "x" * 40}))
+    tailer = ShardTailer(tmp_path)
+    assert len(list(tailer.lines())) == 50
+    shards = sorted((tmp_path / "actor_0").glob("*.jsonl"))
+    assert len(shards) > 10
+    assert tailer.sealed == {"actor_0": len(shards) - 1}  # all but the live shard folded
+    assert list(tailer.offsets) == [f"actor_0/{shards[-1].name}"]
+    resumed = ShardTailer(tmp_path, dict(tailer.offsets), dict(tailer.sealed))
+    assert list(resumed.lines()) == []
+    app.append(encode_record(99, 0, {}))
+    assert scan_units(tmp_path, tailer.offsets, tailer.sealed) == {(99, 0)}
