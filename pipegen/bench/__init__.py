@@ -1,0 +1,16 @@
+"""pipegen's benchmarks: `python -m pipegen.bench [--quick] [--only SCENARIO ...] [--out BENCHMARKS.md]`.
+
+One module per scenario, each with `KEY`, `TITLE` and `run(quick) -> ScenarioResult`; `__main__` runs
+them in this order and writes the markdown table. Every figure is a ratio of two things measured side
+by side, because the machines these run on are shared and noisy.
+"""
+
+SCENARIOS = {
+    "streams": "pipegen.bench.stream_io",
+    "writer": "pipegen.bench.writer_ingest",
+    "e2e": "pipegen.bench.end_to_end",
+    "occupancy": "pipegen.bench.occupancy",
+    "checkpoint": "pipegen.bench.checkpoint_scan",
+    "cpu_server": "pipegen.bench.cpu_server",
+    "gpu": "pipegen.bench.gpu",
+}
