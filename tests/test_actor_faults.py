@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
 from fake_servers import FakeServer, RecordingProxy, launch_external, read_records
-from pipegen.world import free_port
+from pipegen.launch.world import free_port
 
 TOKEN_LATENCY = "0.002"
 FAST_EXTERNAL = [o for o in FAST if not o.startswith("llm.")]  # llm=external has no server knobs
@@ -51,7 +51,7 @@ def pool_run(urls: list[str], body, **limit_kw):
     """Run `await body(pool)` with a fresh ServerPool over urls; returns (result, pool)."""
     import aiohttp
 
-    from pipegen.client import ClientLimits, ServerPool
+    from pipegen.actor.client import ClientLimits, ServerPool
 
     async def main():
         kw = dict(request_timeout_s=10.0, max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05,
@@ -145,7 +145,7 @@ def test_hung_request_times_out_and_is_retried_elsewhere(servers):
 
 
 def test_budget_spent_raises_and_client_errors_are_not_retried(servers):
-    from pipegen.client import RequestRejected, RetriesExhausted
+    from pipegen.actor.client import RequestRejected, RetriesExhausted
 
     bad, a = servers["always503"], servers["a"]
     before = bad.stats()["requests_total"]
@@ -224,7 +224,7 @@ def test_actor_sigkill_mid_run_loses_nothing_duplicates_nothing_and_never_resend
     import sys
 
     from conftest import REPO
-    from pipegen.units import unit_seed
+    from pipegen.run.records import unit_seed
 
     server = FakeServer("slow", tmp_path, tiny_model, "--token-latency", "0.02", "--slots", "4").wait_ready()
     proxy = RecordingProxy("proxy", tmp_path, server.url).wait_ready()
@@ -348,7 +348,7 @@ def test_server_dying_mid_run_is_routed_around(tmp_path, tiny_model):
     assert sorted((r["index"], r["sample"]) for r in read_records(out)) == expected
     assert units_of(load_trajectories(out / "trajectories.pkl")) == expected
     assert stats["responses_by_status"]["200"] >= len(expected) - 4  # the survivor did (almost) everything
-    from pipegen.stats import latest_stats
+    from pipegen.observe.stats import latest_stats
 
     actor = latest_stats(out / "streams" / "stats")["actor_0"]
     assert actor["servers_out_of_rotation"] == [dying.url]
@@ -357,9 +357,9 @@ def test_server_dying_mid_run_is_routed_around(tmp_path, tiny_model):
 
 @pytest.mark.slow  # two whole launches (~45 s on 2 cores)
 def test_n_samples_have_distinct_recorded_seeds_and_reruns_are_identical(tmp_path, tiny_model):
-    from pipegen.units import unit_seed
+    from pipegen.run.records import unit_seed
 
-    args = [f"model_path={tiny_model}", *FAST, "max_samples=4", "n=3", "seed=7", "llm.engine=fake",
+    args = [f"model_path={tiny_model}", *FAST, "max_samples=4", "n=3", "seed=7", FAKE_ENGINE,
             f"llm.engine_args=[--token-latency,{TOKEN_LATENCY}]"]
     runs = []
     for name in ("first", "second"):

@@ -106,7 +106,7 @@ def test_calculator_is_a_verl_tool_loaded_from_the_shipped_config():
     from verl.tools.base_tool import BaseTool
     from verl.tools.tool_registry import load_all_tools
 
-    from pipegen.actor import resolve_user_path
+    from pipegen.actor.rollout import resolve_user_path
 
     # the shipped config resolves from any working directory
     assert Path(resolve_user_path("conf/tools/calculator.yaml")) == Path(TOOLS_YAML)
@@ -133,7 +133,7 @@ def test_calculator_is_a_verl_tool_loaded_from_the_shipped_config():
 def test_yaml_registration_and_output_checks(tmp_path):
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, _agent_loop_registry
 
-    from pipegen.actor import InvalidTrajectory, check_trajectories, register_agent_loops
+    from pipegen.actor.rollout import InvalidTrajectory, check_trajectories, register_agent_loops
 
     cfg = tmp_path / "loops.yaml"
     cfg.write_text("- name: my_snapshots\n  _target_: pipegen.agent_loops.snapshot.ContextSnapshotAgentLoop\n"
@@ -167,7 +167,8 @@ def test_tool_trajectory_equals_verl_tool_agent_loop(tmp_path, tiny_model, scrip
     """3 assistant turns, 2 calculator calls: prompt/response split, masks, logprobs, and verl parity."""
     from test_verl_parity import _plain, _verl_reference
 
-    from pipegen.config import RunDir, load_run_config
+    from pipegen.run.layout import RunDir
+    from pipegen.run.config import load_run_config
 
     data = write_dataset(tmp_path / "tool.parquet", [{"content": q} for q in QUESTIONS])
     out = tmp_path / "run"
@@ -224,7 +225,7 @@ def test_multi_turn_records_are_token_exact_and_scored(tmp_path, tiny_model, scr
     """Every record's response = the server's outputs interleaved with tool tokens; rm_scores = verl's score."""
     from verl.utils.reward_score import default_compute_score
 
-    from pipegen.units import unit_seed
+    from pipegen.run.records import unit_seed
 
     proxy = RecordingProxy("proxy", tmp_path, scripted.url)
     try:

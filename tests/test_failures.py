@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import orjson
 
-from conftest import FAST, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
 
 
 def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_path, tiny_model):
     out = tmp_path / "run"
-    base = [f"model_path={tiny_model}", *FAST, "llm.engine=fake", "generation.max_attempts=1"]
+    base = [f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.max_attempts=1"]
     first = launch(out, *base, "llm.engine_args=[--fail-rate,0.5]")
     assert first.returncode == 1, first.stderr[-3000:]
     assert "failed" in first.stderr and "rerun the same command" in first.stderr
@@ -24,7 +24,7 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
                      for l in p.read_bytes().splitlines()]
     assert {f"{r['index']}:{r['sample']}" for r in failure_lines} == failed
     # a failed unit is never in a batch, not even as an empty or zero-reward row
-    from pipegen.batches import from_storage, load_batch
+    from pipegen.writer.batches import from_storage, load_batch
 
     in_batches = set()
     for number in range(ckpt["batches"]["count"]):
@@ -44,7 +44,7 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
 
 def test_final_merge_false_keeps_batches_only(tmp_path, tiny_model):
     out = tmp_path / "run"
-    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "generation.final_merge=false")
+    result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.final_merge=false")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "trajectories.pkl").exists()
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())

@@ -11,19 +11,19 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import FAST, REPO, launch
+from conftest import FAKE_ENGINE, FAST, REPO, launch
 
-from pipegen.fingerprint import OVERRIDE_KEY, check_fingerprint, compute_fingerprint, mismatch_message, sampled_digest
+from pipegen.run.fingerprint import OVERRIDE_KEY, check_fingerprint, compute_fingerprint, mismatch_message, sampled_digest
 
-FAKE = [*FAST, "llm.engine=fake"]
+FAKE = [*FAST, FAKE_ENGINE]
 
 
 def composed(out: Path, *overrides: str):
     """The config exactly as the launcher resolves it."""
     from omegaconf import open_dict
 
-    from pipegen.config import compose, resolved
-    from pipegen.launch import resolve_inputs
+    from pipegen.run.config import compose, resolved
+    from pipegen.launch.launcher import resolve_inputs
 
     cfg = compose([f"output_dir={out}", *overrides])
     with open_dict(cfg):
@@ -63,7 +63,7 @@ def test_fingerprint_names_each_kind_of_change(tmp_path, model_copy):
     assert "n: 2 -> 3" in mismatch_message(base, n, out)
     loop = fingerprint(out, f"model_path={model_copy}", "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
     assert "agent.default_agent_loop" in mismatch_message(base, loop, out)
-    fake = fingerprint(out, f"model_path={model_copy}", "llm.engine=fake")
+    fake = fingerprint(out, f"model_path={model_copy}", FAKE_ENGINE)
     assert 'generator: "model" -> "fake engine"' in mismatch_message(base, fake, out)
 
     # another model folder with the very same files: the path names it
@@ -163,14 +163,15 @@ def test_writer_restarted_alone_refuses_a_changed_setup(tmp_path, model_copy):
     # restored: the check the writer runs at start passes again (a real writer start on an unchanged
     # setup is what every launcher test does)
     config_file.write_text(text)
-    from pipegen.config import RunDir, load_run_config
+    from pipegen.run.layout import RunDir
+    from pipegen.run.config import load_run_config
 
     assert check_fingerprint(load_run_config(RunDir(out)), RunDir(out)) is None
 
 
 def test_check_fingerprint_passes_a_new_run_and_the_override(tmp_path, model_copy):
-    from pipegen.config import RunDir
-    from pipegen.fingerprint import save_fingerprint
+    from pipegen.run.layout import RunDir
+    from pipegen.run.fingerprint import save_fingerprint
 
     out = tmp_path / "run"
     run = RunDir(out)

@@ -13,15 +13,15 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import FAST, REPO, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
 
-from pipegen.config import RunDir
-from pipegen.progress import LogWatcher
-from pipegen.status import gather, render
+from pipegen.run.layout import RunDir
+from pipegen.observe.progress import LogWatcher
+from pipegen.observe.status import gather, render
 
 # A run slow enough to watch: 12 prompts x 2 samples, ~2.4 s per unit on the fake engine, 8 at a time.
 SLOW = [o for o in FAST if not o.startswith(("max_samples=",))] + [
-    "max_samples=12", "llm.engine=fake", "llm.engine_args=[--token-latency,0.1,--eos-prob,0]",
+    "max_samples=12", FAKE_ENGINE, "llm.engine_args=[--token-latency,0.1,--eos-prob,0]",
 ]
 
 
@@ -56,7 +56,7 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 
 def try_gather(run: RunDir):
     """gather(), or None while the launcher has not written the run's config yet."""
-    from pipegen.status import NotARun
+    from pipegen.observe.status import NotARun
 
     try:
         return gather(run)
@@ -211,7 +211,7 @@ def test_status_crashed_run_and_writer_restarted_alone(tmp_path, tiny_model):
 def test_failed_units_in_status_and_warnings_on_the_launcher_console(tmp_path, tiny_model):
     out = tmp_path / "run"
     result = launch(out, f"model_path={tiny_model}", *[o for o in FAST if not o.startswith("max_samples")],
-                    "max_samples=2", "llm.engine=fake", "llm.engine_args=[--fail-rate,1.0]",
+                    "max_samples=2", FAKE_ENGINE, "llm.engine_args=[--fail-rate,1.0]",
                     "generation.max_attempts=1")
     assert result.returncode == 1, result.stderr[-3000:]
     # the actor's warnings reach the launcher's console, prefixed with the role
@@ -260,7 +260,7 @@ def test_log_watcher_forwards_warnings_errors_and_tracebacks(tmp_path):
 
 @pytest.mark.parametrize("garbage", [b"", b'{"time": 1, "pid"', b"not json\n"])
 def test_status_survives_partial_stats_lines(tmp_path, garbage):
-    from pipegen.stats import latest_stats
+    from pipegen.observe.stats import latest_stats
 
     stats = tmp_path / "stats"
     stats.mkdir()

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import orjson
 
-from pipegen.streams import ShardAppender, ShardTailer, encode_record, read_head, scan_units
+from pipegen.run.records import encode_record, read_head
+from pipegen.run.streams import ShardAppender, ShardTailer, scan_units
 
 
 def _append_raw(path: Path, data: bytes) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import FAST, REPO, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
 
 
 def _run_processes(out: Path, launcher_pid: int | None = None) -> list[int]:
@@ -65,7 +65,7 @@ def _committed(out: Path) -> int:
         return 0
 
 
-SLOWISH = ["llm.engine=fake", "llm.engine_args=[--token-latency,0.05]", "max_samples=12"]
+SLOWISH = [FAKE_ENGINE, "llm.engine_args=[--token-latency,0.05]", "max_samples=12"]
 
 
 def _start(out: Path, tiny_model: str, *extra: str) -> subprocess.Popen:
@@ -140,7 +140,7 @@ def test_launcher_killed_with_sigkill_takes_its_children_along(tmp_path, tiny_mo
 def test_crash_loop_ends_the_run_naming_the_role_log(tmp_path, tiny_model):
     out = tmp_path / "run"
     # a server that dies on its first request, every time it is restarted
-    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "llm.engine_args=[--crash-after,0]",
+    result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "llm.engine_args=[--crash-after,0]",
                     "generation.restart_limit=2")
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
@@ -150,7 +150,7 @@ def test_crash_loop_ends_the_run_naming_the_role_log(tmp_path, tiny_model):
 
 def test_one_crash_looping_server_is_given_up_while_the_other_finishes_the_run(tmp_path, tiny_model):
     out = tmp_path / "run"
-    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "llm.num_servers=2",
+    result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "llm.num_servers=2",
                     "llm.server_args=[[],[--crash-after,0]]", "generation.restart_limit=0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "server_1 keeps crashing" in result.stderr

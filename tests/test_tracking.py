@@ -13,12 +13,12 @@ import orjson
 import pytest
 from omegaconf import OmegaConf
 
-from conftest import FAST, launch
+from conftest import FAKE_ENGINE, FAST, launch
 
-from pipegen.config import RunDir
-from pipegen.progress import Snapshot
-from pipegen.stats import HOST, Rates, StatsAppender, aggregate, read_stats
-from pipegen.tracking import RunTracker, upload_artifact
+from pipegen.run.layout import RunDir
+from pipegen.observe.progress import Snapshot
+from pipegen.observe.stats import HOST, Rates, StatsAppender, aggregate, read_stats
+from pipegen.observe.tracking import RunTracker, upload_artifact
 
 
 def read_wandb_records(path: Path) -> list:
@@ -159,7 +159,7 @@ def test_wandb_offline_run_holds_metrics_and_artifact(tmp_path, tiny_model):
     wandb_dir = tmp_path / "wandb-home"
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
            "WANDB_DATA_DIR": str(tmp_path / "wandb-data"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
-    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "trainer.logger=[console,wandb]",
+    result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "trainer.logger=[console,wandb]",
                     "trainer.project_name=pgtest", "trainer.experiment_name=offline-check", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
 

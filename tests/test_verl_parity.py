@@ -14,10 +14,11 @@ import subprocess
 import numpy as np
 import torch
 
-from conftest import FAST, launch, load_trajectories
-from pipegen.config import RunDir, load_run_config
-from pipegen.servers.launch_commands import cpu_server_command, wait_ready
-from pipegen.world import ServerPlan, free_port
+from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
+from pipegen.run.layout import RunDir
+from pipegen.run.config import load_run_config
+from pipegen.launch.servers import cpu_server_command, wait_ready
+from pipegen.launch.world import ServerPlan, free_port
 
 
 def _verl_reference(cfg, url: str, uids_by_index: dict):
@@ -27,8 +28,8 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.utils.dataset.rl_dataset import collate_fn
 
-    from pipegen.client import ClientLimits, ServerPool
-    from pipegen.dataset import load_dataset, load_tokenizer
+    from pipegen.actor.client import ClientLimits, ServerPool
+    from pipegen.actor.dataset import load_dataset, load_tokenizer
 
     dataset = load_dataset(cfg, load_tokenizer(cfg))
     batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
@@ -50,7 +51,7 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
 
 def test_trajectories_equal_verl_agent_loop_output(tmp_path, tiny_model):
     out = tmp_path / "run"
-    overrides = [f"model_path={tiny_model}", *FAST, "llm.engine=fake", "actors.per_unit_seed=false",
+    overrides = [f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "actors.per_unit_seed=false",
                  "actors.scoring=false"]
     result = launch(out, *overrides)
     assert result.returncode == 0, result.stderr[-3000:]

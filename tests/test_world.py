@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from pipegen.servers.launch_commands import sglang_server_command
-from pipegen.world import PlanError, plan_world
+from pipegen.launch.servers import sglang_server_command
+from pipegen.launch.world import PlanError, plan_world
 
 ports = itertools.count(31000)
 

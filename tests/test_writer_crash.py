@@ -20,11 +20,11 @@ import orjson
 import pytest
 import torch
 
-from conftest import FAST, REPO, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
 
 # The fake engine's output depends only on (seed, sampling_seed, context), not on its latency, so the
 # reference run can be instant while the killed run generates slowly enough to be killed 20+ times.
-RUN = ["llm.engine=fake", "max_samples=16", "n=2", "actors.concurrency=4", "generation.save_batch_size=2",
+RUN = [FAKE_ENGINE, "max_samples=16", "n=2", "actors.concurrency=4", "generation.save_batch_size=2",
        "generation.pull_timeout=0.2"]
 SLOW = ["llm.engine_args=[--token-latency,0.8]"]
 
@@ -121,7 +121,7 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_second_writer_is_refused_and_changes_nothing(tmp_path, tiny_model):
     out = tmp_path / "run"
-    result = launch(out, f"model_path={tiny_model}", *FAST, "llm.engine=fake", "generation.run_writer=false")
+    result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.run_writer=false")
     assert result.returncode == 0, result.stderr[-2000:]
     # Hide the streams so the first writer finds nothing to finish and keeps owning the directory.
     (out / "streams" / "rollouts").rename(tmp_path / "hidden")

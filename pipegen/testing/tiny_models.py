@@ -1,4 +1,4 @@
-"""Tiny random-weight models around real tokenizers, for fast tests (docs/embedded-model.md §6).
+"""Tiny random-weight models around real tokenizers, for fast tests.
 
 Owns:
   * ``build_tiny_qwen`` - Variant C: a fully synthetic Qwen2-architecture model whose byte-level BPE tokenizer is
@@ -197,7 +197,7 @@ def _write_json(path: Path, obj: object) -> None:
 
 
 def _add_top_level_rope_theta(folder: Path) -> None:
-    """transformers 5 writes only rope_parameters; 4.x reads only top-level rope_theta (docs §3). Write both."""
+    """transformers 5 writes only rope_parameters; 4.x reads only top-level rope_theta. Write both."""
     cfg_path = folder / "config.json"
     raw = json.loads(cfg_path.read_text())
     rope = raw.get("rope_parameters") or {}

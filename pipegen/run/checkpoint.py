@@ -13,25 +13,68 @@ before the batch file it lists is durable.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import orjson
 
-from pipegen.atomic import atomic_write_bytes
-from pipegen.units import RangeSet
+from pipegen.run.atomic import atomic_write_bytes
+from pipegen.run.layout import batch_file_name
 
 VERSION = 2
 
 
-def batch_file_name(number: int) -> str:
-    return f"batch_{number:05d}.pkl"
+class RangeSet:
+    """A set of non-negative ints stored as sorted, disjoint, non-adjacent half-open ranges.
+
+    Hand-written because no well-kept library offers a small, JSON-friendly interval set; adds are
+    O(log r + r) in the number of ranges r, which stays tiny when work completes roughly in order.
+    """
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = ()):
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        for start, end in ranges:
+            self.add_range(int(start), int(end))
+
+    def __contains__(self, key: int) -> bool:
+        i = bisect.bisect_right(self._starts, key) - 1
+        return i >= 0 and key < self._ends[i]
+
+    def __len__(self) -> int:
+        return sum(e - s for s, e in zip(self._starts, self._ends))
+
+    def __iter__(self) -> Iterator[int]:
+        for s, e in zip(self._starts, self._ends):
+            yield from range(s, e)
+
+    def add(self, key: int) -> None:
+        self.add_range(key, key + 1)
+
+    def add_range(self, start: int, end: int) -> None:
+        if end <= start:
+            return
+        lo = bisect.bisect_left(self._ends, start)  # first range that ends at/after start (touching merges)
+        hi = bisect.bisect_right(self._starts, end)  # ranges starting at/before end touch or overlap
+        if lo < hi:
+            start = min(start, self._starts[lo])
+            end = max(end, self._ends[hi - 1])
+        self._starts[lo:hi] = [start]
+        self._ends[lo:hi] = [end]
+
+    def ranges(self) -> list[list[int]]:
+        return [[s, e] for s, e in zip(self._starts, self._ends)]
+
+    @property
+    def num_ranges(self) -> int:
+        return len(self._starts)
 
 
 @dataclass
 class BatchLedger:
-    """The committed batch files: batch_00000.pkl .. batch_{count-1}.pkl, sizes run-length encoded."""
+    """The committed batch files, numbered 0..count-1, their sizes run-length encoded."""
 
     sizes: list[list[int]] = field(default_factory=list)  # [[rows, units, repeat], ...]
 
@@ -48,8 +91,12 @@ class BatchLedger:
     def rows(self) -> int:
         return sum(rows * r for rows, _, r in self.sizes)
 
+    def numbers(self) -> range:
+        """The batch numbers committed so far (RunDir.batch_file gives each one's path)."""
+        return range(len(self))
+
     def files(self) -> list[str]:
-        return [batch_file_name(i) for i in range(len(self))]
+        return [batch_file_name(i) for i in self.numbers()]
 
     def to_json(self) -> dict[str, Any]:
         return {"count": len(self), "rows": self.rows, "sizes": self.sizes}
@@ -68,6 +115,10 @@ class Checkpoint:
     launch: str = ""
     complete: bool = False
     merged: bool = False
+
+    def mark_failed(self, label: str, reason: str) -> None:
+        """A unit (records.unit_label) that gave up in this launch, and why."""
+        self.failed[label] = {"reason": reason}
 
     @property
     def num_committed(self) -> int:
@@ -116,6 +167,11 @@ class Checkpoint:
             complete=d.get("complete", False),
             merged=d.get("merged", False),
         )
+
+
+def failure_reason(entry: dict[str, Any] | None) -> str:
+    """The reason stored for one entry of Checkpoint.failed."""
+    return str((entry or {}).get("reason", ""))
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

@@ -1,15 +1,14 @@
-"""Stream records -> padded verl DataProto batches, and batches -> the merged trajectories.pkl.
+"""Stream records -> padded verl DataProto batches, exactly as verl's agent-loop postprocessing builds them.
 
 Batches are assembled by verl's own `AgentLoopWorker._postprocess`, run without Ray on a worker built
-with `__new__` (verl-integration.md §6). Per-trajectory padding uses verl's
+with `__new__` (only the attributes `_postprocess` reads are set). Per-trajectory padding uses verl's
 `_agent_loop_postprocess` for anything unusual (multimodal, routed experts, over-long sequences); for
 plain text it uses `pad_text_trajectory`, a direct torch version of the same padding that is ~10x
 faster than verl's per-row `tokenizer.pad` calls. tests/test_verl_parity.py checks the result against
 verl's real worker tensor for tensor, so the shortcut cannot drift silently.
 
-Owns: the record -> row mapping (one row per trajectory; a unit's trajectories stay together), the
-int32 storage form of batch files, and the merge (key alignment, (index, sample, trajectory) order,
-verl's int64 layout restored).
+Owns: the record -> row mapping (one row per trajectory; a unit's trajectories stay together), and
+the int32 storage form of batch files.
 Must never: touch the checkpoint or decide what is committed, or share its tokenizer (verl's
 padding mutates `tokenizer.padding_side`).
 """
@@ -18,13 +17,15 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-EXTRA_ROW_KEYS = ("sample", "trajectory", "seed")  # pipegen's own non-tensor keys beside verl's
+from pipegen.run.records import RolloutRecord
+
+ROW_ORDER = ("index", "sample", "trajectory")  # the non-tensor columns trajectories.pkl is sorted by
 INT_TENSORS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 
 
@@ -33,15 +34,6 @@ def object_array(values: list[Any]) -> np.ndarray:
     arr = np.empty(len(values), dtype=object)
     arr[:] = values
     return arr
-
-
-def unit_kwargs(record: dict[str, Any], default_agent: str) -> dict[str, Any]:
-    """The per-row kwargs verl's worker hands to the agent loop and its postprocessing."""
-    kwargs = dict(record["row"])
-    kwargs.setdefault("agent_name", default_agent)
-    kwargs["uid"] = record["uid"]
-    kwargs["priority"] = record["priority"]
-    return kwargs
 
 
 class BatchBuilder:
@@ -70,17 +62,17 @@ class BatchBuilder:
             return pad_text_trajectory(output, kwargs, self.prompt_length, self.response_length, self.pad_id)
         return await self.worker._agent_loop_postprocess(output, False, **kwargs)
 
-    async def build(self, records: list[dict[str, Any]]):
+    async def build(self, records: list[RolloutRecord]):
         """One padded DataProto with a row per trajectory of every record, in the given order."""
         from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
         items, rows = [], []
         for record in records:
-            kwargs = unit_kwargs(record, self.default_agent)
-            for t, traj in enumerate(record["trajectories"]):
+            kwargs = record.agent_kwargs(self.default_agent)
+            for t, traj in enumerate(record.trajectories):
                 output = AgentLoopOutput.model_validate(traj)
                 items.append(await self.postprocess(output, kwargs))
-                rows.append({**kwargs, "sample": record["sample"], "trajectory": t, "seed": record.get("seed")})
+                rows.append({**kwargs, "sample": record.sample, "trajectory": t, "seed": record.seed})
         keys = list(rows[0].keys())
         # dtypes as verl's collate_fn (object arrays) and AgentLoopManager (int64 priority) make them
         non_tensor = {k: object_array([r.get(k) for r in rows]) for k in keys}
@@ -137,6 +129,12 @@ def pad_text_trajectory(output, kwargs: dict[str, Any], prompt_length: int, resp
     )
 
 
+def load_batch(path: Path):
+    """A batch file as written (what DataProto.save_to_disk writes; from_storage restores int64)."""
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def to_storage(batch, int32: bool):
     """Halve batch files: token tensors fit int32 (ids and positions < 2**31)."""
     if int32:
@@ -153,56 +151,3 @@ def from_storage(batch):
     return batch
 
 
-def load_batch(path: Path):
-    with open(path, "rb") as f:
-        return pickle.load(f)
-
-
-def merge_batches(paths: Iterable[Path]):
-    """Concatenate batch files into verl's layout, sorted by (index, sample, trajectory).
-
-    Peak memory is about two copies of the output: the loaded parts, then their concatenation
-    (the parts are dropped before the sort's gather).
-    """
-    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
-    from verl.protocol import DataProto
-
-    parts = [from_storage(load_batch(p)) for p in paths]
-    if not parts:
-        raise ValueError("no batches to merge")
-    _align_keys(parts)
-    metrics = [m for part in parts for m in part.meta_info.pop("metrics", [])]
-    reward_keys = parts[0].meta_info.get("reward_extra_keys")
-    for part in parts:
-        part.meta_info = {}
-    merged = DataProto.concat(parts)
-    del parts
-    nt = merged.non_tensor_batch
-    order = np.lexsort((nt["trajectory"].astype(np.int64), nt["sample"].astype(np.int64), nt["index"].astype(np.int64)))
-    merged = merged.select_idxs(order)
-    metrics = [metrics[i] for i in order]
-    merged.meta_info = {"timing": AgentLoopManager._performance_metrics(None, [metrics], merged)}
-    if reward_keys is not None and "rm_scores" in merged.batch.keys():
-        merged.meta_info["reward_extra_keys"] = reward_keys
-    return merged
-
-
-def _align_keys(parts: list) -> None:
-    """DataProto.concat needs identical key sets; custom loops may set extra_fields only sometimes."""
-    all_keys: list[str] = []
-    for part in parts:
-        for k in part.non_tensor_batch:
-            if k not in all_keys:
-                all_keys.append(k)
-    for part in parts:
-        n = len(part)
-        part.non_tensor_batch = {
-            k: part.non_tensor_batch[k] if k in part.non_tensor_batch else object_array([None] * n) for k in all_keys
-        }
-    tensor_sets = [set(part.batch.keys()) for part in parts]
-    common = set.intersection(*tensor_sets)
-    if any(s != common for s in tensor_sets):
-        # rm_scores exists only where every row was scored; keep the merge consistent.
-        for part in parts:
-            for k in set(part.batch.keys()) - common:
-                del part.batch[k]

@@ -1,8 +1,9 @@
 """JSONL stream shards: the append side (actors) and the tail side (writer, resume scans).
 
-Layout: `streams/<topic>/actor_<k>/<seq>.jsonl`. Exactly one process appends to a shard; an actor opens
-a new shard on every start and when a shard passes its size limit, so every shard but the newest of
-each actor is *sealed* and immutable.
+Layout (named in layout.py): `streams/<topic>/actor_<k>/<seq>.jsonl`; what a line holds is
+records.py's. Exactly one process appends to a shard; an actor opens a new shard on every start and
+when a shard passes its size limit, so every shard but the newest of each actor is *sealed* and
+immutable.
 
 Line rules (the whole crash-safety story of the stream layer):
 - one record = one line = one `write()` of orjson bytes ending in `\n`, so `tail -f` shows it at once;
@@ -17,51 +18,20 @@ did not ask for.
 from __future__ import annotations
 
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
-import orjson
-
-SHARD_SUFFIX = ".jsonl"
-_DUMPS_OPTIONS = orjson.OPT_SERIALIZE_NUMPY  # numpy float32 arrays serialise as shortest exact repr
-_HEAD = re.compile(rb'^\{"index":(-?\d+),"sample":(\d+)')
-
-
-def encode_record(index: int, sample: int, body: dict[str, Any]) -> bytes:
-    """One JSONL line with `index` and `sample` first."""
-    return orjson.dumps({"index": index, "sample": sample, **body}, option=_DUMPS_OPTIONS) + b"\n"
-
-
-def read_head(line: bytes) -> tuple[int, int] | None:
-    """(index, sample) from the front of a line, without parsing the rest."""
-    m = _HEAD.match(line)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
-def actor_dir(topic_dir: Path, actor_rank: int) -> Path:
-    return Path(topic_dir) / f"actor_{actor_rank}"
-
-
-def list_shards(topic_dir: Path) -> dict[str, list[Path]]:
-    """Shards per actor folder, oldest first. Sequence numbers are zero-padded, so names sort."""
-    out: dict[str, list[Path]] = {}
-    topic_dir = Path(topic_dir)
-    if not topic_dir.is_dir():
-        return out
-    for sub in sorted(topic_dir.iterdir()):
-        if sub.is_dir():
-            out[sub.name] = sorted(sub.glob(f"*{SHARD_SUFFIX}"))
-    return out
+from pipegen.run.layout import actor_shard_dir, list_shards, shard_path, shard_seq
+from pipegen.run.records import read_head
 
 
 class ShardAppender:
     """Appends records to this actor's shards; opens a new shard at start and past max_bytes."""
 
     def __init__(self, topic_dir: Path, actor_rank: int, max_bytes: int, fsync_interval_s: float):
-        self.dir = actor_dir(topic_dir, actor_rank)
+        self.dir = actor_shard_dir(topic_dir, actor_rank)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.fsync_interval_s = fsync_interval_s
@@ -72,9 +42,9 @@ class ShardAppender:
         self._open_next()
 
     def _open_next(self) -> None:
-        existing = sorted(self.dir.glob(f"*{SHARD_SUFFIX}"))
-        seq = int(existing[-1].stem) + 1 if existing else 0
-        self.path = self.dir / f"{seq:06d}{SHARD_SUFFIX}"
+        existing = list_shards(self.dir.parent).get(self.dir.name, [])
+        seq = shard_seq(existing[-1]) + 1 if existing else 0
+        self.path = shard_path(self.dir, seq)
         # O_EXCL: two processes can never append to one shard, even if misconfigured with one rank.
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
         self._size = 0
@@ -136,7 +106,7 @@ class ShardTailer:
         for actor, shards in list_shards(self.topic_dir).items():
             done_below = self.sealed.get(actor, 0)
             for i, path in enumerate(shards):
-                seq = int(path.stem)
+                seq = shard_seq(path)
                 if seq < done_below:
                     continue
                 sealed = i < len(shards) - 1  # listed before reading: a newer shard means this one is final

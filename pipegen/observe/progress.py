@@ -2,7 +2,7 @@
 warnings and errors of every role's log.
 
 - `snapshot(run, n)`: checkpoint.json + the unit manifest + the latest stats line of each role, in
-  one summary (also read by `pipegen.status` and `pipegen.tracking`).
+  one summary (also read by `pipegen.observe.status` and `pipegen.observe.tracking`).
 - `ProgressBar`: tqdm with done/total, rate, ETA and `Saved: B batches | Pending: P | In-flight: F |
   Failed: X` (plus output tokens/s when the actors report them).
 - `LogWatcher`: follows DIR/logs/<role>.log from each role's latest start banner and hands back the
@@ -22,9 +22,9 @@ from typing import IO, Any
 
 import orjson
 
-from pipegen.checkpoint import load_checkpoint
-from pipegen.config import RunDir
-from pipegen.stats import aggregate, human_rate, latest_stats, line_alive
+from pipegen.run.checkpoint import load_checkpoint
+from pipegen.run.layout import RunDir, role_logs
+from pipegen.observe.stats import aggregate, human_rate, latest_stats, line_alive
 
 
 @dataclass
@@ -59,16 +59,10 @@ class Snapshot:
         return text
 
 
-def read_total(run: RunDir, n: int) -> int:
-    if not run.units_file.exists():
-        return 0
-    return len(orjson.loads(run.units_file.read_bytes())["indices"]) * n
-
-
 def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
     """The run's state now. Pass total when known: the manifest of a big dataset is not re-read."""
     snap = Snapshot()
-    snap.total = read_total(run, n) if total is None else total
+    snap.total = run.total_units(n) if total is None else total
     try:
         ckpt = load_checkpoint(run.checkpoint)
     except (orjson.JSONDecodeError, OSError, KeyError, TypeError):
@@ -130,7 +124,7 @@ class ProgressBar:
 
 # ---- warnings and errors from the role logs ----
 
-# pipegen's own format (pipegen.logs): "2025-01-01 12:00:00 WARNING [writer] pipegen.writer: message"
+# pipegen's own format (pipegen.observe.logs): "2025-01-01 12:00:00 WARNING [writer] pipegen.writer: message"
 _OWN = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:[.,]\d+)? (WARNING|ERROR|CRITICAL) \[[^\]]+\] (.*)$")
 # anyone else's (uvicorn "ERROR:    ...", SGLang "[2025-..] WARNING ...", "... - ERROR - ...")
 _OTHER = re.compile(r"^.{0,48}?\b(WARNING|WARN|ERROR|CRITICAL|FATAL)\b[\s:\]-]")
@@ -176,7 +170,7 @@ class LogWatcher:
         out: list[str] = []
         if not self.logs_dir.is_dir():
             return out
-        for path in sorted(self.logs_dir.glob("*.log")):
+        for path in role_logs(self.logs_dir):
             role = path.stem
             if role.startswith("launch"):  # the launcher's own log already goes to its console
                 continue

@@ -6,10 +6,11 @@ Must never: leave a half-written file under its final name, or hold state betwee
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 from typing import IO, Callable
+
+from filelock import FileLock, Timeout
 
 
 def fsync_dir(path: Path) -> None:
@@ -49,31 +50,30 @@ def remove_stale_temporaries(directory: Path) -> int:
 
 
 class DirectoryLock:
-    """An exclusive OS lock (flock) on a file: released by the kernel when the holder dies.
+    """An exclusive OS lock (filelock's flock) on a file: released by the kernel when the holder dies.
 
-    The holder's pid is written into the file so a refused process can name it.
+    The holder's pid is written into the file so a refused process, and `pipegen.status`, can name it.
     """
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._fd: int | None = None
+        self._lock = FileLock(str(self.path))
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            try:
+                holder = self.path.read_text().strip() or "unknown"
+            except OSError:
+                holder = "unknown"
             raise LockHeld(self.path, holder) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+        with open(self.path, "r+") as f:  # the lock is on the inode, so a second descriptor may write
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        self._lock.release()
 
 
 class LockHeld(RuntimeError):

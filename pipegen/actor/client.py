@@ -4,7 +4,7 @@ Owns:
 - the request: verl's sampling params mapped to SGLang's native body exactly as verl's SGLang adapter does
   (the `max_new_tokens` rule, `logprobs` popped to top-level `return_logprob`, no unknown keys inside
   `sampling_params`), a fresh `rid` per attempt, the unit's `sampling_seed`, token ids checked against the
-  vocabulary before sending (sglang-protocol.md §6, §9);
+  vocabulary before sending (SGLang does not check ids itself);
 - the answer: SGLang's JSON parsed into verl's `TokenOutput` the way verl's SGLang server builds it;
 - routing: every request of one sticky key (the prompt's index: its n samples and every turn of a unit)
   goes to one server, chosen by least in-flight requests when the key is new or its server is out of
@@ -347,10 +347,8 @@ class UnitServerManager:
         self.pool = pool
         self.sticky_key = sticky_key
         self.sampling_seed = sampling_seed
-        self.requests = 0
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
-        self.requests += 1
         return await self.pool.generate(
             request_id,
             prompt_ids=prompt_ids,

@@ -1,8 +1,7 @@
 """The prompt dataset, read through verl's RLHFDataset exactly as verl's trainer reads it.
 
-Owns: building the dataset from the saved config, checking that every row has a unique `index`,
-turning a dataset row into the non-tensor fields verl's agent loop receives, and the unit manifest
-(`conf/units.json`: the dataset's indices in order) that the actors and the writer share.
+Owns: building the dataset from the saved config, checking that every row has a unique `index` (the
+unit manifest's content) and that every prompt fits.
 Must never: modify a data file, or be imported by the launcher before the config is validated
 (importing verl costs seconds).
 """
@@ -10,13 +9,7 @@ Must never: modify a data file, or be imported by the launcher before the config
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import orjson
 from omegaconf import DictConfig
-
-from pipegen.atomic import atomic_write_bytes
 
 
 class DatasetError(ValueError):
@@ -47,20 +40,6 @@ def load_dataset(cfg: DictConfig, tokenizer):
             f"train_files: column {e} is missing; verl's format needs data.prompt_key "
             f"(now '{cfg.data.prompt_key}') with chat messages. Set data.prompt_key=YOUR_COLUMN"
         ) from None
-
-
-def row_fields(dataset, position: int) -> dict[str, Any]:
-    """The row's non-tensor fields, as verl's collate + agent-loop worker would pass them on."""
-    row = dataset[position]
-    fields = {k: v for k, v in row.items() if not hasattr(v, "dtype") or isinstance(v, np.ndarray)}
-    fields.pop("dummy_tensor", None)
-    # Arrow unifies struct schemas, so a missing tools_kwargs reads back as None; verl's tool loop
-    # then fails inside the tool call. Normalise like verl-integration.md §3 says.
-    if fields.get("tools_kwargs") is None:
-        fields["tools_kwargs"] = {}
-    if fields.get("interaction_kwargs") is None:
-        fields["interaction_kwargs"] = {}
-    return fields
 
 
 def dataset_indices(dataset) -> list[int]:
@@ -96,7 +75,7 @@ def check_prompt_lengths(cfg: DictConfig, dataset, tokenizer) -> None:
     from verl.utils.tokenizer import normalize_token_ids
 
     for pos in range(len(dataset)):
-        messages = row_fields(dataset, pos)["raw_prompt"]
+        messages = dataset[pos]["raw_prompt"]
         ids = normalize_token_ids(
             tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **kwargs)
         )
@@ -105,11 +84,3 @@ def check_prompt_lengths(cfg: DictConfig, dataset, tokenizer) -> None:
                 f"row {pos}: the prompt is {len(ids)} tokens, longer than max_prompt_length={limit}; "
                 f"raise max_prompt_length or set data.filter_overlong_prompts=true to drop such rows"
             )
-
-
-def write_manifest(path: Path, indices: list[int]) -> None:
-    atomic_write_bytes(path, orjson.dumps({"indices": indices}))
-
-
-def read_manifest(path: Path) -> list[int]:
-    return orjson.loads(Path(path).read_bytes())["indices"]

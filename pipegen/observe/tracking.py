@@ -1,7 +1,7 @@
 """Metrics and the artifact through verl's `Tracking` (console, file, wandb, ... from `trainer.logger`).
 
 - `RunTracker`: the launcher's view of the run over time. Called every refresh with a
-  `pipegen.progress.Snapshot`; computes aggregated metrics (progress, units/s, output tokens/s,
+  `pipegen.observe.progress.Snapshot`; computes aggregated metrics (progress, units/s, output tokens/s,
   in-flight, failed, latency p50/p95, finish reasons, turns, response lengths, mean reward, errors,
   duplicates, torn lines) and, every `interval_s`, logs them through verl's `Tracking` and appends
   them to DIR/streams/stats/launch.jsonl. One wandb run per launch, named `trainer.experiment_name`
@@ -23,18 +23,16 @@ partial trajectories.zip, or import verl/wandb unless a backend needs them.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import re
 import time
 from typing import Any, Iterator
 
-import orjson
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.config import RunDir
-from pipegen.stats import Rates, StatsAppender, flatten_numbers
+from pipegen.run.layout import RunDir
+from pipegen.observe.stats import Rates, StatsAppender, flatten_numbers
 
 log = logging.getLogger("pipegen.tracking")
 
@@ -42,21 +40,6 @@ DEFAULT_INTERVAL_S = 10.0
 CONSOLE_KEYS = ("progress/committed", "progress/total", "progress/failed", "progress/in_flight",
                 "throughput/units_per_s", "throughput/output_tokens_per_s", "latency/p50_s", "latency/p95_s",
                 "reward/mean", "errors/total")
-
-
-def run_key(run: RunDir) -> str:
-    """The run's stable key (as the launcher derives it): a hash of conf/fingerprint.json."""
-    try:
-        return hashlib.sha256(run.fingerprint_file.read_bytes()).hexdigest()[:16]
-    except OSError:
-        return "unknown"
-
-
-def launch_id(run: RunDir) -> str:
-    try:
-        return str(orjson.loads(run.launch_file.read_bytes()).get("launch", ""))
-    except (OSError, orjson.JSONDecodeError):
-        return ""
 
 
 def backends_for(cfg: DictConfig, console: bool) -> list[str]:
@@ -69,14 +52,14 @@ def backends_for(cfg: DictConfig, console: bool) -> list[str]:
 @contextlib.contextmanager
 def _env_defaults(cfg: DictConfig, run: RunDir, job_type: str) -> Iterator[None]:
     """Set pipegen's wandb/file-logger defaults for the duration of a backend's init."""
-    lid = launch_id(run)[:8] or time.strftime("%Y%m%d-%H%M%S")
+    lid = run.read_launch().launch[:8] or time.strftime("%Y%m%d-%H%M%S")
     defaults = {
         "WANDB_DIR": str(run.root),
         "WANDB_SILENT": "true",
         "WANDB_CONSOLE": "off",
-        "WANDB_RUN_GROUP": f"{cfg.trainer.experiment_name}-{run_key(run)}",
+        "WANDB_RUN_GROUP": f"{cfg.trainer.experiment_name}-{(run.run_key() or 'unknown')}",
         "WANDB_JOB_TYPE": job_type,
-        "VERL_FILE_LOGGER_PATH": str(run.logs / f"metrics-{lid}.jsonl"),
+        "VERL_FILE_LOGGER_PATH": str(run.metrics_log(lid)),
     }
     added = {k: v for k, v in defaults.items() if not os.environ.get(k)}
     os.environ.update(added)
@@ -233,7 +216,7 @@ def upload_artifact(cfg: DictConfig, run: RunDir) -> None:
         log.error("no %s to upload", run.artifact)
         return
     try:
-        from pipegen.checkpoint import load_checkpoint
+        from pipegen.run.checkpoint import load_checkpoint
 
         ckpt = load_checkpoint(run.checkpoint)
         rollout = cfg.actor_rollout_ref.rollout
@@ -245,7 +228,7 @@ def upload_artifact(cfg: DictConfig, run: RunDir) -> None:
             "train_files": OmegaConf.to_container(cfg.data, resolve=True).get("train_files"),
             "n": int(rollout.n),
             "temperature": float(rollout.temperature),
-            "run_key": run_key(run),
+            "run_key": (run.run_key() or 'unknown'),
             "output_dir": str(run.root),
         }
         tracking = make_tracking(cfg, run, ["wandb"], job_type="upload")
@@ -253,8 +236,8 @@ def upload_artifact(cfg: DictConfig, run: RunDir) -> None:
         art = wandb.Artifact(artifact_name(cfg), type="dataset", metadata=metadata,
                              description=f"pipegen trajectories ({ckpt.num_rows} rows) from {run.root}")
         # immutable: referenced in place, not copied into wandb's staging area (it can be many GB)
-        art.add_file(str(run.artifact), name="trajectories.zip", policy="immutable")
-        wandb.run.log_artifact(art, aliases=["latest", f"run-{run_key(run)}"])
+        art.add_file(str(run.artifact), name=run.artifact.name, policy="immutable")
+        wandb.run.log_artifact(art, aliases=["latest", f"run-{(run.run_key() or 'unknown')}"])
         where = wandb_run_dir(tracking)
         tracking.finish(exit_code=0)
         log.info("artifact %s logged to wandb%s", artifact_name(cfg), f" ({os.path.dirname(where)})" if where else "")

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 PARENT_ENV = "PIPEGEN_PARENT_PID"
 
@@ -51,3 +52,25 @@ def watch_parent(poll_s: float = 1.0) -> None:
                 os._exit(3)
 
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+class OncePerMessageFilter(logging.Filter):
+    """Lets each distinct message of the selected loggers through once per process (bounded memory).
+
+    verl logs some warnings per agent-loop instance, i.e. once per unit; one copy says it all."""
+
+    def __init__(self, selects: Callable[[logging.LogRecord], bool], limit: int = 10000):
+        super().__init__()
+        self.selects = selects
+        self.seen: set[tuple[str, str]] = set()
+        self.limit = limit
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.selects(record):
+            return True
+        key = (record.name, record.getMessage())
+        if key in self.seen:
+            return False
+        if len(self.seen) < self.limit:
+            self.seen.add(key)
+        return True

@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from pipegen.run.layout import stats_file, stats_files
+
 HOST = socket.gethostname()
 # Cumulative counters that get a `<name>_per_s` companion (the rate since this process's previous line).
 RATE_COUNTERS = ("completed", "output_tokens", "requests", "committed", "lines")
@@ -44,7 +46,7 @@ class StatsAppender:
     def __init__(self, stats_dir: Path, role: str):
         Path(stats_dir).mkdir(parents=True, exist_ok=True)
         self.role = role
-        self.path = Path(stats_dir) / f"{role}.jsonl"
+        self.path = stats_file(stats_dir, role)
         self.started = time.time()
         self.seq = 0
         self._previous: tuple[float, dict[str, float]] = (self.started, {})
@@ -114,7 +116,7 @@ def latest_stats(stats_dir: Path) -> dict[str, dict[str, Any]]:
     stats_dir = Path(stats_dir)
     if not stats_dir.is_dir():
         return out
-    for path in sorted(stats_dir.glob("*.jsonl")):
+    for path in stats_files(stats_dir):
         lines = read_stats(path, 16384) or read_stats(path, 1 << 20)
         if lines:
             out[path.stem] = lines[-1]
@@ -125,7 +127,7 @@ def stats_history(stats_dir: Path, max_bytes: int = 32 << 20) -> dict[str, list[
     stats_dir = Path(stats_dir)
     if not stats_dir.is_dir():
         return {}
-    return {p.stem: read_stats(p, max_bytes) for p in sorted(stats_dir.glob("*.jsonl"))}
+    return {p.stem: read_stats(p, max_bytes) for p in stats_files(stats_dir)}
 
 
 def pid_alive(pid: Any, host: str | None = None) -> bool | None:

@@ -2,7 +2,7 @@
 
 `python -m pipegen.writer output_dir=DIR` starts or restarts it, alone or under the launcher.
 
-The commit protocol (design.md), in order, each step crash-safe on its own:
+The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md tells why each holds):
  1. read new complete lines from every shard from the checkpoint's byte offsets;
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows, or after pull_timeout seconds without new lines, build a padded batch,
@@ -25,21 +25,19 @@ import pickle
 import signal
 import sys
 import time
-import zipfile
-from pathlib import Path
-from typing import Any
 
 import orjson
 from omegaconf import DictConfig
 
-from pipegen.atomic import DirectoryLock, LockHeld, atomic_write, remove_stale_temporaries
-from pipegen.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from pipegen.config import RunDir, load_run_config, output_dir_from_args
-from pipegen.dataset import read_manifest
-from pipegen.fingerprint import check_fingerprint
-from pipegen.logs import setup_logging, watch_parent
-from pipegen.stats import StatsAppender
-from pipegen.streams import ShardTailer
+from pipegen.observe.logs import setup_logging, watch_parent
+from pipegen.observe.stats import StatsAppender
+from pipegen.run.atomic import DirectoryLock, LockHeld, atomic_write, remove_stale_temporaries
+from pipegen.run.checkpoint import failure_reason, load_checkpoint, save_checkpoint
+from pipegen.run.config import load_run_config
+from pipegen.run.fingerprint import check_fingerprint
+from pipegen.run.layout import RunDir, output_dir_from_args
+from pipegen.run.records import FailureRecord, RolloutRecord, UnitKeys, parse_unit_label, unit_label
+from pipegen.run.streams import ShardTailer
 
 log = logging.getLogger("pipegen.writer")
 
@@ -69,29 +67,28 @@ class Writer:
         self.cfg = cfg
         self.run = run
         self.gen = cfg.generation
-        self.n = int(cfg.actor_rollout_ref.rollout.n)
+        self.keys = UnitKeys(int(cfg.actor_rollout_ref.rollout.n))
         self.fault = FaultInjector(os.environ.get(FAULT_ENV))
-        indices = read_manifest(run.units_file)
-        self.total_units = len(indices) * self.n
-        self.valid_index = set(indices)
-        self.launch = orjson.loads(run.launch_file.read_bytes())["launch"] if run.launch_file.exists() else ""
+        self.total_units = run.total_units(self.keys.n)
+        self.valid_index = set(run.read_manifest())
+        self.launch = run.read_launch().launch
         self.ckpt = load_checkpoint(run.checkpoint)
-        self.buffer: dict[int, dict[str, Any]] = {}
+        self.buffer: dict[int, RolloutRecord] = {}
         self.buffered_rows = 0
         self.duplicates = 0
         self.unknown_units = 0
-        self.builder: Any = None
+        self.builder = None  # BatchBuilder, made in main() (it imports verl)
         self.stats = StatsAppender(run.stats, "writer")
 
     # ---- start-up (step 5) ----
     def recover(self) -> None:
-        listed = set(self.ckpt.batches.files())
-        orphans = [p for p in self.run.root.glob("batch_*.pkl") if p.name not in listed]
+        listed = {self.run.batch_file(i) for i in self.ckpt.batches.numbers()}
+        orphans = [p for p in self.run.batch_files_on_disk() if p not in listed]
         for p in orphans:
             log.warning("deleting %s: written before a crash, never committed by the checkpoint", p.name)
             p.unlink()
         remove_stale_temporaries(self.run.root)
-        self.ckpt.fingerprint = _fingerprint_digest(self.run)
+        self.ckpt.fingerprint = self.run.run_key()
         if self.ckpt.launch != self.launch:
             # A new launch retries the units that failed before; forget their old failures.
             self.ckpt.failed = {}
@@ -104,36 +101,32 @@ class Writer:
             self.ckpt.num_committed, self.total_units, len(self.ckpt.batches), len(self.ckpt.rollout_offsets),
         )
 
-    def _key(self, index: int, sample: int) -> int:
-        return index * self.n + sample
-
     # ---- steps 1-2 ----
     async def pull(self) -> int:
         """Consume new lines; commit whenever the buffer is full. Returns lines consumed."""
         got = 0
         for _, _, line in self.failures.lines():
             got += 1
-            rec = orjson.loads(line)
-            key = self._key(rec["index"], rec["sample"])
-            if rec.get("launch") == self.launch and key not in self.ckpt.committed:
-                self.ckpt.failed[f"{rec['index']}:{rec['sample']}"] = {"reason": rec.get("reason", "")}
+            failure = FailureRecord.from_line(line)
+            key = self.keys.key(failure.index, failure.sample)
+            if failure.launch == self.launch and key not in self.ckpt.committed:
+                self.ckpt.mark_failed(unit_label(failure.index, failure.sample), failure.reason)
         for _, _, line in self.rollouts.lines():
             got += 1
             try:
-                rec = orjson.loads(line)
-            except orjson.JSONDecodeError:
+                rec = RolloutRecord.from_line(line)
+            except (orjson.JSONDecodeError, TypeError):
                 log.error("unparseable line in a rollout shard (skipped): %r", line[:120])
                 continue
-            index, sample = rec["index"], rec["sample"]
-            if index not in self.valid_index or not 0 <= sample < self.n:
+            if rec.index not in self.valid_index or not self.keys.valid_sample(rec.sample):
                 self.unknown_units += 1
                 continue
-            key = self._key(index, sample)
+            key = self.keys.key(rec.index, rec.sample)
             if key in self.ckpt.committed or key in self.buffer:
                 self.duplicates += 1
                 continue
             self.buffer[key] = rec
-            self.buffered_rows += len(rec["trajectories"])
+            self.buffered_rows += rec.num_rows
             if self.buffered_rows >= int(self.gen.save_batch_size):
                 await self.commit()
         return got
@@ -142,7 +135,7 @@ class Writer:
     async def commit(self) -> None:
         if not self.buffer:
             return
-        from pipegen.batches import to_storage
+        from pipegen.writer.batches import to_storage
 
         keys = sorted(self.buffer)
         batch = to_storage(await self.builder.build([self.buffer[k] for k in keys]), bool(self.gen.batch_int32))
@@ -160,7 +153,7 @@ class Writer:
         ckpt.batches.add(len(batch), len(keys))
         for k in keys:
             ckpt.committed.add(k)
-            ckpt.failed.pop(f"{k // self.n}:{k % self.n}", None)
+            ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
         self._record_offsets()
         self._save_checkpoint()
         self.buffer.clear()
@@ -184,7 +177,7 @@ class Writer:
 
     # ---- step 6 ----
     def settled(self) -> bool:
-        failed_keys = {self._key(*map(int, k.split(":"))) for k in self.ckpt.failed}
+        failed_keys = {self.keys.key(*parse_unit_label(label)) for label in self.ckpt.failed}
         pending = self.total_units - self.ckpt.num_committed - len(self.buffer) - len(failed_keys)
         return pending <= 0
 
@@ -194,36 +187,16 @@ class Writer:
         self._record_offsets()
         complete = ckpt.num_committed == self.total_units
         if complete and self.gen.final_merge and ckpt.batches:
-            from pipegen.batches import merge_batches
+            from pipegen.writer.merge import merge_run
 
-            started = time.monotonic()
-            merged = merge_batches([self.run.root / name for name in ckpt.batches.files()])
-            atomic_write(self.run.trajectories, lambda f: pickle.dump(merged, f))
-            del merged
-            self._write_artifact()
+            merge_run(self.cfg, self.run, ckpt)
             ckpt.merged = True
-            log.info("merged %d rows into %s in %.1fs", ckpt.num_rows, self.run.trajectories, time.monotonic() - started)
         ckpt.complete = complete
         save_checkpoint(self.run.checkpoint, ckpt)
         if ckpt.failed:
             log.error("%d unit(s) failed in this launch (relaunch the same command to retry them):", len(ckpt.failed))
             for unit, info in list(ckpt.failed.items())[:20]:
-                log.error("  unit %s: %s", unit, info.get("reason"))
-
-    def _write_artifact(self) -> None:
-        run = self.run
-
-        def write(f) -> None:
-            with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as z:
-                z.write(run.trajectories, "trajectories.pkl")
-                z.write(run.checkpoint, "checkpoint.json") if run.checkpoint.exists() else None
-                z.write(run.config_file, "conf/config.yaml")
-
-        atomic_write(run.artifact, write)
-        if self.gen.upload_artifact and "wandb" in list(self.cfg.trainer.logger):
-            from pipegen.tracking import upload_artifact
-
-            upload_artifact(self.cfg, run)
+                log.error("  unit %s: %s", unit, failure_reason(info))
 
     def write_stats(self, final: bool = False) -> None:
         self.stats.append(
@@ -242,8 +215,8 @@ class Writer:
         )
 
     async def main(self) -> int:
-        from pipegen.batches import BatchBuilder
-        from pipegen.dataset import load_tokenizer
+        from pipegen.writer.batches import BatchBuilder
+        from pipegen.actor.dataset import load_tokenizer
 
         # Import verl and load the tokenizer up front (seconds), not on the first commit.
         self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg))
@@ -274,13 +247,6 @@ class Writer:
             await asyncio.sleep(sleep)
 
 
-def _fingerprint_digest(run: RunDir) -> str:
-    import hashlib
-
-    path = run.fingerprint_file
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     run = RunDir(output_dir_from_args(argv))
@@ -304,6 +270,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         lock.release()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

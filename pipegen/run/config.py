@@ -1,7 +1,7 @@
 """Config: compose pipegen's Hydra config with verl's groups once, save it, load it in every child.
 
 Owns: finding verl's config folder without importing verl, composing `conf/pipegen.yaml` with CLI
-overrides, writing and reading `OUTPUT_DIR/conf/config.yaml`, and the run-directory layout.
+overrides, writing and reading `OUTPUT_DIR/conf/config.yaml`.
 Must never: import verl or torch (the launcher's startup stays fast), or compose verl's groups in a
 child process (children read the saved file so every role sees exactly one config).
 """
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from pipegen.run.atomic import atomic_write_bytes
+from pipegen.run.layout import RunDir
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 PRIMARY = "pipegen"
 
 
@@ -45,80 +47,6 @@ def resolved(cfg: DictConfig) -> DictConfig:
     return out
 
 
-@dataclass(frozen=True)
-class RunDir:
-    """Every path pipegen writes under output_dir, in one place."""
-
-    root: Path
-
-    @property
-    def conf(self) -> Path:
-        return self.root / "conf"
-
-    @property
-    def config_file(self) -> Path:
-        return self.conf / "config.yaml"
-
-    @property
-    def units_file(self) -> Path:
-        return self.conf / "units.json"
-
-    @property
-    def fingerprint_file(self) -> Path:
-        return self.conf / "fingerprint.json"
-
-    @property
-    def launch_file(self) -> Path:
-        return self.conf / "launch.json"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def streams(self) -> Path:
-        return self.root / "streams"
-
-    @property
-    def rollouts(self) -> Path:
-        return self.streams / "rollouts"
-
-    @property
-    def failures(self) -> Path:
-        return self.streams / "failures"
-
-    @property
-    def stats(self) -> Path:
-        return self.streams / "stats"
-
-    @property
-    def checkpoint(self) -> Path:
-        return self.root / "checkpoint.json"
-
-    @property
-    def writer_lock(self) -> Path:
-        return self.root / ".writer.lock"
-
-    @property
-    def trajectories(self) -> Path:
-        return self.root / "trajectories.pkl"
-
-    @property
-    def artifact(self) -> Path:
-        return self.root / "trajectories.zip"
-
-    def batch_file(self, number: int) -> Path:
-        return self.root / f"batch_{number:05d}.pkl"
-
-
-def output_dir_from_args(args: list[str]) -> Path:
-    """The output_dir=... override from a child's argv (children get only that and their identity)."""
-    for arg in args:
-        if arg.startswith("output_dir="):
-            return Path(arg.split("=", 1)[1]).expanduser().resolve()
-    raise SystemExit("missing output_dir=DIR (the run directory)")
-
-
 def load_run_config(run: RunDir) -> DictConfig:
     """Load the resolved config a launcher saved; a clear error when the directory is not a run."""
     if not run.config_file.exists():
@@ -132,7 +60,5 @@ def load_run_config(run: RunDir) -> DictConfig:
 
 
 def save_run_config(run: RunDir, cfg: DictConfig) -> None:
-    from pipegen.atomic import atomic_write_bytes
-
     run.conf.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run.config_file, OmegaConf.to_yaml(cfg, resolve=True).encode())

@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.atomic import atomic_write_bytes
+from pipegen.run.atomic import atomic_write_bytes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "config.json", "generation_config.json")
@@ -84,7 +84,7 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
             "truncation": data.get("truncation"),
         },
         "apply_chat_template_kwargs": _plain(data.get("apply_chat_template_kwargs")),
-        "generator": "fake engine" if llm.get("engine") == "fake" else "model",
+        "generator": "model" if llm.get("engine", "hf") == "hf" else "fake engine",
         "n": int(rollout.n),
         "seed": cfg.get("seed"),
         "per_unit_seed": cfg.actors.get("per_unit_seed"),

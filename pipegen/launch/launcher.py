@@ -20,12 +20,13 @@ from pathlib import Path
 import orjson
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipegen.atomic import atomic_write_bytes
-from pipegen.config import CONF_DIR, RunDir, compose, resolved, save_run_config
-from pipegen.fingerprint import OVERRIDE_KEY, compute_fingerprint, mismatch_message, save_fingerprint
-from pipegen.logs import setup_logging
-from pipegen.supervise import CrashLoop, Role, Supervisor
-from pipegen.writer import EXIT_FAILED_UNITS
+from pipegen.launch.supervise import Role, Supervisor
+from pipegen.observe.logs import setup_logging
+from pipegen.run.checkpoint import failure_reason
+from pipegen.run.config import CONF_DIR, compose, resolved, save_run_config
+from pipegen.run.fingerprint import OVERRIDE_KEY, compute_fingerprint, mismatch_message, save_fingerprint
+from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
+from pipegen.writer.commit import EXIT_FAILED_UNITS
 
 log = logging.getLogger("pipegen.launch")
 
@@ -112,7 +113,7 @@ def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
 
 def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     """Load the dataset once through verl, check it, and record its unit indices."""
-    from pipegen.dataset import check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer, write_manifest
+    from pipegen.actor.dataset import check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
 
     tokenizer = load_tokenizer(cfg)
     dataset = load_dataset(cfg, tokenizer)
@@ -120,7 +121,7 @@ def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     if not indices:
         raise ValueError("train_files: the dataset has no rows (after max_samples / filtering)")
     check_prompt_lengths(cfg, dataset, tokenizer)
-    write_manifest(run.units_file, indices)
+    run.write_manifest(indices)
     return len(indices)
 
 
@@ -128,16 +129,16 @@ class Launcher:
     def __init__(self, cfg: DictConfig, run: RunDir):
         self.cfg = cfg
         self.run = run
-        self.sup = Supervisor(run.logs)
+        self.sup = Supervisor(run)
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self._stopping = False
 
     def _role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
-        return self.sup.add(Role(name, argv, env or {}, self.run.logs / f"{name}.log", restartable,
+        return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
                                  int(self.cfg.generation.restart_limit)))
 
     def start_servers(self, plan) -> None:
-        from pipegen.servers.launch_commands import cpu_server_command, sglang_server_command, wait_ready
+        from pipegen.launch.servers import cpu_server_command, sglang_server_command, wait_ready
 
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
         build = cpu_server_command if llm["kind"] == "cpu" else sglang_server_command
@@ -169,7 +170,7 @@ class Launcher:
         world_actors = plan.num_actors * plan.node.world_size
         for k in range(plan.num_actors):
             rank = plan.node.rank * plan.num_actors + k
-            self.sup.start(self._role(f"actor_{rank}", [py, "-m", "pipegen.actor", out, f"rank={rank}",
+            self.sup.start(self._role(actor_role(rank), [py, "-m", "pipegen.actor", out, f"rank={rank}",
                                                         f"num_actors={world_actors}"]))
         return self.supervise(writer, total)
 
@@ -179,8 +180,8 @@ class Launcher:
         metrics through RunTracker (on the writer's node only, so a multi-node run tracks once)."""
         from contextlib import ExitStack
 
-        from pipegen.progress import LogWatcher, ProgressBar, snapshot
-        from pipegen.tracking import RunTracker
+        from pipegen.observe.progress import LogWatcher, ProgressBar, snapshot
+        from pipegen.observe.tracking import RunTracker
 
         watcher = LogWatcher(self.run.logs)
         tracker = RunTracker(self.cfg, self.run) if writer is not None else None
@@ -236,8 +237,8 @@ class Launcher:
 
 def report(run: RunDir, n: int) -> int:
     """The closing summary: where the data is, or which units failed and why. 0 when complete."""
-    from pipegen.progress import snapshot
-    from pipegen.stats import human_rate
+    from pipegen.observe.progress import snapshot
+    from pipegen.observe.stats import human_rate
 
     snap = snapshot(run, n)
     launch = snap.roles.get("launch") or {}
@@ -252,13 +253,13 @@ def report(run: RunDir, n: int) -> int:
             print(f"  trajectories: {run.trajectories}")
             print(f"  artifact:     {run.artifact}")
         else:
-            print(f"  batches:      {run.root}/batch_*.pkl (generation.final_merge=false)")
+            print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
         print(f"  logs:         {run.logs}/   streams: {run.streams}/")
         return 0
     print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed. "
           f"Reasons: {run.checkpoint} ('failed'); rerun the same command to retry them.", file=sys.stderr)
     for unit, info in list(snap.failed_units.items())[:10]:
-        print(f"  unit {unit}: {info.get('reason')}", file=sys.stderr)
+        print(f"  unit {unit}: {failure_reason(info)}", file=sys.stderr)
     print(f"  logs: {run.logs}/   details: python -m pipegen.status {run.root}", file=sys.stderr)
     return 1
 
@@ -288,10 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         return fail(problem)
     root_logger = logging.getLogger()
-    file_handler = logging.FileHandler(run.logs / "launch.log")
+    file_handler = logging.FileHandler(run.role_log("launch"))
     file_handler.setFormatter(root_logger.handlers[0].formatter)
     root_logger.addHandler(file_handler)
-    from pipegen.checkpoint import load_checkpoint
+    from pipegen.run.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(run.checkpoint)
     n = int(cfg.actor_rollout_ref.rollout.n)
@@ -306,27 +307,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipegen: {run.root} is already complete.")
         return report(run, n)
 
-    from pipegen.world import PlanError, current_plan
+    from pipegen.launch.world import PlanError, current_plan
 
     try:
         plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), int(cfg.actors.num_actors))
     except PlanError as e:
         return fail(str(e))
-    launch_record = {
-        "launch": uuid.uuid4().hex,
-        "run_key": _run_key(run),
-        "servers": plan.urls,
-        "started": time.time(),
-        "node_rank": plan.node.rank,
-    }
-    atomic_write_bytes(run.launch_file, orjson.dumps(launch_record, option=orjson.OPT_INDENT_2))
+    run.write_launch(LaunchRecord(launch=uuid.uuid4().hex, run_key=run.run_key(), servers=plan.urls,
+                                  node_rank=plan.node.rank))
     launcher = Launcher(cfg, run)
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    total = len(orjson.loads(run.units_file.read_bytes())["indices"]) * n
+    total = run.total_units(n)
     started = time.monotonic()
     try:
         launcher.start_servers(plan)
@@ -335,10 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\npipegen: interrupted; stopping every process. Run the same command to resume.", file=sys.stderr)
         launcher.stop()
         return 130
-    except CrashLoop as e:
-        launcher.stop()
-        return fail(str(e))
-    except Exception as e:
+    except Exception as e:  # CrashLoop, ServerNotReady, ...: each says what failed and where its log is
         launcher.stop()
         return fail(str(e))
     launcher.stop()
@@ -348,14 +340,3 @@ def main(argv: list[str] | None = None) -> int:
               f"(python -m pipegen.writer output_dir={run.root}).")
         return 0
     return report(run, n)
-
-
-def _run_key(run: RunDir) -> str:
-    """Stable across launches of one run and equal for identical setups: derived from the fingerprint."""
-    import hashlib
-
-    return hashlib.sha256(run.fingerprint_file.read_bytes()).hexdigest()[:16]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipegen.logs import PARENT_ENV
+from pipegen.observe.logs import PARENT_ENV
+from pipegen.run.layout import RunDir
 
 log = logging.getLogger("pipegen.supervise")
 
@@ -54,9 +55,9 @@ class Role:
 
 
 class Supervisor:
-    def __init__(self, logs_dir: Path):
-        self.logs_dir = Path(logs_dir)
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run: RunDir):
+        self.run = run
+        run.logs.mkdir(parents=True, exist_ok=True)
         self.roles: dict[str, Role] = {}
 
     def add(self, role: Role) -> Role:
@@ -78,11 +79,11 @@ class Supervisor:
         log.debug("started %s pid %d", role.name, role.proc.pid)
 
     def _save_command(self, role: Role) -> None:
-        lines = ["#!/usr/bin/env bash", f"# restart {role.name} by hand: bash {role.log_path.with_suffix('.cmd.sh')}"]
+        path = self.run.role_command(role.name)
+        lines = ["#!/usr/bin/env bash", f"# restart {role.name} by hand: bash {path}"]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(role.env.items())]
         lines.append(f"cd {shlex.quote(os.getcwd())}")
         lines.append(" ".join(shlex.quote(a) for a in role.argv))
-        path = role.log_path.with_suffix(".cmd.sh")
         path.write_text("\n".join(lines) + "\n")
         path.chmod(0o755)
 
@@ -120,9 +121,6 @@ class Supervisor:
             role.restart_at = now + backoff
             log.warning("%s exited with code %s; restarting in %.1fs (log: %s)", role.name, rc, backoff, role.log_path)
         return finished
-
-    def stop(self, role: Role, grace_s: float = 5.0) -> None:
-        self._signal_all([role], grace_s)
 
     def stop_all(self, grace_s: float = 5.0) -> None:
         self._signal_all(list(self.roles.values()), grace_s)

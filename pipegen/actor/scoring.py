@@ -1,0 +1,63 @@
+"""Scoring a finished trajectory with verl's `default_compute_score`, the way verl's reward loop does.
+
+Owns: deciding whether a row can be scored (a `data_source` and a `reward_model.ground_truth`), the
+decoded text handed to verl's scorer, and where the score lands (`reward_score`, and
+`extra_fields["reward_extra_info"]` as verl's reward loop sets it).
+Must never: run model-written code to score it: verl's scorers execute the generated program for
+code data sources, so those rows stay unscored with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger("pipegen.actor")
+
+# verl's default_compute_score executes the model's code for these unless a sandbox is configured
+CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+
+
+class Scorer:
+    """verl's default_compute_score, applied the way verl's reward loop applies it."""
+
+    def __init__(self, tokenizer):
+        from verl.utils.reward_score import default_compute_score
+
+        self.tokenizer = tokenizer
+        self.compute = default_compute_score
+        self._warned: set[str] = set()
+
+    def applies(self, row: dict[str, Any]) -> bool:
+        reward_model = row.get("reward_model") or {}
+        source = row.get("data_source")
+        if not isinstance(reward_model, dict) or "ground_truth" not in reward_model or not source:
+            return False
+        if source in CODE_DATA_SOURCES:
+            if source not in self._warned:
+                self._warned.add(source)
+                log.warning("not scoring data_source=%s: verl would execute the generated code on this machine", source)
+            return False
+        return True
+
+    def score(self, output, row: dict[str, Any]) -> None:
+        """Set output.reward_score and extra_fields['reward_extra_info'] (NotImplementedError: unscored)."""
+        if not self.applies(row):
+            return
+        reward_model = row["reward_model"]
+        text = self.tokenizer.decode(output.response_ids, skip_special_tokens=True)
+        extra = dict(row.get("extra_info") or {})
+        extra.update(num_turns=output.num_turns, rollout_reward_scores={})
+        try:
+            result = self.compute(row["data_source"], text, reward_model["ground_truth"], extra_info=extra)
+        except NotImplementedError:
+            if row["data_source"] not in self._warned:
+                self._warned.add(row["data_source"])
+                log.warning("verl has no scorer for data_source=%s: its rows stay unscored", row["data_source"])
+            return  # verl knows no scorer for this data_source: leave the row unscored
+        if isinstance(result, dict):
+            output.reward_score = float(result["score"])
+            output.extra_fields["reward_extra_info"] = result
+        else:
+            output.reward_score = float(result)
+            output.extra_fields["reward_extra_info"] = {"acc": float(result)}

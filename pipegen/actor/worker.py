@@ -1,0 +1,218 @@
+"""The actor process: its share of the pending units, run with bounded concurrency, one line per unit.
+
+`python -m pipegen.actor output_dir=DIR rank=K [num_actors=A]` (started by the launcher; restartable
+by hand: it resumes with what is still pending).
+
+Pending = the actor's share of all units (every A-th dataset position from K) - units the checkpoint
+has committed - units already in a complete shard line past the checkpoint's offsets. Units run
+prompt-major, so the n samples of one prompt reach the same server's prefix cache together.
+
+Owns: the actor's shards (a new one per start; one RolloutRecord or FailureRecord per unit), the
+concurrency of units in flight, and the actor's stats lines.
+Must never: write to another actor's shard, or write a failed unit as a trajectory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig
+
+from pipegen.actor.rollout import UnitRunner
+from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
+from pipegen.observe.stats import StatsAppender, percentile
+from pipegen.run.checkpoint import load_checkpoint
+from pipegen.run.config import load_run_config
+from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
+from pipegen.run.records import FailureRecord, RolloutRecord
+from pipegen.run.streams import ShardAppender, scan_units
+
+log = logging.getLogger("pipegen.actor")
+
+
+@dataclass
+class ActorCounters:
+    completed: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    trajectories: int = 0
+    turns: list[int] = field(default_factory=list)
+    response_lengths: list[int] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def count_record(self, record: RolloutRecord) -> None:
+        self.completed += 1
+        self.trajectories += record.num_rows
+        for t in record.trajectories:
+            self.response_lengths.append(len(t["response_ids"]))
+            self.turns.append(t["num_turns"])
+            if t.get("reward_score") is not None:
+                self.rewards.append(t["reward_score"])
+
+    def count_failure(self, kind: str) -> None:
+        self.failed += 1
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+def arg_value(argv: list[str], key: str, default: str | None = None) -> str | None:
+    for a in argv:
+        if a.startswith(f"{key}="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def pending_units(runner: UnitRunner, run: RunDir, rank: int, num_actors: int) -> list[tuple[int, int]]:
+    """(position, sample) pairs this actor still has to run, prompt-major so n samples share a prefix."""
+    keys = runner.keys
+    ckpt = load_checkpoint(run.checkpoint)
+    in_shards = scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
+    todo = []
+    for pos in range(rank, len(runner.indices), num_actors):
+        index = runner.indices[pos]
+        for s in range(keys.n):
+            if keys.key(index, s) in ckpt.committed or (index, s) in in_shards:
+                continue
+            todo.append((pos, s))
+    return todo
+
+
+class Actor:
+    def __init__(self, cfg: DictConfig, run: RunDir, rank: int, num_actors: int):
+        self.cfg = cfg
+        self.run = run
+        self.rank = rank
+        self.num_actors = num_actors
+        self.launch = run.read_launch()
+        self.runner = UnitRunner(cfg, run, self.launch, who=f"actor {rank}")
+        self.counters = ActorCounters()
+
+    async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender) -> None:
+        runner = self.runner
+        self.counters.in_flight += 1
+        try:
+            record = await runner.run(pool, pos, sample)
+            line = record.to_line()
+        except Exception as e:  # any failure of this unit is recorded, never turned into a sample
+            index = runner.indices[pos]
+            reason = f"{type(e).__name__}: {e}"
+            self.counters.count_failure(type(e).__name__)
+            log.warning("unit (%d, %d) failed: %s", index, sample, reason)
+            failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
+                                          seed=runner.seed(index, sample), agent_name=runner.agent_name(pos),
+                                          reason=reason).to_line())
+            return
+        finally:
+            self.counters.in_flight -= 1
+        rollouts.append(line)
+        self.counters.count_record(record)
+
+    async def main(self) -> int:
+        import aiohttp
+
+        from pipegen.actor.client import ClientLimits, ServerPool
+
+        todo = pending_units(self.runner, self.run, self.rank, self.num_actors)
+        log.info("actor %d: %d units pending", self.rank, len(todo))
+        if not todo:
+            return 0
+        actors_cfg = self.cfg.actors
+        rollouts = ShardAppender(self.run.rollouts, self.rank, int(actors_cfg.shard_max_bytes),
+                                 float(actors_cfg.fsync_interval_s))
+        failures = ShardAppender(self.run.failures, self.rank, int(actors_cfg.shard_max_bytes), 0.0)
+        limits = ClientLimits(
+            prompt_length=self.runner.prompt_length,
+            response_length=self.runner.response_length,
+            max_model_len=self.runner.max_model_len,
+            request_timeout_s=float(self.cfg.llm.request_timeout_s),
+            max_attempts=int(self.cfg.generation.max_attempts),
+            vocab_size=self.runner.vocab_size,
+        )
+        stats = StatsAppender(self.run.stats, actor_role(self.rank))
+        queue: asyncio.Queue = asyncio.Queue()
+        for item in todo:
+            queue.put_nowait(item)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            pool = ServerPool(list(self.launch.servers), limits, session)
+
+            async def worker() -> None:
+                while True:
+                    try:
+                        pos, sample = queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        return
+                    await self.run_unit(pool, pos, sample, rollouts, failures)
+
+            reporter = asyncio.create_task(self._report(pool, stats, len(todo)))
+            workers = [asyncio.create_task(worker()) for _ in range(int(actors_cfg.concurrency))]
+            await asyncio.gather(*workers)
+            reporter.cancel()
+            self._write_stats(pool, stats, len(todo), final=True)
+            pool.close()
+        rollouts.close()
+        failures.close()
+        log.info("actor %d done: %d completed, %d failed; %d requests (%d retries), errors %s", self.rank,
+                 self.counters.completed, self.counters.failed, pool.requests_sent, pool.retries,
+                 pool.error_summary() or "none")
+        return 0
+
+    async def _report(self, pool, stats: StatsAppender, total: int) -> None:
+        while True:
+            await asyncio.sleep(float(self.cfg.actors.stats_interval_s))
+            self._write_stats(pool, stats, total)
+
+    def _write_stats(self, pool, stats: StatsAppender, total: int, final: bool = False) -> None:
+        c = self.counters
+        lat = sorted(pool.latencies)
+        recent = lambda xs: xs[-10000:]  # noqa: E731  (bounded memory and work per line)
+        c.turns, c.response_lengths, c.rewards = recent(c.turns), recent(c.response_lengths), recent(c.rewards)
+        stats.append(
+            {
+                "final": final,
+                "units_total": total,
+                "completed": c.completed,
+                "failed": c.failed,
+                "in_flight": c.in_flight,
+                "trajectories": c.trajectories,
+                "requests": pool.requests_sent,
+                "retries": pool.retries,
+                "requests_in_flight": pool.in_flight(),
+                "output_tokens": pool.output_tokens,
+                "latency_p50_s": percentile(lat, 50),
+                "latency_p95_s": percentile(lat, 95),
+                "finish_reasons": dict(pool.finish_reasons),
+                "mean_turns": sum(c.turns) / len(c.turns) if c.turns else None,
+                "mean_response_length": sum(c.response_lengths) / len(c.response_lengths) if c.response_lengths else None,
+                "mean_reward": sum(c.rewards) / len(c.rewards) if c.rewards else None,
+                "errors": {**c.errors, **pool.error_summary()},
+                "servers_out_of_rotation": [s.url for s in pool.servers if not s.healthy],
+                "requests_by_server": {s.url: s.requests for s in pool.servers},
+            }
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    run = RunDir(output_dir_from_args(argv))
+    rank = int(arg_value(argv, "rank", "0"))
+    num_actors_arg = arg_value(argv, "num_actors")
+    setup_logging(actor_role(rank))
+    # verl logs some warnings per agent-loop instance, i.e. once per unit (e.g. "No model-specific
+    # Continuous Token builder ..."): let each distinct verl message through once per process.
+    once = OncePerMessageFilter(lambda record: record.name.startswith("verl") or "/verl/" in record.name)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(once)
+    watch_parent()
+    cfg = load_run_config(run)
+    import uvloop
+
+    started = time.monotonic()
+    actor = Actor(cfg, run, rank, int(num_actors_arg or cfg.actors.num_actors))
+    log.info("actor %d ready in %.1fs (pid %d)", rank, time.monotonic() - started, os.getpid())
+    return uvloop.run(actor.main())

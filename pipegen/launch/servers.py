@@ -1,0 +1,179 @@
+"""LLM server processes: their command lines, and the one way to start one and wait until it answers.
+
+- `cpu_server_command` / `sglang_server_command`: the exact argv + environment of pipegen's CPU server
+  or an SGLang server for one ServerPlan (the launcher's supervisor runs them).
+- `wait_ready`: poll `GET /health_generate` until 200 while the process lives (a bound port, a 503 or
+  a refused connection all mean "still loading").
+- `ServerProcess`: start any SGLang-protocol server as a child with its own log, on a fixed port or
+  one it reports through `--port-file`, and wait until it answers; tests and benchmarks use it, the
+  launcher uses `wait_ready` on the processes its supervisor owns.
+
+Owns: how a server is started and when it counts as ready.
+Must never: import the CPU server package (it is started by module name, as SGLang is) or treat a
+bound port as ready.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Mapping
+
+from pipegen.launch.world import ServerPlan
+
+
+def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
+    argv = [
+        sys.executable, "-m", "pipegen.cpu_server",
+        "--model-path", str(model_path),
+        "--host", plan.host,
+        "--port", str(plan.port),
+        "--engine", str(llm.get("engine", "hf")),
+        "--threads", str(llm.get("threads", 1)),
+        "--dtype", str(llm.get("dtype", "auto")),
+        "--max-batch", str(llm.get("max_batch", 8)),
+        "--seed", str(seed),
+        *[str(a) for a in (llm.get("engine_args") or [])],
+    ]
+    return argv, {"OMP_NUM_THREADS": str(llm.get("threads", 1))}
+
+
+def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
+    """`python -m sglang.launch_server` for one tensor-parallel group, token ids in and out."""
+    argv = [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(model_path),
+        "--host", plan.host,
+        "--port", str(plan.port),
+        "--tp-size", str(len(plan.gpus) or int(llm.get("tp", 1))),
+        "--mem-fraction-static", str(llm.get("mem_fraction_static", 0.85)),
+        "--random-seed", str(seed),
+        "--skip-tokenizer-init",
+    ]
+    if int(llm.get("dp", 1)) > 1:
+        argv += ["--dp-size", str(llm["dp"])]
+    if llm.get("context_length"):
+        argv += ["--context-length", str(llm["context_length"])]
+    if llm.get("deterministic_inference"):
+        argv.append("--enable-deterministic-inference")
+    if llm.get("max_running_requests"):
+        argv += ["--max-running-requests", str(llm["max_running_requests"])]
+    argv += [str(a) for a in (llm.get("extra_args") or [])]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in plan.gpus)} if plan.gpus else {}
+    return argv, env
+
+
+class ServerNotReady(RuntimeError):
+    pass
+
+
+def log_tail(path: Path | None, lines: int = 15) -> str:
+    if path is None or not Path(path).exists():
+        return ""
+    text = Path(path).read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join("    " + t for t in text)
+
+
+def _health(url: str, timeout_s: float = 30) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health_generate", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def wait_ready(
+    url: str | Callable[[], str | None],
+    deadline_s: float,
+    is_alive: Callable[[], bool] = lambda: True,
+    log_path: Path | None = None,
+    poll_s: float = 0.5,
+) -> float:
+    """Poll GET /health_generate until 200; connection refused and 503 mean 'still loading'.
+
+    `url` may be a callable that returns None until the server has said where it listens.
+    Returns seconds waited. Raises ServerNotReady quoting the server log's tail on death or deadline.
+    """
+    started = time.monotonic()
+    where = url if isinstance(url, str) else "server"
+    while True:
+        if not is_alive():
+            raise ServerNotReady(f"LLM {where} exited during startup; its log ({log_path}) ends with:\n{log_tail(log_path)}")
+        current = url() if callable(url) else url
+        if current is not None and _health(current):
+            return time.monotonic() - started
+        if time.monotonic() - started > deadline_s:
+            raise ServerNotReady(
+                f"LLM {current or where} not ready after {deadline_s:.0f}s (llm.ready_timeout_s); "
+                f"its log ({log_path}) ends with:\n{log_tail(log_path)}"
+            )
+        time.sleep(poll_s)
+
+
+class ServerProcess:
+    """An SGLang-protocol server as a child process with its own log, stopped with SIGTERM.
+
+    Give `port` for a fixed port, or `port_file` (the server's `--port-file`, with `--port 0`) to let
+    the server pick a free one and report it.
+    """
+
+    def __init__(self, argv: list[str], log_path: Path, *, host: str = "127.0.0.1", port: int | None = None,
+                 port_file: Path | None = None, env: Mapping[str, str] | None = None, cwd: Path | None = None):
+        if (port is None) == (port_file is None):
+            raise ValueError("give exactly one of port and port_file")
+        self.argv, self.log_path, self.host = list(argv), Path(log_path), host
+        self._port, self.port_file = port, Path(port_file) if port_file else None
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.port_file is not None:
+            self.port_file.unlink(missing_ok=True)  # a stale port file would point at a server that is gone
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         cwd=self.cwd, stdin=subprocess.DEVNULL)
+        return self
+
+    @property
+    def port(self) -> int | None:
+        if self._port is None and self.port_file is not None and self.port_file.exists():
+            self._port = int(self.port_file.read_text())
+        return self._port
+
+    @property
+    def url(self) -> str | None:
+        return f"http://{self.host}:{self.port}" if self.port is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 300, poll_s: float = 0.05) -> "ServerProcess":
+        wait_ready(lambda: self.url, timeout_s, lambda: self.alive, self.log_path, poll_s)
+        return self
+
+    def log_tail(self, lines: int = 30) -> str:
+        return log_tail(self.log_path, lines)
+
+    def stop(self, grace_s: float = 10) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start().wait_ready() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,332 @@
+"""`python -m pipegen.status DIR [--json]`: a snapshot of any run directory, live, finished or crashed.
+
+Shows: the run's state (running / finished / finished with failures / stopped before completion),
+progress (committed/total, batches, pending, in flight, failed units with their reasons), rates from
+the stats stream (units/s and output tokens/s, recent and over the current processes; latency
+p50/p95), what the outputs look like (finish reasons, response lengths, turns, mean reward, errors
+by kind, duplicates dropped, torn lines skipped), per-role liveness (the pid of each role's latest
+stats line, whether that process is alive, the age of that line; who holds DIR/.writer.lock) and
+where the logs are. Exit status 0 for any run directory; 2 with one line for a path that is not one.
+
+Owns: reading a run directory into a human (or --json) report.
+Must never: write anything under DIR, take or break the writer lock, signal a process, or import
+verl/torch (it must answer in well under a second beside a busy run).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from pipegen.run.checkpoint import failure_reason
+from pipegen.run.layout import BATCH_GLOB, RunDir
+from pipegen.observe.progress import snapshot
+from pipegen.observe.stats import history_rates, human_rate, line_alive, pid_alive, stats_history
+
+
+@dataclass
+class RoleStatus:
+    name: str
+    pid: int | None = None
+    host: str | None = None
+    alive: bool | None = None  # None: on another host, unknown from here
+    stats_age_s: float | None = None
+    final: bool = False
+    log: str | None = None
+    log_age_s: float | None = None
+
+
+@dataclass
+class LockStatus:
+    path: str
+    pid: int | None = None  # the pid written into the lock file by its last holder
+    held: bool | None = None  # None: cannot tell (no /proc/locks and the pid is on another host)
+
+
+@dataclass
+class RunStatus:
+    root: str
+    state: str
+    hint: str
+    progress: dict[str, Any]
+    rates: dict[str, Any]
+    metrics: dict[str, Any]
+    roles: list[RoleStatus]
+    writer_lock: LockStatus
+    failed_units: dict[str, Any]
+    logs: str
+    logs_files: list[dict[str, Any]] = field(default_factory=list)
+    servers: list[dict[str, Any]] = field(default_factory=list)  # {"url", "answering"}
+
+
+class NotARun(Exception):
+    pass
+
+
+def _n_from_config(run: RunDir) -> int:
+    """n from the saved config, without composing anything (a plain YAML read)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run.config_file)
+    return int(cfg.actor_rollout_ref.rollout.n)
+
+
+def writer_lock_status(run: RunDir) -> LockStatus:
+    """Who holds the writer lock, without touching it: the pid in the file, and /proc/locks."""
+    path = run.writer_lock
+    status = LockStatus(str(path))
+    try:
+        text = path.read_text().strip()
+        st = path.stat()
+    except OSError:
+        return status
+    status.pid = int(text) if text.isdigit() else None
+    try:
+        locks = Path("/proc/locks").read_text()
+    except OSError:
+        status.held = pid_alive(status.pid) if status.pid else None
+        return status
+    status.held = False
+    for line in locks.splitlines():
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (a blocked waiter has "->" after the number)
+        if len(parts) < 6 or "->" in parts[1]:
+            continue
+        if parts[1] != "FLOCK":
+            continue
+        try:
+            inode = int(parts[5].rsplit(":", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if inode == st.st_ino:
+            status.held = True
+            if parts[4].isdigit() and int(parts[4]) > 0:
+                status.pid = int(parts[4])
+            break
+    return status
+
+
+def _log_files(run: RunDir, now: float) -> list[dict[str, Any]]:
+    out = []
+    if run.logs.is_dir():
+        for p in run.log_files():
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            out.append({"file": p.name, "bytes": st.st_size, "age_s": now - st.st_mtime})
+    return out
+
+
+def gather(run: RunDir) -> RunStatus:
+    """Read everything status shows. Raises NotARun for a path that is not a run directory."""
+    if not run.root.is_dir():
+        raise NotARun(f"{run.root} does not exist")
+    if not run.config_file.exists():
+        raise NotARun(f"{run.root} is not a pipegen run directory (no conf/config.yaml)")
+    now = time.time()
+    n = _n_from_config(run)
+    snap = snapshot(run, n)
+    history = stats_history(run.stats)
+    rates = history_rates(history)
+    lock = writer_lock_status(run)
+    logs = _log_files(run, now)
+    log_by_role = {Path(entry["file"]).stem: entry for entry in logs if entry["file"].endswith(".log")}
+
+    roles: list[RoleStatus] = []
+    names = sorted(set(snap.roles) | {r for r in log_by_role if not r.startswith("launch")},
+                   key=lambda r: (not r.startswith("launch"), not r.startswith("writer"), r))
+    for name in names:
+        line = snap.roles.get(name)
+        rs = RoleStatus(name)
+        if line is not None:
+            rs.pid = int(line["pid"]) if line.get("pid") is not None else None
+            rs.host = line.get("host")
+            rs.alive = line_alive(line)
+            rs.stats_age_s = now - float(line.get("time") or now)
+            rs.final = bool(line.get("final"))
+        entry = log_by_role.get(name)
+        if entry is not None:
+            rs.log = str(run.logs / entry["file"])
+            rs.log_age_s = entry["age_s"]
+        roles.append(rs)
+
+    anything_alive = bool(lock.held) or any(r.alive for r in roles if r.pid is not None)
+    committed_all = snap.total > 0 and snap.committed >= snap.total
+    if snap.complete and committed_all:
+        state = "finished"
+        hint = (f"trajectories: {run.trajectories}" if snap.merged
+                else f"batches: {run.root / BATCH_GLOB} (not merged: generation.final_merge=false)")
+    elif anything_alive:
+        state = "running"
+        hint = "live; rerun this command to refresh"
+    elif snap.failed and snap.pending == 0:
+        state = "finished with failures"
+        hint = f"{snap.failed} unit(s) failed; relaunch the same command to retry them"
+    elif not snap.roles and snap.committed == 0 and not run.checkpoint.exists():
+        state = "not started"
+        hint = "no process has reported yet; start it with: python -m pipegen.launch output_dir=" + str(run.root)
+    else:
+        state = "stopped before completion"
+        hint = ("no pipegen process of this run is alive (crashed, killed or interrupted); relaunch the same "
+                "command to resume")
+
+    progress = {
+        "total": snap.total,
+        "committed": snap.committed,
+        "batches": snap.batches,
+        "pending": snap.pending,
+        "in_flight": snap.in_flight,
+        "requests_in_flight": snap.requests_in_flight,
+        "failed": snap.failed,
+        "complete": snap.complete,
+        "merged": snap.merged,
+    }
+    servers: list[dict[str, Any]] = []
+    for url in run.read_launch().servers[:16]:
+        servers.append({"url": url, "answering": _answers(url) if state != "finished" else None})
+    return RunStatus(str(run.root), state, hint, progress, rates, snap.metrics, roles, lock,
+                     dict(snap.failed_units), str(run.logs), logs, servers)
+
+
+def _answers(url: str, timeout_s: float = 0.3) -> bool | None:
+    """Whether something accepts TCP connections at url's host:port (no request is sent)."""
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        u = urlparse(url)
+        with socket.create_connection((u.hostname, u.port or 80), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def render(st: RunStatus) -> str:
+    p, m, r = st.progress, st.metrics, st.rates
+    pct = 100.0 * p["committed"] / p["total"] if p["total"] else 0.0
+    out = [f"pipegen run {st.root}: {st.state.upper()}", f"  {st.hint}"]
+    out.append(f"  progress   {p['committed']}/{p['total']} samples committed ({pct:.1f}%) in {p['batches']} batches"
+               f" | pending {p['pending']} | in flight {p['in_flight']} | failed {p['failed']}")
+    if r or "latency/p50_s" in m:
+        parts = []
+        if r:
+            parts.append(f"recent {human_rate(r['recent_units_per_s'], 'units')}, "
+                         f"{human_rate(r['recent_output_tokens_per_s'], 'output tok')}")
+            parts.append(f"per process {human_rate(r['overall_units_per_s'], 'units')}, "
+                         f"{human_rate(r['overall_output_tokens_per_s'], 'output tok')}")
+        if "latency/p50_s" in m:
+            parts.append(f"latency p50 {m['latency/p50_s']:.2f}s p95 {m.get('latency/p95_s', 0):.2f}s")
+        out.append("  rates      " + " | ".join(parts))
+    finish = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("finish_reason/")}
+    outputs = []
+    if finish:
+        outputs.append("finish reasons: " + ", ".join(f"{k} {v}" for k, v in sorted(finish.items())))
+    if "response_length/mean" in m:
+        outputs.append(f"mean response {m['response_length/mean']:.1f} tokens")
+    if "turns/mean" in m:
+        outputs.append(f"mean turns {m['turns/mean']:.2f}")
+    if "reward/mean" in m:
+        outputs.append(f"mean reward {m['reward/mean']:.3f}")
+    if "actors/output_tokens" in m and m.get("actors/total"):
+        outputs.append(f"output tokens {m['actors/output_tokens']}")
+    if outputs:
+        out.append("  outputs    " + " | ".join(outputs))
+    errors = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("errors/") and k != "errors/total"}
+    if errors:
+        out.append("  errors     " + ", ".join(f"{k}: {v}" for k, v in sorted(errors.items())))
+    if any(k.startswith("writer/") for k in m):
+        out.append(f"  writer     duplicates dropped {m.get('writer/duplicates', 0)} | torn lines skipped "
+                   f"{m.get('writer/torn_lines', 0)} | buffered {m.get('writer/buffered', 0)} | "
+                   f"unknown units {m.get('writer/unknown_units', 0)}")
+    out.append("  processes  (pid from each role's latest stats line)")
+    for role in st.roles:
+        if role.pid is None:
+            life = "no stats stream" if role.name.startswith("server") else "no stats yet"
+            out.append(f"    {role.name:<10} {life:<28} log {_age(role.log_age_s)}")
+            continue
+        if role.alive is None:
+            life = f"pid {role.pid} on {role.host} (other host)"
+        else:
+            life = f"pid {role.pid} {'alive' if role.alive else 'not running'}"
+            if not role.alive and (role.final or st.state == "finished"):
+                life = f"pid {role.pid} exited (done)"
+        out.append(f"    {role.name:<10} {life:<28} last stats {_age(role.stats_age_s)}"
+                   + (f", log {_age(role.log_age_s)}" if role.log else ""))
+    lock = st.writer_lock
+    if lock.held:
+        out.append(f"  writer lock  held by pid {lock.pid}")
+    elif lock.pid is not None:
+        out.append(f"  writer lock  free (last holder pid {lock.pid})")
+    else:
+        out.append("  writer lock  free (no writer has run)")
+    if st.failed_units:
+        out.append(f"  failed units ({len(st.failed_units)}, index:sample):")
+        for unit, info in list(st.failed_units.items())[:10]:
+            out.append(f"    {unit}  {failure_reason(info)[:200]}")
+        if len(st.failed_units) > 10:
+            out.append(f"    ... {len(st.failed_units) - 10} more in {RunDir(Path(st.root)).checkpoint}")
+    if st.servers:
+        def answering(s: dict[str, Any]) -> str:
+            return "" if s["answering"] is None else (" (answering)" if s["answering"] else " (not answering)")
+
+        out.append("  servers    " + ", ".join(f"{s['url']}{answering(s)}" for s in st.servers))
+    files = ", ".join(f"{f['file']} ({_size(f['bytes'])}, {_age(f['age_s'])})" for f in st.logs_files)
+    out.append(f"  logs       {st.logs}/  {files}")
+    out.append(f"  stats      {RunDir(Path(st.root)).stats}/  (tail -f one of them to watch)")
+    return "\n".join(out)
+
+
+USAGE = "usage: python -m pipegen.status DIR [--json]   (DIR: a run's output_dir)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    args = [a for a in argv if a != "--json"]
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    if len(args) != 1:
+        print(f"pipegen.status: error: {USAGE}", file=sys.stderr)
+        return 2
+    arg = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
+    run = RunDir(Path(arg).expanduser().resolve())
+    try:
+        st = gather(run)
+    except NotARun as e:
+        print(f"pipegen.status: error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, KeyError) as e:
+        print(f"pipegen.status: error: cannot read {run.root}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if as_json:
+        sys.stdout.write(orjson.dumps(asdict(st), option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(render(st))
+    return 0
+

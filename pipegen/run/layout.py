@@ -1,0 +1,219 @@
+"""The run-directory contract: every path of a run, and the small files that describe it.
+
+```
+DIR/
+  conf/config.yaml        the resolved config every process reads
+  conf/fingerprint.json   what defines the data (the resume guard); its digest is the run key
+  conf/units.json         the unit manifest: the dataset's indices in order (units = index x sample)
+  conf/launch.json        the current launch: its id, the run key, the server URLs, this node's rank
+  logs/<role>.log         one log per process; logs/<role>.cmd.sh restarts that role by hand
+  streams/rollouts/actor_<k>/<seq>.jsonl   RolloutRecord lines (records.py), one appender per file
+  streams/failures/actor_<k>/<seq>.jsonl   FailureRecord lines
+  streams/stats/<role>.jsonl               periodic metrics lines
+  checkpoint.json         the writer's commit record (checkpoint.py)
+  batch_00000.pkl ...     padded DataProto batches
+  trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
+```
+
+Owns: every path above (no other module joins a name onto the run directory), the run key, and
+reading/writing `launch.json` and `units.json`.
+Must never: import verl or torch, or decide what goes into a file it names (each file's owner does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import orjson
+
+from pipegen.run.atomic import atomic_write_bytes
+
+SHARD_SUFFIX = ".jsonl"
+BATCH_GLOB = "batch_*.pkl"
+
+
+def batch_file_name(number: int) -> str:
+    return f"batch_{number:05d}.pkl"
+
+
+def actor_role(rank: int) -> str:
+    """An actor's name: its log, its stats file and its shard folder under each topic."""
+    return f"actor_{rank}"
+
+
+def actor_shard_dir(topic_dir: Path, actor_rank: int) -> Path:
+    return Path(topic_dir) / actor_role(actor_rank)
+
+
+def shard_path(actor_dir: Path, seq: int) -> Path:
+    """Sequence numbers are zero-padded, so an actor's shards sort by name in write order."""
+    return Path(actor_dir) / f"{seq:06d}{SHARD_SUFFIX}"
+
+
+def shard_seq(path: Path) -> int:
+    return int(Path(path).stem)
+
+
+def list_shards(topic_dir: Path) -> dict[str, list[Path]]:
+    """Shards per actor folder (`actor_<k>`), oldest first."""
+    out: dict[str, list[Path]] = {}
+    topic_dir = Path(topic_dir)
+    if not topic_dir.is_dir():
+        return out
+    for sub in sorted(topic_dir.iterdir()):
+        if sub.is_dir():
+            out[sub.name] = sorted(sub.glob(f"*{SHARD_SUFFIX}"))
+    return out
+
+
+def role_logs(logs_dir: Path) -> list[Path]:
+    """Every role's log (`<role>.log`), by role name."""
+    return sorted(Path(logs_dir).glob("*.log"))
+
+
+def stats_file(stats_dir: Path, role: str) -> Path:
+    return Path(stats_dir) / f"{role}.jsonl"
+
+
+def stats_files(stats_dir: Path) -> list[Path]:
+    """Every role's stats file, by role name."""
+    return sorted(Path(stats_dir).glob("*.jsonl"))
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path pipegen reads or writes under output_dir."""
+
+    root: Path
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "conf"
+
+    @property
+    def config_file(self) -> Path:
+        return self.conf / "config.yaml"
+
+    @property
+    def units_file(self) -> Path:
+        return self.conf / "units.json"
+
+    @property
+    def fingerprint_file(self) -> Path:
+        return self.conf / "fingerprint.json"
+
+    @property
+    def launch_file(self) -> Path:
+        return self.conf / "launch.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def role_log(self, role: str) -> Path:
+        return self.logs / f"{role}.log"
+
+    def log_files(self) -> list[Path]:
+        """Role logs, then verl's per-launch metrics files."""
+        return role_logs(self.logs) + sorted(self.logs.glob("metrics-*.jsonl"))
+
+    def role_command(self, role: str) -> Path:
+        """The role's command line and environment, runnable by hand."""
+        return self.logs / f"{role}.cmd.sh"
+
+    def metrics_log(self, launch_id: str) -> Path:
+        """verl's `file` Tracking backend, one file per launch."""
+        return self.logs / f"metrics-{launch_id}.jsonl"
+
+    @property
+    def streams(self) -> Path:
+        return self.root / "streams"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.streams / "rollouts"
+
+    @property
+    def failures(self) -> Path:
+        return self.streams / "failures"
+
+    @property
+    def stats(self) -> Path:
+        return self.streams / "stats"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.root / "checkpoint.json"
+
+    @property
+    def writer_lock(self) -> Path:
+        return self.root / ".writer.lock"
+
+    @property
+    def trajectories(self) -> Path:
+        return self.root / "trajectories.pkl"
+
+    @property
+    def artifact(self) -> Path:
+        return self.root / "trajectories.zip"
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / "wandb"
+
+    def batch_file(self, number: int) -> Path:
+        return self.root / batch_file_name(number)
+
+    def batch_files_on_disk(self) -> list[Path]:
+        return sorted(self.root.glob(BATCH_GLOB))
+
+    # ---- the small files every role reads ----
+    def run_key(self) -> str:
+        """Stable across launches of one run and equal for identical setups: the fingerprint's digest.
+        Empty before the launcher has saved a fingerprint."""
+        path = self.fingerprint_file
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
+
+    def write_manifest(self, indices: list[int]) -> None:
+        atomic_write_bytes(self.units_file, orjson.dumps({"indices": indices}))
+
+    def read_manifest(self) -> list[int]:
+        return orjson.loads(self.units_file.read_bytes())["indices"]
+
+    def total_units(self, n: int) -> int:
+        """Units of the run (prompts x n); 0 while the launcher has not written the manifest."""
+        return len(self.read_manifest()) * n if self.units_file.exists() else 0
+
+    def write_launch(self, launch: "LaunchRecord") -> None:
+        atomic_write_bytes(self.launch_file, orjson.dumps(asdict(launch), option=orjson.OPT_INDENT_2))
+
+    def read_launch(self) -> "LaunchRecord":
+        """The current launch, or an empty record when no launcher has started this run yet."""
+        try:
+            data = orjson.loads(self.launch_file.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return LaunchRecord(launch="", run_key="")
+        known = LaunchRecord.__dataclass_fields__
+        return LaunchRecord(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class LaunchRecord:
+    """`conf/launch.json`: written by the launcher before it starts any role, read by every role."""
+
+    launch: str  # a fresh id per launch: failures of an older launch are retried
+    run_key: str  # RunDir.run_key(): seeds each prompt's uid
+    servers: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    node_rank: int = 0
+
+
+def output_dir_from_args(args: list[str]) -> Path:
+    """The output_dir=... override from a child's argv (children get only that and their identity)."""
+    for arg in args:
+        if arg.startswith("output_dir="):
+            return Path(arg.split("=", 1)[1]).expanduser().resolve()
+    raise SystemExit("missing output_dir=DIR (the run directory)")

@@ -1,0 +1,7 @@
+"""`python -m pipegen.writer output_dir=DIR`: the run's writer, alone or under the launcher."""
+
+import sys
+
+from pipegen.writer.commit import main
+
+sys.exit(main())
