@@ -1,8 +1,8 @@
 """Protocol conformance of pipegen's CPU reference server: a real subprocess on a loopback port, real HTTP.
 
-Covers docs/sglang-protocol.md §10: field names and shapes, meta_info key order, finish reasons, max_new_tokens
-default / null / 0, batch and n > 1 ordering and rids, the context-length and sampling errors with SGLang's
-texts, the unknown-key 400, text-only rejection, /health_generate 503 then 200, /abort_request prefix semantics,
+Covers SGLang 0.5.12's behaviour wherever a client can see it: field names and shapes, meta_info key order,
+finish reasons, max_new_tokens default / null / 0, batch and n > 1 ordering and rids, the context-length and
+sampling errors with SGLang's texts, the unknown-key 400, text-only rejection, /health_generate 503 then 200, /abort_request prefix semantics,
 client disconnect = abort, fault knobs, determinism, and that concurrent requests really share forward passes.
 All servers start at once (module fixture) so their startup overlaps; everything binds 127.0.0.1 only.
 """
@@ -10,9 +10,6 @@ All servers start at once (module fixture) so their startup overlaps; everything
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -20,14 +17,17 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
+
+from pipegen.launch.servers import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 CTX = 256  # the fake servers' context length, small so the context errors are cheap to provoke
 EOS = 2002  # tiny-qwen's <|im_end|> (config.json eos); generation_config adds 2000
+FAKE_ENGINE = "pipegen.testing.fake_engine:FakeEngine"
 
 META_KEYS_NO_LOGPROB = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
                         "reasoning_tokens", "completion_tokens", "cached_tokens", "cached_tokens_details",
@@ -36,64 +36,40 @@ META_KEYS_LOGPROB = META_KEYS_NO_LOGPROB[:5] + ["input_token_logprobs", "output_
                                                 "output_token_logprobs_length"] + META_KEYS_NO_LOGPROB[5:]
 
 
-class Server:
-    """One reference server subprocess: started at once, waited for on first use."""
+
+class Server(ServerProcess):
+    """The shared ServerProcess, plus /pipegen_stats and what two endpoints answered right after binding."""
 
     def __init__(self, name: str, tmp: Path, *args: str) -> None:
-        self.name = name
-        self.port_file = tmp / f"{name}.port"
-        self.log_path = tmp / f"{name}.log"
-        self.argv = [sys.executable, "-m", "pipegen.servers.reference_server", "--host", HOST, "--port", "0",
-                     "--port-file", str(self.port_file), "--stats-interval", "0", *args]
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
-        self.port: Optional[int] = None
+        port_file = tmp / f"{name}.port"
+        argv = [sys.executable, "-m", "pipegen.cpu_server", "--host", HOST, "--port", "0",
+                "--port-file", str(port_file), "--stats-interval", "0", *args]
+        super().__init__(argv, tmp / f"{name}.log", host=HOST, port_file=port_file, cwd=REPO,
+                         env={"OMP_NUM_THREADS": "1"})
         self.first_seen: dict[str, int] = {}  # status of some endpoints as soon as the port is up
 
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
-
     def wait_port(self, timeout: float = 30) -> int:
-        if self.port is None:
-            deadline = time.monotonic() + timeout
-            while not self.port_file.exists():
-                assert self.proc.poll() is None, f"{self.name} exited:\n{self.log_tail()}"
-                assert time.monotonic() < deadline, f"{self.name} never bound a port:\n{self.log_tail()}"
-                time.sleep(0.02)
-            self.port = int(self.port_file.read_text())
-            # Probe right away: the model is loaded only after binding.
+        """Wait for the bound port and probe two endpoints at once: the model is loaded only after binding."""
+        if not self.first_seen:
+            wait_until(lambda: self.port is not None or not self.alive, timeout, "a bound port")
+            assert self.port is not None, f"server exited:\n{self.log_tail()}"
             self.first_seen["health_generate"] = call(self, "GET", "/health_generate")[0]
             self.first_seen["get_model_info"] = call(self, "GET", "/get_model_info")[0]
         return self.port
 
-    def wait_ready(self, timeout: float = 60) -> "Server":
+    def wait_ready(self, timeout_s: float = 60, poll_s: float = 0.05) -> "Server":
         self.wait_port()
-        deadline = time.monotonic() + timeout
-        while call(self, "GET", "/health_generate")[0] != 200:
-            assert self.proc.poll() is None, f"{self.name} exited:\n{self.log_tail()}"
-            assert time.monotonic() < deadline, f"{self.name} not ready:\n{self.log_tail()}"
-            time.sleep(0.05)
+        super().wait_ready(timeout_s, poll_s)
         return self
 
     def stats(self) -> dict:
         return call(self, "GET", "/pipegen_stats")[1]
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
 
 def call(server: Server, method: str, path: str, body: Any = None, timeout: float = 20) -> tuple[int, Any, str]:
     """(status, parsed JSON or None, raw text). Connection problems raise."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://{HOST}:{server.port}{path}", data=data, method=method,
+    req = urllib.request.Request(f"{server.url}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json"} if data else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -149,7 +125,7 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         "The answer is 5.",
     ]))
     common = ["--model-path", tiny_model, "--seed", "7"]
-    fake = ["--engine", "fake", "--context-length", str(CTX), *common]
+    fake = ["--engine", FAKE_ENGINE, "--context-length", str(CTX), *common]
     s = {
         # The HF server first: it takes longest (torch import + load), the others start while it loads.
         "hf": Server("hf", tmp, "--engine", "hf", *common, "--max-batch", "8", "--batch-wait-ms", "5",
@@ -160,6 +136,8 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
         "crash": Server("crash", tmp, *fake, "--crash-after", "3"),
         "script": Server("script", tmp, *fake, "--script", str(script)),
     }
+    for srv in s.values():
+        srv.start()
     try:
         yield s
     finally:
@@ -188,28 +166,30 @@ def hf(servers) -> Server:
 
 
 def test_protocol_pure_functions() -> None:
-    from pipegen.servers import protocol as P
+    from pipegen.cpu_server.errors import ProtocolError
+    from pipegen.cpu_server.parse import effective_max_new_tokens, parse_generate_request
+    from pipegen.cpu_server.responses import check_finish
 
-    assert P.effective_max_new_tokens(None, 10, 256) == 244  # null: up to C - 2 - N
-    assert P.effective_max_new_tokens(128, 10, 256) == 128
-    assert P.effective_max_new_tokens(300, 10, 256) == 244
-    assert P.effective_max_new_tokens(5, 300, 256) == 0
+    assert effective_max_new_tokens(None, 10, 256) == 244  # null: up to C - 2 - N
+    assert effective_max_new_tokens(128, 10, 256) == 128
+    assert effective_max_new_tokens(300, 10, 256) == 244
+    assert effective_max_new_tokens(5, 300, 256) == 0
     # 0.5.12 mode: an unknown sampling key is a bare text/plain 500.
-    with pytest.raises(P.ProtocolError) as info:
-        P.parse_generate_request({"input_ids": [1], "sampling_params": {"max_tokens": 1}}, context_length=256,
-                                 vocab_size=100, unknown_key_status=500)
+    with pytest.raises(ProtocolError) as info:
+        parse_generate_request({"input_ids": [1], "sampling_params": {"max_tokens": 1}}, context_length=256,
+                               vocab_size=100, unknown_key_status=500)
     assert (info.value.status, info.value.body, info.value.content_type) == (500, b"Internal Server Error", "text/plain")
     # n > 1 on a batch: prompt-major, fresh rids, one shared effective budget per prompt.
-    parsed = P.parse_generate_request({"input_ids": [[1, 2], [3]], "rid": ["u", "v"],
-                                       "sampling_params": {"n": 2, "max_new_tokens": 4}},
-                                      context_length=256, vocab_size=100, new_rid=iter("abcd").__next__)
+    parsed = parse_generate_request({"input_ids": [[1, 2], [3]], "rid": ["u", "v"],
+                                     "sampling_params": {"n": 2, "max_new_tokens": 4}},
+                                    context_length=256, vocab_size=100, new_rid=iter("abcd").__next__)
     assert [(e.prompt_index, e.sample_index, e.rid) for e in parsed.entries] == [
         (0, 0, "a"), (0, 1, "b"), (1, 0, "c"), (1, 1, "d")]
     assert not parsed.is_single and not parsed.user_rids
     spec = parsed.entries[0]
-    assert P.check_finish(7, 4, spec, frozenset({7})) == {"type": "length", "length": 4}  # length before stop
-    assert P.check_finish(7, 3, spec, frozenset({7})) == {"type": "stop", "matched": 7}
-    assert P.check_finish(8, 3, spec, frozenset({7})) is None
+    assert check_finish(7, 4, spec, frozenset({7})) == {"type": "length", "length": 4}  # length before stop
+    assert check_finish(7, 3, spec, frozenset({7})) == {"type": "stop", "matched": 7}
+    assert check_finish(8, 3, spec, frozenset({7})) is None
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _run_processes(out: Path, launcher_pid: int | None = None) -> list[int]:
 def _server_pid(out: Path, launcher_pid: int) -> int | None:
     for pid in _run_processes(out, launcher_pid):
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        if b"reference_server" in cmd:
+        if b"pipegen.cpu_server" in cmd:
             return pid
     return None
 

@@ -1,7 +1,13 @@
-"""pipegen's own LLM servers: the CPU reference server that speaks SGLang 0.5.12's native protocol.
+"""pipegen's embedded CPU reference server: SGLang 0.5.12's native ``/generate`` protocol served on CPU.
 
-Owns: ``protocol`` (request validation and response building, no I/O), ``reference_server`` (the aiohttp
-process), ``hf_engine`` (transformers on CPU, batched). The deterministic fake engine lives in
-``pipegen.testing.fake_engine``.
-Must never: import torch or transformers at package import time (the fake engine and the launcher stay light).
+Started by module name, the way SGLang is: ``python -m pipegen.cpu_server --model-path DIR [flags]``. The
+core - launcher, actor, writer, status - talks to it over HTTP only and never imports this package, so the
+same run can point at real SGLang servers instead.
+
+Modules: ``cli`` (flags, engine choice), ``server`` (the aiohttp app and the process life), ``errors`` /
+``sampling_params`` / ``parse`` / ``responses`` (the wire protocol as pure functions), ``engine`` (the engine
+contract and model facts), ``hf_engine`` + ``hf_sampling`` (transformers on CPU, batched). Other engines plug in
+with ``--engine package.module:ClassName``.
+Must never: import torch or transformers at package import time (the server binds its port before the model
+loads), or import test code.
 """

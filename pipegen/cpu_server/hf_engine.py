@@ -1,4 +1,4 @@
-"""The transformers engine of the CPU reference server: one model, continuous batching, own decode loop.
+"""The transformers engine of the CPU server (``--engine hf``): one model on CPU, continuous batching.
 
 Owns:
   * loading ``AutoModelForCausalLM`` from a local Hugging Face folder on CPU (``--dtype auto`` = bfloat16 only
@@ -8,14 +8,14 @@ Owns:
     and merged into the running batch (KV caches left-padded to a common length), up to ``max_batch`` rows. One
     forward per decode step for the whole batch; finished rows leave the batch at once (KV rows dropped, common
     left padding trimmed), so a short answer never waits for a long one;
-  * per-row sampling: temperature, top_p, top_k, min_p, greedy for temperature < 1e-6, repetition / frequency /
-    presence penalties over output tokens, logit_bias, min_new_tokens; ``sampling_seed`` seeds a per-request RNG
-    (with the sample index), so a request's draws are reproducible;
   * per-row stop: EOS ids (config.json + generation_config.json, lists allowed) and ``stop_token_ids`` unless
-    ``ignore_eos``, per-row max_new_tokens, length checked before stop (SGLang's order).
-Logprob convention: the reported logprob of a token is ``log_softmax`` of the raw model logits (before
-temperature, penalties and top-k/top-p filtering). SGLang by default reports the temperature-scaled
-distribution; with temperature 1.0 and no filtering (verl's rollout defaults) the two agree.
+    ``ignore_eos``, per-row max_new_tokens, length checked before stop (SGLang's order); aborts between steps.
+Sampling and logprobs of a row (its own parameters and seeded RNG, raw-logit logprobs) live in ``hf_sampling``.
+Own loop rather than transformers' continuous batching (``generate_batch`` / ``init_continuous_batching``,
+transformers 5.10): that API samples every row with one ``torch.multinomial`` on the global RNG under one
+manager-wide ``do_sample``, so per-request ``sampling_seed`` and mixed greedy/sampled batches cannot be honoured;
+its per-request processors cover only temperature/top_k/top_p (no min_p, penalties, logit_bias,
+min_new_tokens), and it returns post-processing logprobs only, with no prompt or top-k logprobs.
 Must never: run torch work on the event loop thread (all of it happens in one worker thread, so /health and
 /get_model_info keep answering), import torch at module import time (the server binds its port first), or
 touch the network / Hugging Face Hub (local folders only).
@@ -23,6 +23,7 @@ touch the network / Hugging Face Hub (local folders only).
 
 from __future__ import annotations
 
+import argparse
 import collections
 import logging
 import random
@@ -31,22 +32,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pipegen.servers.protocol import (
-    HEALTH_CHECK_PREFIX,
-    Engine,
-    EngineRequest,
-    GenerationResult,
-    ModelFacts,
-    TopList,
-    check_finish,
-    finish_abort,
-    finish_abort_waiting,
-    finish_length,
-)
+from pipegen.cpu_server.engine import HEALTH_CHECK_PREFIX, Engine, EngineRequest, GenerationResult, ModelFacts
+from pipegen.cpu_server.hf_sampling import prompt_logprobs, row_seed, sample
+from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
 
 log = logging.getLogger("pipegen.hf_engine")
-
-MASK64 = (1 << 64) - 1
 
 
 def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
@@ -68,14 +58,6 @@ def resolve_dtype_name(dtype: str) -> str:
     return dtype
 
 
-def row_seed(sampling_seed: int, sample_index: int) -> int:
-    """A 64-bit RNG seed from (sampling_seed, sample index); independent of the server seed on purpose, so the
-    same sampling_seed reproduces on any server."""
-    x = (sampling_seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & MASK64
-    x ^= x >> 31
-    return x
-
-
 @dataclass(eq=False)
 class _Row:
     """One generation inside the running batch (worker-thread state only)."""
@@ -85,17 +67,26 @@ class _Row:
     last: int = 0
     result: GenerationResult = field(default_factory=lambda: GenerationResult([], finish_length(0)))
     finished: bool = False
-    admitted: float = 0.0
 
 
 class HFEngine(Engine):
-    """Transformers on CPU behind the reference server (see the module docstring)."""
+    """Transformers on CPU behind the CPU server (see the module docstring)."""
 
     name = "hf"
+    requires_model_path = True
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--batch-wait-ms", type=float, default=5.0,
+                            help="hf: gather window when the engine is idle")
+
+    @classmethod
+    def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> HFEngine:
+        return cls(facts, dtype=args.dtype, threads=args.threads, max_batch=args.max_batch,
+                   batch_wait_ms=args.batch_wait_ms, seed=args.seed, context_length=args.context_length)
 
     def __init__(self, facts: ModelFacts, *, dtype: str = "auto", threads: int = 1, max_batch: int = 8,
                  batch_wait_ms: float = 5.0, seed: int = 0, context_length: Optional[int] = None) -> None:
-        self.facts = facts
         self.model_path = facts.model_path
         self.vocab_size = facts.vocab_size
         self.context_length = context_length or facts.context_length
@@ -267,7 +258,7 @@ class HFEngine(Engine):
                 seed = row_seed(sp.sampling_seed, req.spec.sample_index) if sp.sampling_seed is not None \
                     else self._rng.getrandbits(64)
                 req.started = now
-                rows.append(_Row(req=req, rng=random.Random(seed), admitted=now))
+                rows.append(_Row(req=req, rng=random.Random(seed)))
                 if req.spec.top_logprobs_num > 0:
                     rows[-1].result.output_top_logprobs = []
                 if req.spec.token_ids_logprob is not None:
@@ -276,37 +267,15 @@ class HFEngine(Engine):
             logits, cache, mask = self._forward_prefill([r.req.spec.input_ids for r in rows], keep_all=keep_all)
             self._prefills += 1
             if keep_all:
-                self._prompt_logprobs(rows[0], logits[0])
+                res = rows[0].result
+                res.input_logprobs, res.input_top_logprobs, res.input_token_ids_logprobs = prompt_logprobs(
+                    logits[0], rows[0].req.spec)
             last = logits[:, -1, :].float()
             self._merge(cache, mask, rows)
             self._max_batch_seen = max(self._max_batch_seen, len(self._rows))
             # Sampling after the merge: the new rows are the last len(rows) of the batch.
             self._advance(rows, last)
             self._prune()
-
-    def _prompt_logprobs(self, row: _Row, logits: Any) -> None:
-        """Prompt-side logprobs from a full-logits prefill; position k's entry is None (as SGLang)."""
-        torch = self._torch
-        spec = row.req.spec
-        ids = spec.input_ids
-        k = spec.logprob_start_len
-        lp_all = torch.log_softmax(logits[:-1].float(), dim=-1)  # lp_all[i] predicts ids[i + 1]
-        vals: list[Optional[float]] = [None]
-        tops: list[Optional[TopList]] = [None]
-        tids: list[Optional[TopList]] = [None]
-        if len(ids) - 1 > k:
-            positions = torch.arange(k, len(ids) - 1)
-            targets = torch.tensor(ids[k + 1:], dtype=torch.long)
-            vals += lp_all[positions, targets].tolist()
-            if spec.top_logprobs_num > 0:
-                tv, ti = lp_all[positions].topk(spec.top_logprobs_num, dim=-1)
-                tops += [list(zip(a, b)) for a, b in zip(tv.tolist(), ti.tolist())]
-            if spec.token_ids_logprob is not None:
-                sel = torch.tensor(spec.token_ids_logprob, dtype=torch.long)
-                tids += [list(zip(a, spec.token_ids_logprob)) for a in lp_all[positions][:, sel].tolist()]
-        row.result.input_logprobs = vals
-        row.result.input_top_logprobs = tops if spec.top_logprobs_num > 0 else None
-        row.result.input_token_ids_logprobs = tids if spec.token_ids_logprob is not None else None
 
     def _merge(self, cache: Any, mask: Any, rows: list[_Row]) -> None:
         """Append a prefilled group to the running batch, left-padding KV and mask to a common length."""
@@ -370,7 +339,8 @@ class HFEngine(Engine):
 
     def _advance(self, rows: list[_Row], logits: Any) -> None:
         """Sample one token per row (``logits``: [len(rows), V] float32), record it, check finish."""
-        tokens, lps, raw_lp = self._sample(rows, logits)
+        tokens, lps, raw_lp = sample(logits, [r.req.spec.sampling for r in rows], [r.rng for r in rows],
+                                     [r.result.output_ids for r in rows], self.eos_token_ids)
         for i, row in enumerate(rows):
             spec = row.req.spec
             res = row.result
@@ -399,87 +369,6 @@ class HFEngine(Engine):
         if row.finished:
             return
         row.finished = True
-        self._busy_slot_seconds += time.monotonic() - row.admitted
+        self._busy_slot_seconds += time.monotonic() - row.req.started
         self._tokens += len(row.result.output_ids)
         row.req.finish(row.result)
-
-    def _sample(self, rows: list[_Row], logits: Any) -> tuple[list[int], list[float], Any]:
-        """Per-row sampling; returns tokens, their raw-logit logprobs, and the raw log_softmax matrix."""
-        torch = self._torch
-        b, vocab = logits.shape
-        raw_lp = torch.log_softmax(logits, dim=-1)
-        work = logits
-        # Rare per-row adjustments (penalties, bias, min_new_tokens) on a copy.
-        adjust = [i for i, r in enumerate(rows) if _needs_adjust(r)]
-        if adjust:
-            work = logits.clone()
-            for i in adjust:
-                work[i] = self._adjust_row(rows[i], work[i], vocab)
-        tokens = [0] * b
-        greedy = [i for i, r in enumerate(rows) if r.req.spec.sampling.greedy]
-        sampled = [i for i, r in enumerate(rows) if not r.req.spec.sampling.greedy]
-        if greedy:
-            g = work[greedy].argmax(dim=-1).tolist()
-            for i, t in zip(greedy, g):
-                tokens[i] = t
-        if sampled:
-            sub = work[sampled]
-            temps = torch.tensor([rows[i].req.spec.sampling.temperature for i in sampled], dtype=sub.dtype)
-            sub = sub / temps[:, None]
-            specs = [rows[i].req.spec.sampling for i in sampled]
-            filtered = any((0 < s.top_k < vocab) or s.top_p < 1.0 or s.min_p > 0.0 for s in specs)
-            u = torch.tensor([rows[i].rng.random() for i in sampled], dtype=torch.float64)
-            if filtered:
-                sorted_logits, order = sub.sort(dim=-1, descending=True)
-                ks = torch.tensor([s.top_k if 0 < s.top_k < vocab else vocab for s in specs])
-                ar = torch.arange(vocab)[None, :]
-                sorted_logits = sorted_logits.masked_fill(ar >= ks[:, None], float("-inf"))
-                probs = torch.softmax(sorted_logits, dim=-1)
-                ps = torch.tensor([s.top_p for s in specs], dtype=probs.dtype)
-                cum = probs.cumsum(dim=-1)
-                drop = (cum - probs) > ps[:, None]
-                mps = torch.tensor([s.min_p for s in specs], dtype=probs.dtype)
-                drop |= probs < (mps[:, None] * probs[:, :1])
-                drop[:, 0] = False  # always keep the most likely token
-                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-                cdf = torch.softmax(sorted_logits, dim=-1).double().cumsum(dim=-1)
-                pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
-                chosen = order.gather(1, pick).squeeze(1).tolist()
-            else:
-                cdf = torch.softmax(sub, dim=-1).double().cumsum(dim=-1)
-                # Scale u by the total so float rounding can never push the draw past the last token.
-                chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=vocab - 1)
-                chosen = chosen.squeeze(1).tolist()
-            for i, t in zip(sampled, chosen):
-                tokens[i] = t
-        idx = torch.tensor(tokens, dtype=torch.long)
-        lps = raw_lp[torch.arange(b), idx].tolist()
-        return tokens, lps, raw_lp
-
-    def _adjust_row(self, row: _Row, logits: Any, vocab: int) -> Any:
-        torch = self._torch
-        sp = row.req.spec.sampling
-        out = row.result.output_ids
-        if out and (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
-            seen = counts > 0
-            if sp.repetition_penalty != 1.0:
-                penalised = torch.where(logits > 0, logits / sp.repetition_penalty, logits * sp.repetition_penalty)
-                logits = torch.where(seen, penalised, logits)
-            if sp.frequency_penalty != 0.0:
-                logits = logits - sp.frequency_penalty * counts
-            if sp.presence_penalty != 0.0:
-                logits = logits - sp.presence_penalty * seen.to(logits.dtype)
-        for tid, bias in sp.logit_bias:
-            logits[tid] += bias
-        if len(out) < sp.min_new_tokens:
-            stops = [t for t in (set(self.eos_token_ids) | set(sp.stop_token_ids)) if 0 <= t < vocab]
-            if stops:
-                logits[stops] = float("-inf")
-        return logits
-
-
-def _needs_adjust(row: _Row) -> bool:
-    sp = row.req.spec.sampling
-    return (sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
-            or bool(sp.logit_bias) or len(row.result.output_ids) < sp.min_new_tokens)

@@ -1,18 +1,17 @@
-"""pipegen's CPU reference server: an aiohttp process that speaks SGLang 0.5.12's native protocol.
+"""The CPU reference server's HTTP side: an aiohttp app that speaks SGLang 0.5.12's native protocol.
 
-    python -m pipegen.servers.reference_server --model-path DIR [--engine hf|fake] [--host 127.0.0.1] [--port N]
-
-Owns the HTTP side of the contract in docs/sglang-protocol.md §1-§4 and §10: ``POST|PUT /generate`` (single,
-batch, ``n > 1``), ``GET /health`` and ``GET /health_generate`` (503 with an empty body until the engine is
-loaded), ``GET /get_model_info`` and ``/model_info`` (answer during startup too), ``GET /get_server_info``,
-``GET /v1/models``, ``GET|POST /flush_cache``, ``POST /abort_request`` (rid prefix semantics), and pipegen's
-``GET /pipegen_stats`` (JSON counters for tests and benchmarks). It binds the port first and loads the model
-after, so liveness is visible early; a client disconnect aborts its request; fault knobs (``--fail-rate``,
-``--hang-rate``, ``--crash-after``) inject SGLang-shaped failures.
+Owns: ``POST|PUT /generate`` (single, batch, ``n > 1``; the in-flight duplicate-rid check), ``GET /health``
+and ``GET /health_generate`` (503 with an empty body until the engine is loaded), ``GET /get_model_info`` and
+``/model_info`` (answer during startup too), ``GET /get_server_info``, ``GET /v1/models``,
+``GET|POST /flush_cache``, ``POST /abort_request`` (rid prefix semantics), pipegen's ``GET /pipegen_stats``
+(JSON counters for tests and benchmarks), and ``serve`` - the process life: bind the port first and load the
+model after, so liveness is visible early; stop on SIGTERM/SIGINT. A client disconnect aborts its request; the
+fault knobs (``--fail-rate``, ``--hang-rate``, ``--crash-after``) inject SGLang-shaped failures.
 It always behaves as ``--skip-tokenizer-init``: token ids in, token ids + logprobs out, no ``text``.
 Must never: bind anything but the given host (loopback by default), do model work on the event loop, answer a
-request it did not validate, or re-tokenize. Acceptable differences from SGLang (§10): no streaming, no stop
-strings, ``cached_tokens`` always 0, instant ``/health``, no ``/metrics``, ids >= vocab size rejected.
+request it did not validate, re-tokenize, or know an engine's constructor (engines build themselves from the
+parsed command line). Acceptable differences from SGLang: no streaming, no stop strings, ``cached_tokens``
+always 0, instant ``/health``, no ``/metrics``, ids >= vocab size rejected.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import logging
 import os
 import random
 import signal
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -32,9 +30,13 @@ from typing import Any, Optional
 import orjson
 from aiohttp import web
 
-from pipegen.servers import protocol as P
+from pipegen.cpu_server.engine import HEALTH_CHECK_PREFIX, Engine, EngineRequest, ModelFacts, read_model_facts
+from pipegen.cpu_server.errors import ProtocolError, bad_request, service_unavailable, validation_error
+from pipegen.cpu_server.parse import SCHEDULER_INPUT_MARGIN, EntrySpec, parse_generate_request
+from pipegen.cpu_server.responses import WEIGHT_VERSION, build_output
+from pipegen.cpu_server.sampling_params import SamplingSpec
 
-log = logging.getLogger("pipegen.reference_server")
+log = logging.getLogger("pipegen.cpu_server")
 
 CRASH_EXIT_CODE = 86  # --crash-after: distinctive, so a supervisor's log says what happened
 HEALTH_PROBE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
@@ -44,12 +46,12 @@ SGLANG_VERSION = "0.5.12"
 class ReferenceServer:
     """State shared by the handlers: the engine, readiness, in-flight requests, counters, fault RNG."""
 
-    def __init__(self, args: argparse.Namespace, engine: P.Engine, facts: P.ModelFacts) -> None:
+    def __init__(self, args: argparse.Namespace, engine: Engine, facts: ModelFacts) -> None:
         self.args = args
         self.engine = engine
         self.facts = facts
         self.ready = asyncio.Event()
-        self.inflight: dict[str, P.EngineRequest] = {}
+        self.inflight: dict[str, EngineRequest] = {}
         self.port: Optional[int] = None
         # A str seed is hashed with SHA-512 by random.Random: the fault sequence is reproducible per --seed.
         self.fault_rng = random.Random(f"pipegen-faults-{args.seed}")
@@ -74,7 +76,7 @@ class ReferenceServer:
         key = str(status)
         self.by_status[key] = self.by_status.get(key, 0) + 1
 
-    def error_response(self, err: P.ProtocolError) -> web.Response:
+    def error_response(self, err: ProtocolError) -> web.Response:
         self.count_status(err.status)
         return web.Response(status=err.status, body=err.body, content_type=err.content_type)
 
@@ -104,17 +106,17 @@ class ReferenceServer:
         u = self.fault_rng.random() if (self.args.fail_rate > 0 or self.args.hang_rate > 0) else 1.0
         if u < self.args.fail_rate:
             self.injected_503 += 1
-            return self.error_response(P.service_unavailable())
+            return self.error_response(service_unavailable())
         if u < self.args.fail_rate + self.args.hang_rate:
             self.hung += 1
             await asyncio.Event().wait()  # never answers; cancelled when the client goes away
         try:
             body = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError as exc:
-            return self.error_response(P.validation_error(f"JSON decode error: {exc}"))
+            return self.error_response(validation_error(f"JSON decode error: {exc}"))
         await self.ready.wait()  # before the model is loaded, requests wait (SGLang would refuse connections)
         try:
-            parsed = P.parse_generate_request(
+            parsed = parse_generate_request(
                 body,
                 context_length=self.engine.context_length,
                 vocab_size=self.engine.vocab_size,
@@ -123,12 +125,12 @@ class ReferenceServer:
             if parsed.user_rids:
                 for e in parsed.entries:
                     if e.rid in self.inflight:
-                        raise P.bad_request(f"Duplicate request ID detected: {e.rid}")
-        except P.ProtocolError as err:
+                        raise bad_request(f"Duplicate request ID detected: {e.rid}")
+        except ProtocolError as err:
             return self.error_response(err)
 
         loop = asyncio.get_running_loop()
-        reqs = [P.EngineRequest(e, loop) for e in parsed.entries]
+        reqs = [EngineRequest(e, loop) for e in parsed.entries]
         for r in reqs:
             self.inflight[r.spec.rid] = r
         try:
@@ -153,7 +155,7 @@ class ReferenceServer:
             if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
                 # An engine-side failure: SGLang raises HTTPException with that status.
                 status = int(fr["status_code"])
-                return self.error_response(P.ProtocolError(status, orjson.dumps({"error": {"message": fr.get("message")}})))
+                return self.error_response(bad_request(fr.get("message"), status))
         e2e = time.monotonic() - t0
         outs = []
         for spec, res in zip(parsed.entries, results):
@@ -162,7 +164,7 @@ class ReferenceServer:
             self.prompt_tokens += len(spec.input_ids)
             kind = str((res.finish_reason or {}).get("type"))
             self.finish_reasons[kind] = self.finish_reasons.get(kind, 0) + 1
-            outs.append(P.build_output(spec, res, e2e_latency=e2e))
+            outs.append(build_output(spec, res, e2e_latency=e2e))
         self.count_status(200)
         return self.json_response(outs[0] if parsed.is_single else outs)
 
@@ -180,11 +182,11 @@ class ReferenceServer:
     async def probe(self) -> bool:
         """A one-token greedy generation through the engine (SGLang's health check), 20 s budget."""
         if self.engine.trivial_probe:
-            return True  # e.g. the fake engine: nothing can get stuck, and it must not queue behind its slots
+            return True  # e.g. a synthetic engine: nothing can get stuck, and it must not queue behind its slots
         v = self.engine.vocab_size
-        spec = P.EntrySpec(rid=f"{P.HEALTH_CHECK_PREFIX}{uuid.uuid4().hex}", input_ids=(10 % v, 11 % v, 12 % v),
-                           sampling=P.SamplingSpec(max_new_tokens=1, top_k=1), max_new_tokens=1)
-        req = P.EngineRequest(spec, asyncio.get_running_loop())
+        spec = EntrySpec(rid=f"{HEALTH_CHECK_PREFIX}{uuid.uuid4().hex}", input_ids=(10 % v, 11 % v, 12 % v),
+                         sampling=SamplingSpec(max_new_tokens=1, top_k=1), max_new_tokens=1)
+        req = EngineRequest(spec, asyncio.get_running_loop())
         self.engine.submit(req)
         try:
             await asyncio.wait_for(asyncio.shield(req.future), HEALTH_PROBE_TIMEOUT_S)
@@ -203,7 +205,7 @@ class ReferenceServer:
             "tokenizer_path": self.args.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": P.WEIGHT_VERSION,
+            "weight_version": WEIGHT_VERSION,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": self.facts.model_type,
@@ -233,7 +235,7 @@ class ReferenceServer:
             "max_queued_requests": None,
             "skip_server_warmup": True,
             "max_total_num_tokens": c * self.engine.max_running_requests,
-            "max_req_input_len": c - P.SCHEDULER_INPUT_MARGIN,
+            "max_req_input_len": c - SCHEDULER_INPUT_MARGIN,
             "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}}],
             "version": SGLANG_VERSION,
             "pipegen_reference_server": True,
@@ -339,72 +341,14 @@ def build_app(server: ReferenceServer) -> web.Application:
     return app
 
 
-def make_engine(args: argparse.Namespace, facts: P.ModelFacts) -> P.Engine:
-    """Construct (not load) the engine named by ``--engine``."""
-    if args.engine == "fake":
-        from pipegen.testing.fake_engine import FakeEngine
-
-        return FakeEngine(facts, seed=args.seed, slots=args.slots or args.max_batch,
-                          token_latency=args.token_latency, eos_prob=args.eos_prob, script_path=args.script,
-                          context_length=args.context_length)
-    from pipegen.servers.hf_engine import HFEngine
-
-    return HFEngine(facts, dtype=args.dtype, threads=args.threads, max_batch=args.max_batch,
-                    batch_wait_ms=args.batch_wait_ms, seed=args.seed, context_length=args.context_length)
-
-
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pipegen.servers.reference_server",
-                                description="pipegen's CPU reference server (SGLang 0.5.12 native /generate protocol)")
-    p.add_argument("--model-path", default=None,
-                   help="local Hugging Face folder (or a pipegen short name such as smollm2-135m); optional "
-                        "for --engine fake (vocab/eos/context then default to 32000/2/4096)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    p.add_argument("--port", type=int, default=30000, help="0 = any free port (see --port-file)")
-    p.add_argument("--port-file", default=None, help="write the bound port here once listening (atomic)")
-    p.add_argument("--engine", choices=("hf", "fake"), default="hf")
-    p.add_argument("--context-length", type=int, default=None, help="default: from config.json")
-    p.add_argument("--seed", type=int, default=0, help="server seed (fake tokens, unseeded rows, fault draws)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is best on small boxes)")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                   help="auto = bfloat16 where the CPU has avx512_bf16/amx_bf16, else float32")
-    p.add_argument("--max-batch", type=int, default=8, help="max rows decoded together (hf)")
-    p.add_argument("--batch-wait-ms", type=float, default=5.0, help="gather window when the engine is idle (hf)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--unknown-key-status", type=int, choices=(400, 500), default=400,
-                   help="unknown sampling_params key: 400 (SGLang 0.5.23) or bare 500 (0.5.12)")
-    # fake engine
-    p.add_argument("--slots", type=int, default=None, help="fake: max concurrently running requests "
-                                                           "(default --max-batch)")
-    p.add_argument("--token-latency", type=float, default=0.0, help="fake: seconds per generated token")
-    p.add_argument("--eos-prob", type=float, default=0.02, help="fake: EOS chance per token")
-    p.add_argument("--script", default=None, help="fake: JSON list of assistant replies (needs tokenizer.json)")
-    # faults
-    p.add_argument("--fail-rate", type=float, default=0.0, help="fraction of /generate answered 503 (queue full)")
-    p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of /generate never answered")
-    p.add_argument("--crash-after", type=int, default=None,
-                   help=f"the (K+1)-th /generate request kills the process (exit code {CRASH_EXIT_CODE})")
-    p.add_argument("--startup-delay", type=float, default=0.0,
-                   help="seconds to wait after binding before loading (tests of the 503 startup window)")
-    p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between stats log lines (0 = off)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    args = p.parse_args(argv)
-    if args.engine == "hf" and not args.model_path:
-        p.error("--model-path is required for --engine hf")
-    for name in ("fail_rate", "hang_rate"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
-    return args
-
-
 async def serve(args: argparse.Namespace) -> int:
     """Bind, then load, then serve until SIGTERM/SIGINT. Returns the exit code."""
     if args.model_path and not Path(args.model_path).is_dir():
         from pipegen.models import resolve_model_path
 
         args.model_path = resolve_model_path(args.model_path)
-    facts = P.read_model_facts(args.model_path)
-    engine = make_engine(args, facts)
+    facts = read_model_facts(args.model_path)
+    engine = args.engine_class.from_args(facts, args)
     server = ReferenceServer(args, engine, facts)
     app = build_app(server)
     runner = web.AppRunner(app, handler_cancellation=True,
@@ -448,22 +392,3 @@ async def serve(args: argparse.Namespace) -> int:
     await engine.close()
     await runner.cleanup()
     return 0
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S")
-    from pipegen.logs import watch_parent
-
-    watch_parent()  # started by a launcher: exit with it, even when it is SIGKILLed
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a declared dependency
-        return asyncio.run(serve(args))
-    return uvloop.run(serve(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

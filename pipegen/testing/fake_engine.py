@@ -1,4 +1,6 @@
-"""A deterministic fake LLM engine for the reference server: tests and benchmarks without a model.
+"""A deterministic fake LLM engine for the CPU reference server: tests and benchmarks without a model.
+
+    python -m pipegen.cpu_server --engine pipegen.testing.fake_engine:FakeEngine [--model-path DIR] [flags]
 
 Owns:
   * ``FakeModel`` - the pure token function. Each next token is a function of (server seed, sampling_seed,
@@ -7,9 +9,10 @@ Owns:
     lengths vary; its logprob is a deterministic negative float. Because the hash is a fold over the context,
     re-sending ``prompt + partial output`` continues exactly the same trajectory (resume == uninterrupted), in
     any process, after any restart.
-  * ``FakeEngine`` - the ``Engine`` the server runs with ``--engine fake``: per-token latency and a fixed number
-    of running slots (requests beyond ``--slots`` wait, FIFO), for occupancy benchmarks; aborts of waiting and
-    running requests with SGLang's finish shapes.
+  * ``FakeEngine`` - the ``Engine`` the server runs with the ``--engine`` above: per-token latency and a fixed
+    number of running slots (requests beyond ``--slots`` wait, FIFO), for occupancy benchmarks; aborts of waiting
+    and running requests with SGLang's finish shapes. Its flags: ``--slots``, ``--token-latency``,
+    ``--eos-prob``, ``--script``.
   * ``--script FILE`` mode: a JSON list of assistant reply texts; the reply for a request is ``script[k]`` where
     k = number of assistant turns already in the prompt (``<|im_start|>assistant`` headers in the decoded prompt
     minus one), encoded with the model folder's tokenizer and ended with the EOS id - enough to script a
@@ -25,6 +28,7 @@ varies ``sampling_seed``; ``n > 1`` samples of one request differ through their 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import logging
@@ -32,18 +36,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from pipegen.servers.protocol import (
-    Engine,
-    EngineRequest,
-    EntrySpec,
-    GenerationResult,
-    ModelFacts,
-    TopList,
-    check_finish,
-    finish_abort,
-    finish_abort_waiting,
-    finish_length,
-)
+from pipegen.cpu_server.engine import Engine, EngineRequest, GenerationResult, ModelFacts, TopList
+from pipegen.cpu_server.parse import EntrySpec
+from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
 
 log = logging.getLogger("pipegen.fake_engine")
 
@@ -141,16 +136,30 @@ class FakeModel:
 
 
 class FakeEngine(Engine):
-    """The deterministic engine behind ``--engine fake`` (see the module docstring)."""
+    """The deterministic engine (see the module docstring)."""
 
     name = "fake"
     trivial_probe = True
 
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--slots", type=int, default=None,
+                            help="fake: max concurrently running requests (default --max-batch)")
+        parser.add_argument("--token-latency", type=float, default=0.0, help="fake: seconds per generated token")
+        parser.add_argument("--eos-prob", type=float, default=0.02, help="fake: EOS chance per token")
+        parser.add_argument("--script", default=None,
+                            help="fake: JSON list of assistant replies (needs tokenizer.json)")
+
+    @classmethod
+    def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> FakeEngine:
+        return cls(facts, seed=args.seed, slots=args.slots or args.max_batch, token_latency=args.token_latency,
+                   eos_prob=args.eos_prob, script_path=args.script, context_length=args.context_length)
+
     def __init__(self, facts: ModelFacts, *, seed: int = 0, slots: int = 8, token_latency: float = 0.0,
                  eos_prob: float = 0.02, script_path: Optional[str] = None,
-                 context_length: Optional[int] = None, token_range: Optional[tuple[int, int]] = None) -> None:
+                 context_length: Optional[int] = None) -> None:
         self.facts = facts
-        self.model = FakeModel(facts, seed=seed, eos_prob=eos_prob, token_range=token_range)
+        self.model = FakeModel(facts, seed=seed, eos_prob=eos_prob)
         self.vocab_size = facts.vocab_size
         self.context_length = context_length or facts.context_length
         self.eos_token_ids = facts.eos_token_ids
@@ -281,14 +290,6 @@ class FakeEngine(Engine):
         res.input_top_logprobs = in_top if spec.top_logprobs_num > 0 else None
         res.input_token_ids_logprobs = in_tid if spec.token_ids_logprob is not None else None
         return h, res
-
-    def generate_sync(self, spec: EntrySpec) -> GenerationResult:
-        """The whole generation without latency or slots (benchmarks and unit tests)."""
-        state = self._begin(spec)
-        while True:
-            done = self._step(spec, state)
-            if done is not None:
-                return done
 
     def _begin(self, spec: EntrySpec) -> dict:
         key = self.model.key(spec)
