@@ -81,6 +81,21 @@ class RecordingProxy(Proc):
         return [orjson.loads(line) for line in self.log_file.read_bytes().splitlines() if line]
 
 
+def pids_where(proc_file: str, matches) -> list[int]:
+    """Pids whose /proc/<pid>/<proc_file> ("cmdline" or "environ"), split on NULs, satisfies matches."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / proc_file).read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if matches(fields):
+            found.append(int(d.name))
+    return found
+
+
 def launch_external(out: Path, urls: list[str], *overrides: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """The real launcher attached to servers started by the test."""
     from conftest import launch

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
-from fake_servers import FakeServer, RecordingProxy, launch_external, read_records
+from fake_servers import FakeServer, RecordingProxy, launch_external, pids_where, read_records
 from pipegen.launch.world import free_port
 
 TOKEN_LATENCY = "0.002"
@@ -206,16 +206,8 @@ def units_of(data) -> list[tuple[int, int]]:
 def find_actor_pid(out: Path, rank: int = 0) -> int | None:
     """The pid of this run's actor (matched on its exact command line, never by a broad name)."""
     want = [b"pipegen.actor", f"output_dir={out}".encode(), f"rank={rank}".encode()]
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if all(w in argv for w in want):
-            return int(d.name)
-    return None
+    pids = pids_where("cmdline", lambda argv: all(w in argv for w in want))
+    return pids[0] if pids else None
 
 
 def test_actor_sigkill_mid_run_loses_nothing_duplicates_nothing_and_never_resends_a_done_unit(

@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
+from fake_servers import pids_where
 
 from pipegen.run.layout import RunDir
 from pipegen.observe.progress import LogWatcher
@@ -148,18 +149,11 @@ def kill_orphans_of(launcher_pid: int) -> None:
     """SIGKILL of the launcher leaves its reference server behind (servers have no orphan guard yet):
     stop exactly the processes that launcher started (PIPEGEN_PARENT_PID=<its pid> in their environment)."""
     marker = f"PIPEGEN_PARENT_PID={launcher_pid}".encode()
-    for proc_dir in Path("/proc").iterdir():
-        if not proc_dir.name.isdigit():
-            continue
+    for pid in pids_where("environ", lambda environ: marker in environ):
         try:
-            environ = (proc_dir / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if marker in environ:
-            try:
-                os.kill(int(proc_dir.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_status_crashed_run_and_writer_restarted_alone(tmp_path, tiny_model):

@@ -2,7 +2,9 @@
 
 One module per scenario, each with `KEY`, `TITLE` and `run(quick) -> ScenarioResult`; `__main__` runs
 them in this order and writes the markdown table. Every figure is a ratio of two things measured side
-by side, because the machines these run on are shared and noisy.
+by side, because the machines these run on are shared and noisy. `common` holds what they share.
+
+Owns: the scenario names and the order the table lists them in.
 """
 
 SCENARIOS = {

@@ -3,6 +3,10 @@
 Runs the scenarios in order and writes one markdown table (date, machine, versions, each scenario's
 ratio and the raw figures behind it) to BENCHMARKS.md at the repository root, or to --out.
 A scenario that fails is reported in the table with its error; the others still run.
+
+Owns: the table's layout, the machine facts and package versions it states, and the load average read
+around each scenario.
+Must never: judge a timing (a missed target is reported, not raised).
 """
 
 from __future__ import annotations
@@ -11,13 +15,55 @@ import argparse
 import datetime as dt
 import importlib
 import os
+import platform
 import sys
 import time
 import traceback
 from pathlib import Path
 
 from pipegen.bench import SCENARIOS
-from pipegen.bench.common import REPO, ScenarioResult, loadavg, machine_info, versions
+from pipegen.bench.common import REPO, ScenarioResult
+
+
+def loadavg() -> tuple[float, float, float]:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return (0.0, 0.0, 0.0)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    mem = ""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f", {int(line.split()[1]) / 1024 ** 2:.0f} GiB RAM"
+    except OSError:
+        pass
+    return f"{cpu_model()}, {cores} cores{mem}, {platform.system()} {platform.release()}"
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "verl", "orjson", "aiohttp", "uvloop", "ray", "transformers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,16 +1,17 @@
-"""What every benchmark scenario shares: result rows, side-by-side timing, machine facts, realistic
-records, run configs and a reference server in a subprocess.
+"""What every benchmark scenario shares: result rows, side-by-side timing, scratch folders, prepared run
+folders, realistic records, and the server and launcher processes the scenarios measure against.
 
 Owns: the rule that every reported figure is a ratio of two things measured side by side (interleaved
-in one process, or within the same minute), and the helpers that make that easy.
-Must never: assert on timings (benchmarks report, tests do not judge speed), or write outside the
-temporary folders it is given.
+in one process, or within the same minute), and the helpers that make that easy: one way to prepare a
+run folder, to make, write and read records, to start the CPU server, to drive /generate with a bare
+aiohttp loop, and to start the launcher.
+Must never: assert on timings (benchmarks report, tests do not judge speed), write outside the
+temporary folders it is given, or spell a record key, a unit-key formula or a run path itself (records.py
+and layout.py own those).
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import shutil
 import signal
 import statistics
@@ -18,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import orjson
+
+from pipegen.launch.servers import ServerProcess
+from pipegen.run.layout import LaunchRecord, RunDir, list_shards
+from pipegen.run.records import RolloutRecord, UnitKeys, prompt_uid, unit_seed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,9 +46,13 @@ class Row:
     ratio: float | None
     label: str  # e.g. "pipegen ÷ bare orjson (rec/s)"
     target: str = ""  # e.g. "≥ 0.6"; empty when the figure has no target
-    met: bool | None = None
+    met: bool | None = None  # left out: judged from ratio and target
     raw: str = ""
     unit: str = "×"
+
+    def __post_init__(self) -> None:
+        if self.met is None:
+            self.met = check_target(self.ratio, self.target)
 
 
 @dataclass
@@ -116,51 +124,6 @@ def fmt_s(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
-def loadavg() -> tuple[float, float, float]:
-    try:
-        return os.getloadavg()
-    except OSError:
-        return (0.0, 0.0, 0.0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# machine and versions
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info() -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    mem = ""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = f", {int(line.split()[1]) / 1024 ** 2:.0f} GiB RAM"
-    except OSError:
-        pass
-    return f"{cpu_model()}, {cores} cores{mem}, {platform.system()} {platform.release()}"
-
-
-def versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "verl", "orjson", "aiohttp", "uvloop", "ray", "transformers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------
 # scratch space
 
@@ -176,22 +139,29 @@ def scratch(prefix: str) -> Iterator[Path]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# realistic records, built the way the actor builds them
+# run folders and realistic records, built the way the launcher and the actor build them
 
 
 PROMPT_TOKENS = 256
 TOKEN_LO, TOKEN_HI = 100, 1900  # ordinary ids of the tiny test model's vocabulary (2048)
+LAUNCH = "bench"  # the launch id and run key of every prepared run folder
+FAKE_ENGINE = "pipegen.testing.fake_engine:FakeEngine"
+
+
+def tiny_model() -> str:
+    from pipegen.testing.tiny_models import tiny_model_path
+
+    return tiny_model_path()
 
 
 def bench_config(run_root: Path, *overrides: str):
     """The resolved run config for a run folder (tiny test model, demo data), as the launcher saves it."""
     from omegaconf import open_dict
 
-    from pipegen.config import compose, resolved
     from pipegen.data import resolve_train_files
-    from pipegen.testing.tiny_models import tiny_model_path
+    from pipegen.run.config import compose, resolved
 
-    model = tiny_model_path()
+    model = tiny_model()
     cfg = compose([f"output_dir={run_root}", f"model_path={model}", *overrides])
     with open_dict(cfg):
         cfg.model_path = model
@@ -202,20 +172,30 @@ def bench_config(run_root: Path, *overrides: str):
     return resolved(cfg)
 
 
+def prepare_run(root: Path, *overrides: str, servers: list[str] | None = None) -> tuple[Any, RunDir]:
+    """A run folder as the launcher leaves it for actors and writer: config, unit manifest, launch record."""
+    from pipegen.actor.dataset import dataset_indices, load_dataset, load_tokenizer
+    from pipegen.run.config import save_run_config
+
+    cfg = bench_config(root, *overrides)
+    run = RunDir(Path(root))
+    save_run_config(run, cfg)
+    run.write_manifest(dataset_indices(load_dataset(cfg, load_tokenizer(cfg))))
+    run.write_launch(LaunchRecord(launch=LAUNCH, run_key=LAUNCH, servers=list(servers or [])))
+    return cfg, run
+
+
 class RecordFactory:
-    """Stream records with the actor's exact shape: encode_record(index, sample, body), where body holds
-    uid/priority/seed/agent_name/launch/row and trajectories made by the actor's `_trajectory_json` from a
-    verl AgentLoopOutput (float32 logprobs). Rows are real dataset rows of the demo set."""
+    """RolloutRecords with the actor's exact shape: real rows of the demo set, trajectories made by the
+    actor's `trajectory_json` from a verl AgentLoopOutput (float32 logprobs), uid, priority and seed
+    derived as the actor derives them."""
 
-    def __init__(self, cfg, n: int):
-        from pipegen.dataset import load_dataset, load_tokenizer, row_fields
+    def __init__(self, cfg):
+        from pipegen.actor.dataset import dataset_indices, load_dataset, load_tokenizer
+        from pipegen.actor.rollout import row_fields
 
-        self.cfg = cfg
-        self.n = n
-        tokenizer = load_tokenizer(cfg)
-        dataset = load_dataset(cfg, tokenizer)
-        from pipegen.dataset import dataset_indices
-
+        self.keys = UnitKeys(int(cfg.actor_rollout_ref.rollout.n))
+        dataset = load_dataset(cfg, load_tokenizer(cfg))
         self.indices = dataset_indices(dataset)
         self.rows = [row_fields(dataset, pos) for pos in range(len(self.indices))]
 
@@ -223,18 +203,17 @@ class RecordFactory:
         """(position, index, sample) of the first `count` units, prompt-major like the actor's."""
         out = []
         for pos, index in enumerate(self.indices):
-            for s in range(self.n):
-                out.append((pos, index, s))
+            for sample in range(self.keys.n):
+                out.append((pos, index, sample))
                 if len(out) == count:
                     return out
         raise ValueError(f"the dataset has only {len(out)} units; asked for {count}")
 
-    def bodies(self, count: int, response_tokens: int, seed: int = 0) -> list[tuple[int, int, dict[str, Any]]]:
+    def records(self, count: int, response_tokens: int, seed: int = 0) -> list[RolloutRecord]:
         import numpy as np
         from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
-        from pipegen.actor import _trajectory_json
-        from pipegen.units import prompt_uid, unit_seed
+        from pipegen.actor.rollout import trajectory_json
 
         rng = np.random.default_rng(seed)
         out = []
@@ -249,79 +228,150 @@ class RecordFactory:
                 metrics=AgentLoopMetrics(generate_sequences=0.5, tool_calls=0.0),
                 extra_fields={"turn_scores": [], "tool_rewards": [], "reward_extra_info": {"acc": 1.0}},
             )
-            body = {
-                "uid": prompt_uid("bench", index),
-                "priority": pos * self.n + sample,
-                "seed": unit_seed(0, index, sample),
-                "agent_name": "single_turn_agent",
-                "launch": "bench",
-                "row": self.rows[pos],
-                "trajectories": [_trajectory_json(output)],
-            }
-            out.append((index, sample, body))
+            out.append(RolloutRecord(
+                index=index, sample=sample, uid=prompt_uid(LAUNCH, index), priority=self.keys.priority(pos, sample),
+                seed=unit_seed(0, index, sample), agent_name="single_turn_agent", launch=LAUNCH,
+                row=self.rows[pos], trajectories=[trajectory_json(output)],
+            ))
         return out
 
 
 # ---------------------------------------------------------------------------------------------------
-# a reference server in a subprocess
+# stream shards: write and read records as the actor and the writer do, and the bare orjson baseline
 
 
-class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log_path: Path):
-        self.proc = proc
-        self.url = url
-        self.log_path = log_path
+def write_records(topic: Path, records: list[RolloutRecord], max_bytes: int = 64 << 20,
+                  fsync_interval_s: float = 1.0) -> None:
+    """One actor's shards of `records` (`RolloutRecord.to_line` + `ShardAppender.append`, fsync on the
+    actor's timer and at seal)."""
+    from pipegen.run.streams import ShardAppender
 
-    def get_json(self, path: str, timeout: float = 30) -> dict[str, Any]:
-        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as resp:
-            return orjson.loads(resp.read())
+    app = ShardAppender(topic, 0, max_bytes=max_bytes, fsync_interval_s=fsync_interval_s)
+    for record in records:
+        app.append(record.to_line())
+    app.close()
 
-    def log_tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+
+def shard_files(topic: Path) -> list[Path]:
+    """Every shard of a topic, actor by actor, oldest first."""
+    return [path for shards in list_shards(topic).values() for path in shards]
+
+
+def shard_bytes(topic: Path) -> int:
+    return sum(path.stat().st_size for path in shard_files(topic))
+
+
+def shard_lines(topic: Path) -> list[bytes]:
+    """Every complete line of a topic's shards, as the writer's tailer reads them."""
+    from pipegen.run.streams import ShardTailer
+
+    return [line for _, _, line in ShardTailer(Path(topic)).lines()]
+
+
+def tail_records(topic: Path) -> int:
+    """The writer's read: `ShardTailer.lines()` + `RolloutRecord.from_line` per line; returns the count."""
+    from pipegen.run.streams import ShardTailer
+
+    got = 0
+    for _, _, line in ShardTailer(Path(topic)).lines():
+        RolloutRecord.from_line(line)
+        got += 1
+    return got
+
+
+def bare_read(paths: list[Path]) -> int:
+    """The baseline read: `for line in open(path, 'rb'): orjson.loads(line)`; returns the count."""
+    got = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            for line in f:
+                orjson.loads(line)
+                got += 1
+    return got
+
+
+def timed(fn: Callable[..., int], *args: Any, expect: int) -> float:
+    """Seconds `fn(*args)` takes; it must return `expect` (records read, lines found...)."""
+    t0 = time.perf_counter()
+    got = fn(*args)
+    dt = time.perf_counter() - t0
+    if got != expect:
+        raise AssertionError(f"{getattr(fn, '__name__', fn)} gave {got}, expected {expect}")
+    return dt
+
+
+# ---------------------------------------------------------------------------------------------------
+# processes: the CPU server, a bare /generate client, and the launcher
+
+
+def get_json(url: str, timeout: float = 30) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return orjson.loads(resp.read())
+
+
+def server_stats(url: str, timeout: float = 30) -> dict[str, Any]:
+    """The CPU server's own counters (`GET /pipegen_stats`)."""
+    return get_json(f"{url}/pipegen_stats", timeout)
+
+
+def fake_engine_args(*, slots: int, eos_prob: float, token_latency: float = 0.0, seed: int = 0,
+                     model: str | None = None) -> list[str]:
+    """CPU server arguments for the fake engine: `slots` requests run at once (the rest wait, FIFO), each
+    token takes `token_latency` seconds, each token ends the answer with chance `eos_prob`."""
+    return ["--engine", FAKE_ENGINE, "--model-path", model or tiny_model(), "--slots", str(slots),
+            "--token-latency", str(token_latency), "--eos-prob", str(eos_prob), "--seed", str(seed)]
 
 
 @contextmanager
 def reference_server(folder: Path, args: list[str], name: str = "server", ready_timeout_s: float = 300,
-                     threads: int = 1) -> Iterator[Server]:
-    """`python -m pipegen.servers.reference_server ARGS` on a free loopback port, ready on exit."""
+                     threads: int = 1) -> Iterator[ServerProcess]:
+    """`python -m pipegen.cpu_server ARGS` on a free loopback port, answering when the block starts."""
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     port_file = folder / f"{name}.port"
-    log_path = folder / f"{name}.log"
-    port_file.unlink(missing_ok=True)  # a stale port file would point at a server that is gone
-    argv = [sys.executable, "-m", "pipegen.servers.reference_server", "--host", "127.0.0.1", "--port", "0",
+    argv = [sys.executable, "-m", "pipegen.cpu_server", "--host", "127.0.0.1", "--port", "0",
             "--port-file", str(port_file), "--stats-interval", "0", "--log-level", "warning", *args]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    server = ServerProcess(argv, folder / f"{name}.log", port_file=port_file,
+                           env={"OMP_NUM_THREADS": str(threads)}, cwd=REPO)
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while not port_file.exists():
-            _check_alive(proc, log_path, deadline)
-            time.sleep(0.02)
-        url = f"http://127.0.0.1:{int(port_file.read_text())}"
-        while True:
-            _check_alive(proc, log_path, deadline)
-            try:
-                with urllib.request.urlopen(f"{url}/health_generate", timeout=30) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.05)
-        yield Server(proc, url, log_path)
+        yield server.start().wait_ready(ready_timeout_s)
     finally:
-        stop_process(proc)
+        server.stop()
 
 
-def _check_alive(proc: subprocess.Popen, log_path: Path, deadline: float) -> None:
-    if proc.poll() is not None:
-        raise RuntimeError(f"reference server exited ({proc.returncode}); log {log_path}:\n"
-                           + log_path.read_text(errors="replace")[-2000:])
-    if time.monotonic() > deadline:
-        raise RuntimeError(f"reference server not ready in time; log {log_path}")
+def post_all(url: str, bodies: list[dict], concurrency: int) -> list[tuple[float, dict[str, Any]]]:
+    """POST every body to `/generate` from `concurrency` workers of one aiohttp session (uvloop), each
+    answer parsed with orjson: (completion time, answer) per body, in completion order."""
+    import asyncio
+
+    import aiohttp
+    import uvloop
+
+    done: list[tuple[float, dict[str, Any]]] = []
+
+    async def main() -> None:
+        queue = list(reversed(bodies))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            async def worker() -> None:
+                while queue:
+                    body = queue.pop()
+                    async with session.post(f"{url}/generate", data=orjson.dumps(body),
+                                            headers={"Content-Type": "application/json"}) as resp:
+                        raw = await resp.read()
+                        if resp.status != 200:
+                            raise RuntimeError(f"HTTP {resp.status}: {raw[:200]!r}")
+                    done.append((time.perf_counter(), orjson.loads(raw)))
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    uvloop.run(main())
+    return done
+
+
+def launcher_command(run_root: Path, url: str, *overrides: str, model: str | None = None) -> list[str]:
+    """`python -m pipegen.launch` attached to one running server (`llm=external`), writer and merge included."""
+    return [sys.executable, "-m", "pipegen.launch", f"output_dir={run_root}", f"model_path={model or tiny_model()}",
+            "llm=external", f"llm.urls=[{url}]", *overrides]
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:

@@ -3,6 +3,8 @@
 Runs only where torch sees a CUDA GPU and SGLang is installed (`./launch.sh` installs the `sglang` extra
 on GPU machines); otherwise the table says why it was skipped. The measurement itself is not written
 yet: on a GPU machine it reports that, rather than a made-up figure.
+
+Owns: the check for a GPU and SGLang, and this scenario's line in the table.
 """
 
 from __future__ import annotations

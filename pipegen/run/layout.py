@@ -53,6 +53,11 @@ def shard_path(actor_dir: Path, seq: int) -> Path:
     return Path(actor_dir) / f"{seq:06d}{SHARD_SUFFIX}"
 
 
+def shard_key(path: Path) -> str:
+    """A shard's name relative to its topic folder, `actor_<k>/<seq>.jsonl`: the checkpoint's key for it."""
+    return f"{Path(path).parent.name}/{Path(path).name}"
+
+
 def shard_seq(path: Path) -> int:
     return int(Path(path).stem)
 

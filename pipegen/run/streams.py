@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from pipegen.run.layout import actor_shard_dir, list_shards, shard_path, shard_seq
+from pipegen.run.layout import actor_shard_dir, list_shards, shard_key, shard_path, shard_seq
 from pipegen.run.records import read_head
 
 
@@ -110,7 +110,7 @@ class ShardTailer:
                 if seq < done_below:
                     continue
                 sealed = i < len(shards) - 1  # listed before reading: a newer shard means this one is final
-                rel = f"{actor}/{path.name}"
+                rel = shard_key(path)
                 yield from self._read_shard(rel, path, sealed)
                 if sealed and seq == self.sealed.get(actor, 0) and self._consumed(rel, path):
                     self.sealed[actor] = seq + 1  # everything up to here is final and read
