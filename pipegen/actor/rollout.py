@@ -109,8 +109,6 @@ def check_trajectories(result: Any, prompt_length: int, response_length: int) ->
 
 def trajectory_json(output) -> dict[str, Any]:
     """An AgentLoopOutput as the record carries it."""
-    import numpy as np
-
     data = output.model_dump(mode="json")
     if data.get("response_logprobs") is not None:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
