@@ -52,11 +52,14 @@ def make_writer_pass(cfg, run, builder, count: int):
 
         async def drain() -> int:
             while await writer.pull():
-                pass
-            await writer.commit()
+                writer.committer.poll()
+            await writer.flush()  # the rest as the last batch, and every commit on disk
             return writer.ckpt.num_committed
 
-        return c.timed(asyncio.run, drain(), expect=count)
+        try:
+            return c.timed(asyncio.run, drain(), expect=count)
+        finally:
+            writer.committer.close()
 
     return writer_pass
 
@@ -83,6 +86,16 @@ def profile_hotspots(fn, top: int = 8) -> str:
 
 
 def run(quick: bool) -> c.ScenarioResult:
+    import torch
+
+    threads = torch.get_num_threads()  # the Writer sets 1 for its process; give later scenarios theirs back
+    try:
+        return _run(quick)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(quick: bool) -> c.ScenarioResult:
     from pipegen.actor.dataset import load_tokenizer
     from pipegen.run.records import RolloutRecord
     from pipegen.writer.batches import BatchBuilder

@@ -21,17 +21,28 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def temporary_sibling(path: Path) -> Path:
+    """Where a new version of path is written before its rename (remove_stale_temporaries finds it)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_synced(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Call write(fileobj) on a new file at path and fsync it (its directory entry is not synced)."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     """Call write(fileobj) on a temporary sibling, fsync it, rename over path, fsync the directory.
 
     After a crash at any point, path holds either its old content or the new one, never a mix.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = temporary_sibling(path)
+    write_synced(tmp, write)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

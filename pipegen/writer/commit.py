@@ -5,15 +5,27 @@
 The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md tells why each holds):
  1. read new complete lines from every shard from the checkpoint's byte offsets;
  2. drop units already committed or buffered (counted as duplicates);
- 3. at save_batch_size rows, or after pull_timeout seconds without new lines, build a padded batch,
-    write it to a temporary file, fsync, rename to batch_NNNNN.pkl;
- 4. then replace checkpoint.json the same way (committed ranges, batches, offsets, failures);
+ 3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
+    batch_NNNNN.pkl. A partial batch is written only when every unit is settled, or after
+    pull_timeout seconds (minutes by default) without new lines: each sample is already durable in
+    its shard line, so small batches would buy nothing but files;
+ 4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
+    fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
  5. on start: take the lock, load the checkpoint, delete batch files it does not list;
  6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete.
 
+Steps 3-4 (the disk half) run on one background thread while the main loop parses the next lines:
+`Committer` takes commits strictly in order, and when several queued up behind a slow fsync it writes
+all their batch files and then one checkpoint listing them all (group commit). The checkpoint is never
+renamed before every batch it lists is fsynced, renamed and its directory fsynced; the rename itself
+is not followed by a directory fsync, because losing it in a power cut leaves the previous checkpoint,
+which is safe (its batches are durable; the newer batch files are orphans, deleted at start, and their
+lines are read again); the next commit's directory fsync, or the final checkpoint, makes it durable.
+
 Owns: checkpoint.json, batch_*.pkl, trajectories.pkl/.zip and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
-whole run in memory before the merge, or run twice on one directory.
+whole run in memory before the merge (at most `MAX_QUEUED_BATCHES` encoded batches wait for the
+disk), or run twice on one directory.
 """
 
 from __future__ import annotations
@@ -21,29 +33,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 import signal
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import orjson
 from omegaconf import DictConfig
 
 from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
-from pipegen.run.atomic import DirectoryLock, LockHeld, atomic_write, remove_stale_temporaries
+from pipegen.run.atomic import (DirectoryLock, LockHeld, fsync_dir, remove_stale_temporaries, temporary_sibling,
+                                write_synced)
 from pipegen.run.checkpoint import failure_reason, load_checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import check_fingerprint
 from pipegen.run.layout import RunDir, output_dir_from_args
-from pipegen.run.records import FailureRecord, RolloutRecord, UnitKeys, parse_unit_label, unit_label
+from pipegen.run.records import FailureRecord, RolloutRecord, UnitKeys, parse_unit_label, read_head, unit_label
 from pipegen.run.streams import ShardTailer
+from pipegen.writer.parse import LineParser
 
 log = logging.getLogger("pipegen.writer")
 
 FAULT_ENV = "PIPEGEN_WRITER_FAULT"  # test hook: "<point>:<k>" SIGKILLs the writer the k-th time it reaches point
 EXIT_LOCKED = 3
 EXIT_FAILED_UNITS = 4  # settled, but some units failed in this launch: a restart would not change that
+MAX_QUEUED_BATCHES = 4  # encoded batches waiting for the disk before the main loop waits too
 
 
 class FaultInjector:
@@ -62,11 +78,82 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Committer:
+    """The disk half of the commit protocol (steps 3-4) on one background thread, commits in order.
+
+    `submit` queues a batch file's chunks with the checkpoint that lists it; a job takes everything
+    queued so far: it writes each batch file (temporary, fsync, rename), then the last checkpoint
+    (temporary, fsync, directory fsync, rename). Errors surface in the main loop at the next `poll`.
+    """
+
+    def __init__(self, run: RunDir, fault: FaultInjector):
+        self.run = run
+        self.fault = fault
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pipegen-commit")
+        self._running: Future | None = None
+        self._batches: list[tuple[Path, list]] = []
+        self._checkpoint: bytes | None = None
+
+    def submit(self, path: Path, chunks: list, checkpoint: bytes) -> None:
+        self._batches.append((path, chunks))
+        self._checkpoint = checkpoint
+        self.poll()
+
+    @property
+    def queued(self) -> int:
+        return len(self._batches)
+
+    def poll(self) -> None:
+        """Raise what the last job raised; start the next job when the thread is free."""
+        if self._running is not None:
+            if not self._running.done():
+                return
+            running, self._running = self._running, None
+            running.result()
+        if self._checkpoint is not None:
+            batches, checkpoint = self._batches, self._checkpoint
+            self._batches, self._checkpoint = [], None
+            self._running = self._pool.submit(self._write, batches, checkpoint)
+
+    async def wait(self, max_queued: int = 0) -> None:
+        """Until at most max_queued batches wait for the disk (0: until everything is on disk)."""
+        self.poll()
+        while self._running is not None and (self.queued > max_queued or max_queued == 0):
+            await asyncio.wrap_future(self._running)
+            self.poll()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def _write(self, batches: list[tuple[Path, list]], checkpoint: bytes) -> None:
+        for path, chunks in batches:
+            tmp = temporary_sibling(path)
+            write_synced(tmp, lambda f: self._write_chunks(f, chunks, "batch_write"))
+            os.replace(tmp, path)
+            self.fault.reached("after_batch_rename")
+        tmp = temporary_sibling(self.run.checkpoint)
+        write_synced(tmp, lambda f: self._write_chunks(f, [checkpoint[: len(checkpoint) // 2],
+                                                            checkpoint[len(checkpoint) // 2 :]], "checkpoint_write"))
+        fsync_dir(self.run.root)  # the batch renames above and this temporary are durable before the rename
+        os.replace(tmp, self.run.checkpoint)
+
+    def _write_chunks(self, f, chunks: list, fault_point: str) -> None:
+        half = len(chunks) // 2
+        for i, chunk in enumerate(chunks):
+            if i == half:
+                self.fault.reached(fault_point)
+            f.write(chunk)
+
+
 class Writer:
     def __init__(self, cfg: DictConfig, run: RunDir):
         self.cfg = cfg
         self.run = run
         self.gen = cfg.generation
+        # read once: an omegaconf lookup per line cost more than parsing a 1k-token line
+        self.save_batch_size = int(self.gen.save_batch_size)
+        self.quiet_period_s = float(self.gen.pull_timeout)
+        self.batch_int32 = bool(self.gen.batch_int32)
         self.keys = UnitKeys(int(cfg.actor_rollout_ref.rollout.n))
         self.fault = FaultInjector(os.environ.get(FAULT_ENV))
         self.total_units = run.total_units(self.keys.n)
@@ -78,7 +165,14 @@ class Writer:
         self.duplicates = 0
         self.unknown_units = 0
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
+        self.parser = LineParser()
+        self.committer = Committer(run, self.fault)
         self.stats = StatsAppender(run.stats, "writer")
+        # The writer's tensor ops are small: torch's intra-op threads only fight the commit thread and
+        # the actors for cores (verl's _postprocess ran 30x slower with 2 threads on a busy 2-core box).
+        import torch  # here, not at the top: the launcher imports this module for its exit codes
+
+        torch.set_num_threads(1)
 
     # ---- start-up (step 5) ----
     def recover(self) -> None:
@@ -113,67 +207,67 @@ class Writer:
                 self.ckpt.mark_failed(unit_label(failure.index, failure.sample), failure.reason)
         for _, _, line in self.rollouts.lines():
             got += 1
+            head = read_head(line)  # a duplicate is dropped before its line is parsed
+            if head is not None and self._skip(*head):
+                continue
             try:
-                rec = RolloutRecord.from_line(line)
+                rec = self.parser.record(line)
             except (orjson.JSONDecodeError, TypeError):
                 log.error("unparseable line in a rollout shard (skipped): %r", line[:120])
                 continue
-            if rec.index not in self.valid_index or not self.keys.valid_sample(rec.sample):
-                self.unknown_units += 1
+            if head is None and self._skip(rec.index, rec.sample):
                 continue
-            key = self.keys.key(rec.index, rec.sample)
-            if key in self.ckpt.committed or key in self.buffer:
-                self.duplicates += 1
-                continue
-            self.buffer[key] = rec
+            self.buffer[self.keys.key(rec.index, rec.sample)] = rec
             self.buffered_rows += rec.num_rows
-            if self.buffered_rows >= int(self.gen.save_batch_size):
+            if self.buffered_rows >= self.save_batch_size:
                 await self.commit()
         return got
 
+    def _skip(self, index: int, sample: int) -> bool:
+        """Count and skip a unit outside the manifest, or one already committed or buffered."""
+        if index not in self.valid_index or not self.keys.valid_sample(sample):
+            self.unknown_units += 1
+            return True
+        key = self.keys.key(index, sample)
+        if key in self.ckpt.committed or key in self.buffer:
+            self.duplicates += 1
+            return True
+        return False
+
     # ---- steps 3-4 ----
     async def commit(self) -> None:
+        """Build the buffer into the next batch and hand it, with the checkpoint listing it, to the
+        committer; the in-memory checkpoint counts it from here (a crash before the disk has it loses
+        only this process's memory: the lines are read again)."""
         if not self.buffer:
             return
-        from pipegen.writer.batches import to_storage
+        from pipegen.writer.batches import encode_batch
 
+        await self.committer.wait(MAX_QUEUED_BATCHES - 1)  # bounded memory: the disk keeps up or we wait
         keys = sorted(self.buffer)
-        batch = to_storage(await self.builder.build([self.buffer[k] for k in keys]), bool(self.gen.batch_int32))
+        batch = await self.builder.build([self.buffer[k] for k in keys], self.batch_int32)
+        chunks = encode_batch(batch, self.batch_int32)
         path = self.run.batch_file(len(self.ckpt.batches))
-        data = pickle.dumps(batch)  # what DataProto.save_to_disk writes
-
-        def write_batch(f) -> None:
-            f.write(data[: len(data) // 2])
-            self.fault.reached("batch_write")
-            f.write(data[len(data) // 2 :])
-
-        atomic_write(path, write_batch)
-        self.fault.reached("after_batch_rename")
         ckpt = self.ckpt
         ckpt.batches.add(len(batch), len(keys))
         for k in keys:
             ckpt.committed.add(k)
             ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
         self._record_offsets()
-        self._save_checkpoint()
+        self.committer.submit(path, chunks, ckpt.to_json())
         self.buffer.clear()
         self.buffered_rows = 0
         log.info("committed %s: %d units, %d/%d done", path.name, len(keys), ckpt.num_committed, self.total_units)
+
+    async def flush(self) -> None:
+        """Commit what is buffered and wait until every commit is on disk."""
+        await self.commit()
+        await self.committer.wait()
 
     def _record_offsets(self) -> None:
         ckpt = self.ckpt
         ckpt.rollout_offsets, ckpt.rollout_sealed = dict(self.rollouts.offsets), dict(self.rollouts.sealed)
         ckpt.failure_offsets, ckpt.failure_sealed = dict(self.failures.offsets), dict(self.failures.sealed)
-
-    def _save_checkpoint(self) -> None:
-        data = self.ckpt.to_json()
-
-        def write(f) -> None:
-            f.write(data[: len(data) // 2])
-            self.fault.reached("checkpoint_write")
-            f.write(data[len(data) // 2 :])
-
-        atomic_write(self.run.checkpoint, write)
 
     # ---- step 6 ----
     def settled(self) -> bool:
@@ -229,18 +323,20 @@ class Writer:
         last_stats = 0.0
         while True:
             got = await self.pull()
+            self.committer.poll()
             now = time.monotonic()
             if got:
                 idle_since = now
                 sleep = 0.005  # busy: poll every few ms so tail latency stays low
             else:
                 sleep = min(0.2, sleep * 2)  # idle: back off
-            if self.buffer and (now - idle_since >= float(self.gen.pull_timeout) or self.settled()):
+            if self.buffer and (now - idle_since >= self.quiet_period_s or self.settled()):
                 await self.commit()
             if now - last_stats >= 2.0:
                 self.write_stats()
                 last_stats = now
             if self.settled() and not self.buffer:
+                await self.committer.wait()
                 self.finalize()
                 self.write_stats(final=True)
                 return 0 if self.ckpt.complete else EXIT_FAILED_UNITS
@@ -265,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
+    writer = Writer(cfg, run)
     try:
-        return uvloop.run(Writer(cfg, run).main())
+        return uvloop.run(writer.main())
     finally:
+        writer.committer.close()
         lock.release()
 

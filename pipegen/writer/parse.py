@@ -1,0 +1,85 @@
+"""A rollout line -> `RolloutRecord` whose token lists are numpy arrays, without a Python object per token.
+
+`RolloutRecord.from_line` (orjson) builds a Python int or float for every token id, mask bit and
+log-prob, and the writer then turns those lists back into arrays: together about twice the cost of
+the parse alone. simdjson (pysimdjson) parses the line once in C++ and hands each numeric array out
+as one contiguous buffer (`as_buffer`), so the writer reads a 1k-token record in ~0.7x the time of a
+bare `orjson.loads`. Integers come out as int64 and floats as float64, exactly the values orjson
+gives (both parsers round decimal text correctly), so verl parity is unchanged.
+
+Owns: which trajectory keys are read as arrays (verl's `AgentLoopOutput` token lists).
+Must never: accept a line the record contract would reject; anything unusual (a non-numeric entry in
+a token list, a missing key, a line orjson would refuse) goes through `RolloutRecord.from_line`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import simdjson
+
+from pipegen.run.records import RolloutRecord
+
+# verl AgentLoopOutput lists read as arrays: buffer type code, numpy dtype
+ARRAY_KEYS = {
+    "prompt_ids": ("i", np.int64),
+    "response_ids": ("i", np.int64),
+    "response_mask": ("i", np.int64),
+    "response_logprobs": ("d", np.float64),
+}
+_RECORD_FIELDS = tuple(f.name for f in fields(RolloutRecord))
+
+
+class LineParser:
+    """One reusable simdjson parser (a parser holds one document at a time; arrays are copied out)."""
+
+    def __init__(self) -> None:
+        self._parser = simdjson.Parser()
+
+    def record(self, line: bytes) -> RolloutRecord:
+        """The line as a RolloutRecord; trajectory token lists as numpy arrays when they are numeric."""
+        try:
+            return self._fast(line)
+        except (ValueError, TypeError, KeyError, IndexError, RuntimeError):  # simdjson's errors
+            # a fresh parser: the traceback may still hold proxies into the old one's document
+            self._parser = simdjson.Parser()
+            return RolloutRecord.from_line(line)  # the record contract decides (and raises) on odd lines
+
+    def _fast(self, line: bytes) -> RolloutRecord:
+        doc = self._parser.parse(line)
+        if not isinstance(doc, simdjson.Object):
+            raise TypeError("a record line is a JSON object")
+        values = {name: _plain(doc[name]) for name in _RECORD_FIELDS if name != "trajectories" and name in doc}
+        return RolloutRecord(**values, trajectories=[_trajectory(t) for t in doc["trajectories"]])
+
+
+def _trajectory(traj) -> dict[str, Any]:
+    if not isinstance(traj, simdjson.Object):
+        raise TypeError("a trajectory is a JSON object")
+    out: dict[str, Any] = {}
+    for key in traj.keys():
+        value = traj[key]
+        spec = ARRAY_KEYS.get(key)
+        if spec is not None and type(value) is simdjson.Array:
+            out[key] = np.frombuffer(value.as_buffer(of_type=spec[0]), dtype=spec[1]) if len(value) else \
+                np.empty(0, dtype=spec[1])
+        else:
+            out[key] = _plain(value)
+    return out
+
+
+def _plain(value):
+    kind = type(value)
+    if kind is simdjson.Object:
+        return value.as_dict()
+    if kind is simdjson.Array:
+        return value.as_list()
+    return value
+
+
+def record_from_line(line: bytes) -> RolloutRecord:
+    """Convenience for one-off reads (tests, tools): a fresh parser per call."""
+    return LineParser().record(line)
+
