@@ -17,6 +17,10 @@ REPO = Path(__file__).resolve().parent.parent
 FAKE_ENGINE = f"llm.engine={FAKE_ENGINE_CLASS}"
 
 # Small, fast defaults for pipeline tests: a handful of demo prompts, short answers, small batches.
+# save_batch_size=4 and pull_timeout=0.3 (defaults 64 and 300 s) make a 12-row run write several batch
+# files, so these tests exercise multi-batch commits and merges; batch boundaries never change what
+# trajectories.pkl holds (merge sorts rows by index, sample, trajectory). test_writer_batches.py runs
+# the writer with the real defaults.
 FAST = [
     "max_samples=6",
     "n=2",

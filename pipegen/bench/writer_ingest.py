@@ -2,11 +2,12 @@
 
 pipegen: the real `pipegen.writer.commit.Writer` on a prepared run folder (config, unit manifest,
 launch record, one actor shard of realistic records): `recover()`, then `pull()` until the shards are
-drained (it commits every `save_batch_size` rows: verl's postprocessing into a padded DataProto, int32
-storage, pickle, batch file fsync + rename, checkpoint fsync + rename), then `commit()` of the rest.
-Bare: `orjson.loads` of every line of the same shard files. Both from page cache, interleaved.
-When the writer misses its target in full mode, one extra pass runs under cProfile and the notes name
-where the time goes.
+drained (it commits every `save_batch_size` rows: simdjson parse into numpy, whole-batch padding,
+verl's `_postprocess`, the numpy batch file, and on the commit thread batch fsync + rename and
+checkpoint fsync + directory fsync + rename), then `flush()`: the rest as the last batch, and the
+clock stops only when every commit is on disk. Bare: `orjson.loads` of every line of the same shard
+files. Both from page cache, interleaved. When the writer misses its target in full mode, one extra
+pass runs under cProfile and the notes name where the time goes.
 
 Owns: this scenario's sizes, its writer pass, and its rows in the table.
 """
@@ -74,8 +75,8 @@ def profile_hotspots(fn, top: int = 8) -> str:
     wall = max(v[3] for v in stats.stats.values())
     picks = []
     interesting = ("_agent_loop_postprocess", "_postprocess", "build", "pad", "model_validate", "pickle",
-                   "dumps", "loads", "atomic_write", "fsync", "to_storage", "lines", "_compute", "tensor",
-                   "collate", "concat", "stack", "save_checkpoint", "_save_checkpoint", "to_json")
+                   "dumps", "loads", "record", "_fast", "_trajectory", "encode_batch", "wait", "poll", "fsync",
+                   "lines", "_compute", "tensor", "cat", "to_json", "commit")
     for (filename, line, func), (cc, nc, tt, ct, callers) in sorted(stats.stats.items(), key=lambda kv: -kv[1][3]):
         short = f"{filename.rsplit('/site-packages/', 1)[-1].rsplit('/pipegen/', 1)[-1]}:{func}"
         if any(word in func for word in interesting) and ct > 0.02 * wall:

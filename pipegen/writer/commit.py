@@ -252,7 +252,8 @@ class Writer:
         ckpt.batches.add(len(batch), len(keys))
         for k in keys:
             ckpt.committed.add(k)
-            ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
+            if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
+                ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
         self._record_offsets()
         self.committer.submit(path, chunks, ckpt.to_json())
         self.buffer.clear()
