@@ -78,8 +78,3 @@ def _plain(value):
         return value.as_list()
     return value
 
-
-def record_from_line(line: bytes) -> RolloutRecord:
-    """Convenience for one-off reads (tests, tools): a fresh parser per call."""
-    return LineParser().record(line)
-
