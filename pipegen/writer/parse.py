@@ -29,7 +29,8 @@ ARRAY_KEYS = {
     "response_mask": ("i", np.int64),
     "response_logprobs": ("d", np.float64),
 }
-_RECORD_FIELDS = tuple(f.name for f in fields(RolloutRecord))
+_SCALAR_FIELDS = tuple(f.name for f in fields(RolloutRecord) if f.name != "trajectories")
+_MISSING = object()
 
 
 class LineParser:
@@ -51,7 +52,11 @@ class LineParser:
         doc = self._parser.parse(line)
         if not isinstance(doc, simdjson.Object):
             raise TypeError("a record line is a JSON object")
-        values = {name: _plain(doc[name]) for name in _RECORD_FIELDS if name != "trajectories" and name in doc}
+        values = {}
+        for name in _SCALAR_FIELDS:
+            value = doc.get(name, _MISSING)
+            if value is not _MISSING:
+                values[name] = _plain(value)
         return RolloutRecord(**values, trajectories=[_trajectory(t) for t in doc["trajectories"]])
 
 
@@ -63,8 +68,7 @@ def _trajectory(traj) -> dict[str, Any]:
         value = traj[key]
         spec = ARRAY_KEYS.get(key)
         if spec is not None and type(value) is simdjson.Array:
-            out[key] = np.frombuffer(value.as_buffer(of_type=spec[0]), dtype=spec[1]) if len(value) else \
-                np.empty(0, dtype=spec[1])
+            out[key] = np.frombuffer(value.as_buffer(of_type=spec[0]), dtype=spec[1])
         else:
             out[key] = _plain(value)
     return out
