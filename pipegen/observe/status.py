@@ -111,6 +111,14 @@ def writer_lock_status(run: RunDir) -> LockStatus:
     return status
 
 
+def writer_lock_holder(run: RunDir) -> int | None:
+    """The pid of the live process that holds the writer lock, or None when the lock is free."""
+    lock = writer_lock_status(run)
+    if lock.held is None:  # no /proc/locks: trust the pid the holder wrote, if that process lives
+        return lock.pid if lock.pid is not None and pid_alive(lock.pid) else None
+    return lock.pid if lock.held else None
+
+
 def _log_files(run: RunDir, now: float) -> list[dict[str, Any]]:
     out = []
     if run.logs.is_dir():
