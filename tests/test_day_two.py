@@ -95,3 +95,94 @@ def test_a_launch_refused_for_a_long_prompt_completes_rerun_with_the_fix(tmp_pat
     fixed = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "max_prompt_length=512")
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert units(load_trajectories(out / "trajectories.pkl")) == [(i, s) for i in range(6) for s in range(2)]
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The launcher's error: exactly one `pipegen: error:` line, the last one, and no traceback."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("pipegen: error:")]
+    assert len(errors) == 1 and result.stderr.strip().splitlines()[-1] == errors[0], result.stderr[-3000:]
+    return errors[0]
+
+
+def test_user_errors_are_one_line_naming_the_fix(tmp_path, tiny_model):
+    import pandas as pd
+
+    demo = pd.read_parquet(REPO / "pipegen" / "data" / "demo_arith.parquet").head(3)
+    demo.rename(columns={"prompt": "messages"}).to_parquet(wrong_column := tmp_path / "wrong_column.parquet")
+    demo.head(0).to_parquet(empty := tmp_path / "empty.parquet")
+    (garbage := tmp_path / "garbage.parquet").write_bytes(b"this is not parquet")
+    (a_file := tmp_path / "a_file").write_text("x")
+    cases = {
+        f"train_files={wrong_column}": ["data.prompt_key", "messages", "extra_info"],
+        f"train_files={empty}": ["no rows", str(empty)],
+        f"train_files={garbage}": ["not a readable parquet file", str(garbage)],
+        "nosuch_key=1": ["unknown key 'nosuch_key'", "--help"],
+        "n=many": ["n='many' must be an integer"],
+        "llm=gpu": ["llm=gpu does not exist", "llm=cpu", "llm=sglang"],
+        "llm=external": ["llm.urls must be set", "llm.urls=[http://HOST:PORT]"],
+    }
+    for override, expected in cases.items():
+        error = one_line_error(launch(tmp_path / "run", f"model_path={tiny_model}", override, timeout=120))
+        for text in expected:
+            assert text in error, (override, error)
+    error = one_line_error(subprocess.run([sys.executable, "-m", "pipegen.launch", f"output_dir={a_file}"], cwd=REPO,
+                                          capture_output=True, text=True, timeout=60))
+    assert "is a file" in error and str(a_file) in error
+
+
+def test_unreachable_external_server_fails_fast_naming_it(tmp_path, tiny_model):
+    started = time.monotonic()
+    result = launch(tmp_path / "run", f"model_path={tiny_model}", "llm=external", "llm.urls=[http://127.0.0.1:9]",
+                    timeout=120)
+    took = time.monotonic() - started
+    error = one_line_error(result)
+    assert "connection refused" in error and "http://127.0.0.1:9" in error and "llm.urls" in error
+    assert took < 15, f"took {took:.1f}s"  # the issue's bound; the wait itself is 5 s of refusals
+
+
+def test_a_loading_external_server_is_waited_for():
+    """Not listening for 2 s, then 503 until 6 s, then ready: that is a server starting, not a missing one."""
+    import http.server
+    import socket
+    import threading
+
+    from pipegen.launch.servers import check_reachable, wait_ready
+
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        port = probe_socket.getsockname()[1]
+    t0 = time.monotonic()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if time.monotonic() - t0 > 6 else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    def serve_later():
+        time.sleep(2)
+        server.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), Health))
+        server[0].serve_forever(poll_interval=0.1)
+
+    server: list = []
+    threading.Thread(target=serve_later, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        check_reachable(url)  # refused for 2 s only: reachable
+        waited = wait_ready(url, 120, unreachable_after_s=5)
+        assert time.monotonic() - t0 >= 6 and waited > 0
+    finally:
+        if server:
+            server[0].shutdown()
+
+
+def test_status_piped_into_head_exits_quietly(tmp_path):
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "config.yaml").write_text("actor_rollout_ref:\n  rollout:\n    n: 2\n")
+    result = subprocess.run(f"'{sys.executable}' -m pipegen.status '{tmp_path}' | head -n 0", shell=True, cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+    assert result.stderr == "", result.stderr

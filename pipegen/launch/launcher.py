@@ -19,11 +19,13 @@ from pathlib import Path
 
 import orjson
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from pipegen.launch.supervise import Role, Supervisor
 from pipegen.observe.logs import setup_logging
 from pipegen.run.checkpoint import failure_reason
-from pipegen.run.config import CONF_DIR, compose, resolved, save_run_config
+from pipegen.run.config import (CONF_DIR, check_types, compose, describe_config_error, help_text, resolved,
+                                save_run_config)
 from pipegen.run.fingerprint import OVERRIDE_KEY, compute_fingerprint, has_output, mismatch_message, save_fingerprint
 from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
 from pipegen.writer.commit import EXIT_FAILED_UNITS, EXIT_LOCKED
@@ -49,7 +51,7 @@ Common overrides:
   actor_rollout_ref.rollout.multi_turn.tool_config_path=conf/tools/calculator.yaml
   'trainer.logger=[console,wandb]'  log metrics (and upload the artifact) with verl's Tracking
 
-Every key, with its current value (comments in conf/*.yaml explain them):
+pipegen's keys, with their current values (overrides given with --help are applied):
 """
 
 
@@ -57,12 +59,10 @@ def print_help(overrides: list[str]) -> None:
     print(USAGE)
     try:
         cfg = compose([o for o in overrides if o not in ("--help", "-h")] + ["output_dir=DIR"])
-        shown = {k: cfg[k] for k in cfg if k not in ("actor_rollout_ref", "data", "distillation")}
-        print(OmegaConf.to_yaml(OmegaConf.create(shown)))
-        print("verl's own groups (actor_rollout_ref.model / .rollout, data) keep verl's keys and defaults;")
-        print(f"see {CONF_DIR}/pipegen.yaml for the ones pipegen sets.")
+        print(help_text(cfg))
+        print(f"\nComments in {CONF_DIR}/pipegen.yaml explain pipegen's keys.")
     except Exception as e:  # help must print even when an override is broken
-        print(f"(could not compose the config: {e})")
+        print(f"(could not compose the config: {describe_config_error(e)})")
 
 
 def fail(message: str) -> int:
@@ -118,8 +118,9 @@ def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
 
 def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     """Load the dataset once through verl, check it, and record its unit indices."""
-    from pipegen.actor.dataset import check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
+    from pipegen.actor.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
 
+    check_files(cfg)  # seconds before verl is imported
     tokenizer = load_tokenizer(cfg)
     dataset = load_dataset(cfg, tokenizer)
     indices = dataset_indices(dataset)
@@ -274,6 +275,7 @@ class Launcher:
 
 def report(run: RunDir, n: int) -> int:
     """The closing summary: where the data is, or which units failed and why. 0 when complete."""
+    from pipegen.observe.outcomes import reward_summary
     from pipegen.observe.progress import snapshot
     from pipegen.observe.stats import human_rate
 
@@ -286,6 +288,10 @@ def report(run: RunDir, n: int) -> int:
             took = (f" (this launch: {launch['time/elapsed_s']:.1f}s, "
                     f"{human_rate(launch['throughput/units_per_s_launch_avg'], 'samples')})")
         print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
+        scores = reward_summary(run)
+        if scores is not None:
+            print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
+                  f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
         if snap.merged:
             print(f"  trajectories: {run.trajectories}")
             print(f"  artifact:     {run.artifact}")
@@ -311,17 +317,22 @@ def main(argv: list[str] | None = None) -> int:
         return fail("missing output_dir=DIR (where the run's files go); see --help")
     try:
         cfg = compose(argv)
-    except Exception as e:  # Hydra's override errors are long; the first line names the key
-        return fail(str(e).splitlines()[0] + " (see python -m pipegen.launch --help)")
+    except Exception as e:  # Hydra's override errors are long: one line naming the key and the fix
+        return fail(describe_config_error(e))
     run = RunDir(Path(cfg.output_dir).expanduser().resolve())
+    if run.root.exists() and not run.root.is_dir():
+        return fail(f"output_dir={run.root} is a file; output_dir names a directory (new or a run's): pick another path")
     with open_dict(cfg):
         cfg.output_dir = str(run.root)
     try:
+        check_types(cfg)
         resolve_inputs(cfg)
         validate(cfg)
         cfg = resolved(cfg)
     except (ValueError, RuntimeError) as e:
         return fail(str(e))
+    except OmegaConfBaseException as e:  # a missing mandatory value (llm.urls), an interpolation
+        return fail(describe_config_error(e))
     problem = prepare_run(cfg, run)
     if problem:
         return fail(problem)

@@ -78,7 +78,7 @@ class Writer:
         self.duplicates = 0
         self.unknown_units = 0
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
-        self.stats = StatsAppender(run.stats, "writer")
+        self.stats = StatsAppender(run.stats, "writer", baseline={"committed": self.ckpt.num_committed})
 
     # ---- start-up (step 5) ----
     def recover(self) -> None:
