@@ -186,3 +186,47 @@ def test_status_piped_into_head_exits_quietly(tmp_path):
     result = subprocess.run(f"'{sys.executable}' -m pipegen.status '{tmp_path}' | head -n 0", shell=True, cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.stderr == "", result.stderr
+
+
+def test_final_actor_stats_rates_agree_with_the_wall_clock(tmp_path, tiny_model):
+    out = tmp_path / "run"
+    stats = out / "streams" / "stats" / "actor_0.jsonl"
+    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}",
+                                 f"model_path={tiny_model}", *SLOW], cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        # the wall clock, read from outside: the actor's stats file appears as it starts generating,
+        # its final line when it is done
+        wait_for(stats.exists, 120, "the actor to start generating", launcher)
+        began = time.time()
+
+        def final_line():
+            lines = [orjson.loads(ln) for ln in stats.read_bytes().splitlines() if ln.strip()]
+            return lines[-1] if lines and lines[-1].get("final") else None
+
+        final = wait_for(final_line, 120, "the actor's final stats line", launcher)
+        span = time.time() - began
+        assert launcher.wait(timeout=120) == 0, launcher.stderr.read()[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        kill_orphans_of(launcher.pid)
+    assert final["completed"] == 24 and span > 3
+    for counter in ("completed", "output_tokens"):
+        truth = final[counter] / span
+        assert abs(final[f"{counter}_per_s"] - truth) <= 0.1 * truth, (counter, final[f"{counter}_per_s"], truth)
+
+
+def test_outputs_count_every_launch():
+    from pipegen.observe.stats import across_processes, aggregate
+
+    def line(pid, completed, stop, length, reward):
+        return {"pid": pid, "host": "h", "completed": completed, "output_tokens": 10 * completed,
+                "finish_reasons": {"stop": stop, "length": length}, "mean_reward": reward}
+
+    history = {"actor_0": [line(1, 10, 4, 4, 1.0), line(1, 20, 8, 12, 0.5),  # first launch, killed
+                           line(2, 30, 30, 14, 0.0), line(2, 44, 40, 4, 0.25)]}  # the resumed launch
+    m = aggregate(across_processes(history))
+    assert m["actors/completed"] == 64 and m["actors/output_tokens"] == 640
+    assert m["finish_reason/stop"] == 48 and m["finish_reason/length"] == 16
+    assert m["reward/mean"] == (20 * 0.5 + 44 * 0.25) / 64
