@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 
 from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
 from test_status import kill_orphans_of
@@ -48,6 +49,7 @@ def units(data) -> list[tuple[int, int]]:
     return sorted((int(i), int(s)) for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"]))
 
 
+@pytest.mark.slow  # a whole run plus a second writer start (each writer imports verl): ~45 s on 2 quiet cores
 def test_writer_started_by_hand_under_a_live_launcher_finishes_the_run(tmp_path, tiny_model):
     out = tmp_path / "run"
     run = RunDir(out)
@@ -86,6 +88,7 @@ def test_writer_started_by_hand_under_a_live_launcher_finishes_the_run(tmp_path,
     assert units(load_trajectories(out / "trajectories.pkl")) == ALL_UNITS  # every unit exactly once
 
 
+@pytest.mark.slow  # two launches, the second a whole run: ~40 s on 2 quiet cores
 def test_a_launch_refused_for_a_long_prompt_completes_rerun_with_the_fix(tmp_path, tiny_model):
     out = tmp_path / "run"
     refused = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "max_prompt_length=16")
