@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import orjson
 import pytest
 
 from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
-from test_status import kill_orphans_of
+from test_status import kill_orphans_of, wait_for
+from test_supervision import _committed as committed
 
 from pipegen.observe.status import writer_lock_holder
 from pipegen.run.layout import RunDir
@@ -24,25 +24,6 @@ SLOW = [o for o in FAST if not o.startswith("max_samples=")] + [
     "max_samples=12", FAKE_ENGINE, "llm.engine_args=[--token-latency,0.1,--eos-prob,0]",
 ]
 ALL_UNITS = [(i, s) for i in range(12) for s in range(2)]
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the launcher exited with {proc.returncode} while waiting for {what}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def committed(out: Path) -> int:
-    try:
-        return orjson.loads((out / "checkpoint.json").read_bytes())["num_committed"]
-    except (FileNotFoundError, orjson.JSONDecodeError):
-        return 0
 
 
 def units(data) -> list[tuple[int, int]]:
@@ -200,14 +181,14 @@ def test_final_actor_stats_rates_agree_with_the_wall_clock(tmp_path, tiny_model)
     try:
         # the wall clock, read from outside: the actor's stats file appears as it starts generating,
         # its final line when it is done
-        wait_for(stats.exists, 120, "the actor to start generating", launcher)
+        wait_for(stats.exists, 120, "the actor to start generating", launcher, poll=0.05)
         began = time.time()
 
         def final_line():
             lines = [orjson.loads(ln) for ln in stats.read_bytes().splitlines() if ln.strip()]
             return lines[-1] if lines and lines[-1].get("final") else None
 
-        final = wait_for(final_line, 120, "the actor's final stats line", launcher)
+        final = wait_for(final_line, 120, "the actor's final stats line", launcher, poll=0.05)
         span = time.time() - began
         assert launcher.wait(timeout=120) == 0, launcher.stderr.read()[-3000:]
     finally:
