@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
@@ -159,7 +160,10 @@ def build_folder_once(
         try:
             if message:
                 print(message, file=sys.stderr, flush=True)
+            started = time.monotonic()
             build(tmp)
+            if message:  # the measured duration, never a guess that a busy machine makes untrue
+                print(f"[pipegen] built {dest} in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
             _make_readable(tmp)
             (tmp / COMPLETE_MARKER).write_text(json.dumps({"recipe": recipe}) + "\n")
             if dest.exists() or dest.is_symlink():
@@ -336,7 +340,7 @@ def convert_smollm2(dest: str | os.PathLike[str], gguf_path: str | os.PathLike[s
         dest,
         build,
         recipe,
-        message=f"[pipegen] converting embedded SmolLM2-135M-Instruct ({src.name}) into {dest} (one time, ~25 s) ...",
+        message=f"[pipegen] converting embedded SmolLM2-135M-Instruct ({src.name}) into {dest} (once) ...",
     )
 
 
@@ -350,7 +354,7 @@ def resolve_model_path(spec: str, cache_dir: str | None = None) -> str:
 
     * ``smollm2-135m`` / ``smollm2-135m-instruct``: the embedded SmolLM2-135M-Instruct, converted on first use into
       ``<cache>/models/smollm2-135m-instruct`` (``<cache>`` = ``cache_dir``, else ``$PIPEGEN_CACHE``, else
-      ``~/.cache/pipegen``); prints one progress line to stderr while converting (~25 s).
+      ``~/.cache/pipegen``); prints a line to stderr when converting starts, and one with the time it took.
     * anything else: a local folder (``~`` and ``$VARS`` expanded) holding a ``config.json``; returned as given.
 
     Raises ValueError with a one-line message naming the fix for anything else (missing folder, a file, a folder

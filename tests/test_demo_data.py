@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from pipegen.data import DEMO_PARQUET, resolve_train_files
-from pipegen.data.make_demo import INSTRUCTION, make_rows, write_parquet
+from pipegen.data.make_demo import FEW_SHOT, INSTRUCTION, make_rows, write_parquet
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,10 @@ def test_demo_has_enough_uniquely_indexed_gsm8k_rows(demo: pd.DataFrame) -> None
     questions = [e["question"] for e in demo["extra_info"]]
     assert len(set(questions)) == len(questions)
     for prompt, extra, rm in zip(demo["prompt"], demo["extra_info"], demo["reward_model"]):
-        assert len(prompt) == 1 and prompt[0]["role"] == "user"
-        assert prompt[0]["content"] == f"{extra['question']} {INSTRUCTION}"
-        assert len(prompt[0]["content"]) < 220  # keeps the CPU demo's prefill short (~80 SmolLM2 tokens)
+        # two worked examples as earlier turns, then the question: the answer format is shown, not only asked
+        assert [dict(m) for m in prompt[:-1]] == FEW_SHOT and prompt[-1]["role"] == "user"
+        assert prompt[-1]["content"] == f"{extra['question']} {INSTRUCTION}"
+        assert sum(len(m["content"]) for m in prompt) < 220  # keeps the CPU demo's prefill short
         assert rm["style"] == "rule" and rm["ground_truth"].lstrip("-").isdigit()
         assert extra["split"] == "train" and extra["answer"].endswith(f"#### {rm['ground_truth']}")
 
@@ -82,7 +83,7 @@ def test_verl_rlhf_dataset_loads_demo_with_tiny_tokenizer(tmp_path: Path, monkey
     rows = [ds[i] for i in range(len(ds))]
     assert sorted(r["index"] for r in rows) == list(range(len(ds)))
     first = rows[0]
-    assert first["raw_prompt"][0]["role"] == "user" and first["raw_prompt"][0]["content"].endswith(INSTRUCTION)
+    assert first["raw_prompt"][-1]["role"] == "user" and first["raw_prompt"][-1]["content"].endswith(INSTRUCTION)
     assert first["data_source"] == "openai/gsm8k" and first["reward_model"]["ground_truth"].isdigit()
     assert first["index"] == first["extra_info"]["index"]
 

@@ -1,14 +1,20 @@
 """The prompt dataset, read through verl's RLHFDataset exactly as verl's trainer reads it.
 
-Owns: building the dataset from the saved config, checking that every row has a unique `index` (the
-unit manifest's content) and that every prompt fits.
+Owns: building the dataset from the saved config, checking the data files before verl reads them
+(format, readability, rows, the prompt column), that every row has a unique `index` (the unit
+manifest's content) and that every prompt fits.
 Must never: modify a data file, or be imported by the launcher before the config is validated
 (importing verl costs seconds).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
 from pathlib import Path
+from typing import Iterator
+
 from omegaconf import DictConfig
 
 
@@ -27,19 +33,90 @@ def load_dataset(cfg: DictConfig, tokenizer):
     """verl's RLHFDataset over data.train_files (honours data.custom_cls like verl's main_ppo)."""
     from verl.trainer.ppo.utils import create_rl_dataset
 
+    files = check_files(cfg)
+    prompt_key = str(cfg.data.prompt_key)
+    try:
+        with _quiet_row_selection(bool(cfg.data.get("shuffle"))):
+            dataset = create_rl_dataset(
+                files, cfg.data, tokenizer, None, is_train=True, max_samples=cfg.data.get("train_max_samples", -1)
+            )
+    except KeyError as e:
+        raise DatasetError(_missing_column(str(e).strip("'\""), prompt_key, _columns(files[0]))) from None
+    columns = list(getattr(getattr(dataset, "dataframe", None), "column_names", None) or [])
+    if columns and prompt_key not in columns:  # json files are not checked before verl reads them
+        raise DatasetError(_missing_column(prompt_key, prompt_key, columns))
+    return dataset
+
+
+def check_files(cfg: DictConfig) -> list[str]:
+    """data.train_files as a list, each checked by `check_file`."""
     files = list(cfg.data.train_files) if not isinstance(cfg.data.train_files, str) else [cfg.data.train_files]
     for f in files:
-        if not Path(f).exists():
-            raise DatasetError(f"train_files: {f} does not exist; pass an existing verl-format parquet file")
+        check_file(Path(f), str(cfg.data.prompt_key))
+    return files
+
+
+def _missing_column(column: str, prompt_key: str, columns: list[str]) -> str:
+    shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
+    if column == prompt_key:
+        return (f"train_files: no column '{prompt_key}' (data.prompt_key) with the chat messages; the file has "
+                f"columns [{shown}]: set data.prompt_key=COLUMN to the one holding the messages")
+    return f"train_files: column '{column}' is missing (the file has [{shown}]); verl's format needs it"
+
+
+def _columns(path: str) -> list[str]:
     try:
-        return create_rl_dataset(
-            files, cfg.data, tokenizer, None, is_train=True, max_samples=cfg.data.get("train_max_samples", -1)
-        )
-    except KeyError as e:
-        raise DatasetError(
-            f"train_files: column {e} is missing; verl's format needs data.prompt_key "
-            f"(now '{cfg.data.prompt_key}') with chat messages. Set data.prompt_key=YOUR_COLUMN"
-        ) from None
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    except Exception:  # only for the message; json files have no cheap schema
+        return []
+
+
+def check_file(path: Path, prompt_key: str) -> None:
+    """One line naming the fix for a data file verl could only answer with a traceback: missing, of an
+    unknown format, not readable as parquet, empty, or without the prompt column. Reads only the
+    parquet footer (its schema and row count), never the rows."""
+    if not path.exists():
+        raise DatasetError(f"train_files: {path} does not exist; pass an existing verl-format parquet file")
+    if path.suffix not in (".parquet", ".json", ".jsonl"):
+        raise DatasetError(f"train_files: {path} is neither .parquet nor .json/.jsonl, the formats verl reads; "
+                           "convert it to verl's parquet format")
+    if path.suffix != ".parquet":
+        return
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+        columns = list(pq.read_schema(path).names)
+    except Exception as e:  # pyarrow says ArrowInvalid / OSError; either way the file cannot be read
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DatasetError(f"train_files: {path} is not a readable parquet file ({reason}); "
+                           "pass a verl-format parquet file") from None
+    if meta.num_rows == 0:
+        raise DatasetError(f"train_files: {path} has no rows; pass a parquet file with at least one prompt")
+    if prompt_key not in columns:
+        raise DatasetError(_missing_column(prompt_key, prompt_key, columns))
+
+
+@contextlib.contextmanager
+def _quiet_row_selection(shuffle: bool) -> Iterator[None]:
+    """verl prints "selected N random samples" even when shuffle is off and rows 0..N-1 are taken:
+    drop that one untrue line (kept when shuffle is on); every other line passes through."""
+    if shuffle:
+        yield
+        return
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(captured):
+            yield
+    finally:
+        for line in captured.getvalue().splitlines():
+            if not _RANDOM_SAMPLES.match(line):
+                print(line)
+
+
+_RANDOM_SAMPLES = re.compile(r"^selected \d+ random samples out of \d+$")
 
 
 def dataset_indices(dataset) -> list[int]:

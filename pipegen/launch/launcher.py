@@ -19,14 +19,16 @@ from pathlib import Path
 
 import orjson
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from pipegen.launch.supervise import Role, Supervisor
 from pipegen.observe.logs import setup_logging
 from pipegen.run.checkpoint import failure_reason
-from pipegen.run.config import CONF_DIR, compose, resolved, save_run_config
-from pipegen.run.fingerprint import OVERRIDE_KEY, compute_fingerprint, mismatch_message, save_fingerprint
+from pipegen.run.config import (CONF_DIR, check_types, compose, describe_config_error, help_text, resolved,
+                                save_run_config)
+from pipegen.run.fingerprint import OVERRIDE_KEY, compute_fingerprint, has_output, mismatch_message, save_fingerprint
 from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
-from pipegen.writer.commit import EXIT_FAILED_UNITS
+from pipegen.writer.commit import EXIT_FAILED_UNITS, EXIT_LOCKED
 
 log = logging.getLogger("pipegen.launch")
 
@@ -49,7 +51,7 @@ Common overrides:
   actor_rollout_ref.rollout.multi_turn.tool_config_path=conf/tools/calculator.yaml
   'trainer.logger=[console,wandb]'  log metrics (and upload the artifact) with verl's Tracking
 
-Every key, with its current value (comments in conf/*.yaml explain them):
+pipegen's keys, with their current values (overrides given with --help are applied):
 """
 
 
@@ -57,12 +59,10 @@ def print_help(overrides: list[str]) -> None:
     print(USAGE)
     try:
         cfg = compose([o for o in overrides if o not in ("--help", "-h")] + ["output_dir=DIR"])
-        shown = {k: cfg[k] for k in cfg if k not in ("actor_rollout_ref", "data", "distillation")}
-        print(OmegaConf.to_yaml(OmegaConf.create(shown)))
-        print("verl's own groups (actor_rollout_ref.model / .rollout, data) keep verl's keys and defaults;")
-        print(f"see {CONF_DIR}/pipegen.yaml for the ones pipegen sets.")
+        print(help_text(cfg))
+        print(f"\nComments in {CONF_DIR}/pipegen.yaml explain pipegen's keys.")
     except Exception as e:  # help must print even when an override is broken
-        print(f"(could not compose the config: {e})")
+        print(f"(could not compose the config: {describe_config_error(e)})")
 
 
 def fail(message: str) -> int:
@@ -100,9 +100,14 @@ def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
     current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
     if run.fingerprint_file.exists():
         problem = mismatch_message(orjson.loads(run.fingerprint_file.read_bytes()), current, run.root)
-        if problem and not cfg.get(OVERRIDE_KEY):
+        if problem and not has_output(run):
+            # nothing generated yet (an earlier launch was refused or stopped early): the new
+            # settings replace the old ones, and the unit manifest is read again from them
+            log.info("%s holds no generated data yet: using this launch's settings", run.root)
+            run.units_file.unlink(missing_ok=True)
+        elif problem and not cfg.get(OVERRIDE_KEY):
             return problem
-        if problem:
+        elif problem:
             log.warning("%s=true: continuing despite: %s", OVERRIDE_KEY, problem)
     run.root.mkdir(parents=True, exist_ok=True)
     run.logs.mkdir(parents=True, exist_ok=True)
@@ -113,8 +118,9 @@ def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
 
 def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     """Load the dataset once through verl, check it, and record its unit indices."""
-    from pipegen.actor.dataset import check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
+    from pipegen.actor.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
 
+    check_files(cfg)  # seconds before verl is imported
     tokenizer = load_tokenizer(cfg)
     dataset = load_dataset(cfg, tokenizer)
     indices = dataset_indices(dataset)
@@ -132,13 +138,15 @@ class Launcher:
         self.sup = Supervisor(run)
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self._stopping = False
+        self._outside_writer: int | None = None  # pid of a writer this launcher did not start
+        self._outside_checked = 0.0
 
     def _role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
         return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
                                  int(self.cfg.generation.restart_limit)))
 
     def start_servers(self, plan) -> None:
-        from pipegen.launch.servers import cpu_server_command, sglang_server_command, wait_ready
+        from pipegen.launch.servers import EXTERNAL_REFUSED_GRACE_S, cpu_server_command, sglang_server_command, wait_ready
 
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
         build = cpu_server_command if llm["kind"] == "cpu" else sglang_server_command
@@ -156,7 +164,7 @@ class Launcher:
             waited = wait_ready(server.url, float(llm["ready_timeout_s"]), lambda r=role: r.alive, role.log_path)
             log.info("%s ready at %s after %.1fs", server.name, server.url, waited)
         for url in plan.external_urls:
-            waited = wait_ready(url, float(llm["ready_timeout_s"]))
+            waited = wait_ready(url, float(llm["ready_timeout_s"]), unreachable_after_s=EXTERNAL_REFUSED_GRACE_S)
             log.info("external server %s ready after %.1fs", url, waited)
 
     def run_roles(self, plan, total: int) -> int:
@@ -166,6 +174,7 @@ class Launcher:
         if plan.runs_writer and self.cfg.generation.run_writer:
             writer = self._role("writer", [py, "-m", "pipegen.writer", out])
             writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
+            writer.standby_codes = frozenset({EXIT_LOCKED})  # a writer started by hand owns the directory
             self.sup.start(writer)
         world_actors = plan.num_actors * plan.node.world_size
         for k in range(plan.num_actors):
@@ -216,6 +225,8 @@ class Launcher:
                         last = time.monotonic()
                     if writer is not None and writer in finished:
                         break
+                    if writer is not None and writer.standing_by and self.outside_writer_done(writer, total):
+                        break
                     if writer is None and all(r.finished for name, r in self.sup.roles.items() if name.startswith("actor_")):
                         break
                     time.sleep(0.2)
@@ -231,12 +242,40 @@ class Launcher:
                     tracker.finish(exit_code=exit_code)
         return 0
 
+    def outside_writer_done(self, writer: Role, total: int) -> bool:
+        """Our writer stood by because another writer (started by hand) holds the directory: that one
+        is the run's writer while it lives. True once it has completed the run; if it exits before
+        that, our writer starts again (not a crash: nothing failed)."""
+        from pipegen.observe.status import writer_lock_holder
+        from pipegen.run.checkpoint import load_checkpoint
+
+        if time.monotonic() - self._outside_checked < 1.0:
+            return False
+        self._outside_checked = time.monotonic()
+        holder = writer_lock_holder(self.run)
+        if holder is not None:
+            if holder != self._outside_writer:
+                self._outside_writer = holder
+                log.info("the writer of this run is pid %d, started outside the launcher: following it; the "
+                         "launcher's writer takes over if it exits before the run is complete", holder)
+            return False
+        ckpt = load_checkpoint(self.run.checkpoint)
+        if ckpt.complete and ckpt.num_committed >= total:
+            log.info("the writer pid %s completed the run", self._outside_writer)
+            return True
+        log.info("the writer pid %s is gone before the run is complete; the launcher's writer takes over",
+                 self._outside_writer)
+        self._outside_writer = None
+        self.sup.start(writer)
+        return False
+
     def stop(self) -> None:
         self.sup.stop_all()
 
 
 def report(run: RunDir, n: int) -> int:
     """The closing summary: where the data is, or which units failed and why. 0 when complete."""
+    from pipegen.observe.outcomes import reward_summary
     from pipegen.observe.progress import snapshot
     from pipegen.observe.stats import human_rate
 
@@ -249,6 +288,10 @@ def report(run: RunDir, n: int) -> int:
             took = (f" (this launch: {launch['time/elapsed_s']:.1f}s, "
                     f"{human_rate(launch['throughput/units_per_s_launch_avg'], 'samples')})")
         print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
+        scores = reward_summary(run)
+        if scores is not None:
+            print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
+                  f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
         if snap.merged:
             print(f"  trajectories: {run.trajectories}")
             print(f"  artifact:     {run.artifact}")
@@ -274,17 +317,22 @@ def main(argv: list[str] | None = None) -> int:
         return fail("missing output_dir=DIR (where the run's files go); see --help")
     try:
         cfg = compose(argv)
-    except Exception as e:  # Hydra's override errors are long; the first line names the key
-        return fail(str(e).splitlines()[0] + " (see python -m pipegen.launch --help)")
+    except Exception as e:  # Hydra's override errors are long: one line naming the key and the fix
+        return fail(describe_config_error(e))
     run = RunDir(Path(cfg.output_dir).expanduser().resolve())
+    if run.root.exists() and not run.root.is_dir():
+        return fail(f"output_dir={run.root} is a file; output_dir names a directory (new or a run's): pick another path")
     with open_dict(cfg):
         cfg.output_dir = str(run.root)
     try:
+        check_types(cfg)
         resolve_inputs(cfg)
         validate(cfg)
         cfg = resolved(cfg)
     except (ValueError, RuntimeError) as e:
         return fail(str(e))
+    except OmegaConfBaseException as e:  # a missing mandatory value (llm.urls), an interpolation
+        return fail(describe_config_error(e))
     problem = prepare_run(cfg, run)
     if problem:
         return fail(problem)
@@ -296,6 +344,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt = load_checkpoint(run.checkpoint)
     n = int(cfg.actor_rollout_ref.rollout.n)
+    if cfg.llm.kind == "external":  # before the dataset: reading a big one takes minutes
+        from pipegen.launch.servers import ServerNotReady, check_reachable
+
+        try:
+            for url in cfg.llm.urls or []:
+                check_reachable(str(url).rstrip("/"))
+        except ServerNotReady as e:
+            return fail(str(e))
     if not run.units_file.exists():
         try:
             log.info("reading the dataset %s", cfg.data.train_files)

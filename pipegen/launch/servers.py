@@ -3,7 +3,8 @@
 - `cpu_server_command` / `sglang_server_command`: the exact argv + environment of pipegen's CPU server
   or an SGLang server for one ServerPlan (the launcher's supervisor runs them).
 - `wait_ready`: poll `GET /health_generate` until 200 while the process lives (a bound port, a 503 or
-  a refused connection all mean "still loading").
+  a refused connection all mean "still loading"); for servers someone else runs, a few seconds of
+  refused connections mean nothing is there, said at once with the URL.
 - `ServerProcess`: start any SGLang-protocol server as a child with its own log, on a fixed port or
   one it reports through `--port-file`, and wait until it answers; tests and benchmarks use it, the
   launcher uses `wait_ready` on the processes its supervisor owns.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,12 +82,40 @@ def log_tail(path: Path | None, lines: int = 15) -> str:
     return "\n".join("    " + t for t in text)
 
 
-def _health(url: str, timeout_s: float = 30) -> bool:
+# Probe outcomes that mean "nothing listens at that address" (as opposed to a server still loading).
+UNREACHABLE = ("connection refused", "unknown host", "no route to host", "network unreachable")
+# How long an external server may refuse connections before it counts as not there at all: a server
+# we did not start is already running, or it is not coming (a restart of it takes this long at most).
+EXTERNAL_REFUSED_GRACE_S = 5.0
+
+
+def probe(url: str, timeout_s: float = 30) -> str | None:
+    """GET url/health_generate: None when it answers 200, else what happened, in words."""
     try:
         with urllib.request.urlopen(f"{url}/health_generate", timeout=timeout_s) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(reason, socket.gaierror):
+            return "unknown host"
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            return f"no answer within {timeout_s:.0f}s"
+        text = str(getattr(reason, "strerror", None) or reason).lower()
+        for kind in UNREACHABLE:
+            if kind in text:
+                return kind
+        return text or type(reason).__name__
+
+
+def _with_log(message: str, log_path: Path | None) -> str:
+    tail = log_tail(log_path)
+    if log_path is None:
+        return message
+    return f"{message}; its log ({log_path}) ends with:\n{tail}" if tail else f"{message}; its log: {log_path}"
 
 
 def wait_ready(
@@ -94,26 +124,52 @@ def wait_ready(
     is_alive: Callable[[], bool] = lambda: True,
     log_path: Path | None = None,
     poll_s: float = 0.5,
+    unreachable_after_s: float | None = None,
+    accept_loading: bool = False,
 ) -> float:
-    """Poll GET /health_generate until 200; connection refused and 503 mean 'still loading'.
+    """Poll GET /health_generate until 200. Returns seconds waited.
 
-    `url` may be a callable that returns None until the server has said where it listens.
-    Returns seconds waited. Raises ServerNotReady quoting the server log's tail on death or deadline.
+    A 503, a slow answer, or (for a server we started, still alive) a refused connection mean "still
+    loading": waited for until deadline_s. With unreachable_after_s (servers someone else runs),
+    nothing listening for that long means nothing is there: fail at once, naming the URL. `url` may
+    be a callable that returns None until the server has said where it listens. Raises
+    ServerNotReady quoting the server log's tail (when there is a log) on death or deadline.
+    accept_loading: return as soon as the server accepts connections, ready or not.
     """
     started = time.monotonic()
     where = url if isinstance(url, str) else "server"
+    unreachable_since: float | None = None
+    last = "no answer yet"
     while True:
         if not is_alive():
-            raise ServerNotReady(f"LLM {where} exited during startup; its log ({log_path}) ends with:\n{log_tail(log_path)}")
+            raise ServerNotReady(_with_log(f"LLM server {where} exited during startup", log_path))
         current = url() if callable(url) else url
-        if current is not None and _health(current):
-            return time.monotonic() - started
+        if current is not None:
+            outcome = probe(current)
+            if outcome is None or (accept_loading and outcome not in UNREACHABLE):
+                return time.monotonic() - started
+            last = outcome
+            now = time.monotonic()
+            if outcome in UNREACHABLE:
+                unreachable_since = now if unreachable_since is None else unreachable_since
+                if unreachable_after_s is not None and now - unreachable_since >= unreachable_after_s:
+                    raise ServerNotReady(
+                        f"LLM server {current}: {outcome} for {now - unreachable_since:.0f}s; nothing serves "
+                        f"there: start the server or fix llm.urls"
+                    )
+            else:
+                unreachable_since = None  # it accepts connections: loading, however long it takes
         if time.monotonic() - started > deadline_s:
-            raise ServerNotReady(
-                f"LLM {current or where} not ready after {deadline_s:.0f}s (llm.ready_timeout_s); "
-                f"its log ({log_path}) ends with:\n{log_tail(log_path)}"
-            )
+            raise ServerNotReady(_with_log(
+                f"LLM server {current or where} not ready after {deadline_s:.0f}s (last answer: {last}); "
+                f"raise llm.ready_timeout_s if it is still loading", log_path))
         time.sleep(poll_s)
+
+
+def check_reachable(url: str, within_s: float = EXTERNAL_REFUSED_GRACE_S, poll_s: float = 0.5) -> None:
+    """Return once something accepts connections at url (ready or still loading); raise
+    ServerNotReady naming the URL when nothing has for within_s."""
+    wait_ready(url, float("inf"), poll_s=poll_s, unreachable_after_s=within_s, accept_loading=True)
 
 
 class ServerProcess:

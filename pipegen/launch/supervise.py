@@ -2,7 +2,8 @@
 
 Owns: each child's process group, its log file (DIR/logs/<role>.log), the saved command line and
 environment next to it (DIR/logs/<role>.cmd.sh, runnable by hand), and the restart policy.
-Must never: leave a child running after stop_all(), or restart a role that exited 0.
+Must never: leave a child running after stop_all(), restart a role that exited 0, or count a role
+that stood by for another process (a writer started by hand) as crashed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class Role:
     restartable: bool = True
     max_restarts: int = 5
     final_codes: frozenset[int] = frozenset({0})  # exit codes that end the role without a restart
+    # exit codes that mean "another process does this role's work now" (the writer lock is held):
+    # no crash and no restart; whoever owns the role calls Supervisor.start() again when it is free
+    standby_codes: frozenset[int] = frozenset()
+    standing_by: bool = False
     group: str | None = None  # roles that stand in for each other (LLM servers): one may be given up
     abandoned: bool = False
     proc: subprocess.Popen | None = None
@@ -76,6 +81,7 @@ class Supervisor:
                                          start_new_session=True, stdin=subprocess.DEVNULL)
         role.started_at = time.monotonic()
         role.restart_at = None
+        role.standing_by = False
         log.debug("started %s pid %d", role.name, role.proc.pid)
 
     def _save_command(self, role: Role) -> None:
@@ -105,6 +111,9 @@ class Supervisor:
             if rc in role.final_codes:
                 role.finished = True
                 finished.append(role)
+                continue
+            if rc in role.standby_codes:
+                role.standing_by = True
                 continue
             if not role.restartable or role.restarts >= role.max_restarts:
                 peers = [r for r in self.roles.values() if r.group and r.group == role.group and r is not role

@@ -29,8 +29,31 @@ def setup_logging(role: str, level: int = logging.INFO) -> None:
     # verl and transformers are chatty at INFO on import; keep their warnings only.
     for noisy in ("verl", "transformers", "datasets", "httpx", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    # "No supported accelerator detected" on every CPU-only import of verl: expected, not a warning here
-    logging.getLogger("verl.plugin.platform").setLevel(logging.ERROR)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(HarmlessNoiseFilter())
+
+
+# (logger, message start, argument that must be in the message) of third-party warnings that are
+# known to be harmless in every pipegen process; each is dropped alone, every other warning stays.
+HARMLESS = (
+    # verl picks a device platform on import; pipegen's processes never run a model through verl
+    # (servers do, on their own), so a CPU-only host is expected, not a problem
+    ("verl.plugin.platform.platform_manager", "No supported accelerator detected", ""),
+    ("verl.plugin.platform.platform_manager", "Platform '", "is registered but not available"),
+    # a text model without a model-specific builder gets verl's generic one, which is what it needs
+    ("verl.utils.tokenizer.continuous_token_wiring", "No model-specific Continuous Token builder", "back to default."),
+)
+
+
+class HarmlessNoiseFilter(logging.Filter):
+    """Drops the exact third-party messages listed in HARMLESS (matched by logger and text)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for name, start, contains in HARMLESS:
+            if record.name == name and isinstance(record.msg, str) and record.msg.startswith(start):
+                if contains in record.getMessage():
+                    return False
+        return True
 
 
 def watch_parent(poll_s: float = 1.0) -> None:

@@ -41,15 +41,18 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 class StatsAppender:
     """Appends one role's stats lines. Adds the identity (time, role, pid, host, seq, uptime_s) and,
     from the second line on, `<name>_per_s` since the previous line for the cumulative counters in
-    RATE_COUNTERS."""
+    RATE_COUNTERS; on the `final` line, `<name>_per_s` over the process's whole life instead
+    (counter - baseline) / uptime_s."""
 
-    def __init__(self, stats_dir: Path, role: str):
+    def __init__(self, stats_dir: Path, role: str, baseline: dict[str, float] | None = None):
         Path(stats_dir).mkdir(parents=True, exist_ok=True)
         self.role = role
         self.path = stats_file(stats_dir, role)
         self.started = time.time()
         self.seq = 0
         self._previous: tuple[float, dict[str, float]] = (self.started, {})
+        # the counters' values when this process started (0, or what a resumed writer found committed)
+        self.baseline = {k: float(v) for k, v in (baseline or {}).items()}
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def append(self, metrics: dict[str, Any]) -> None:
@@ -62,7 +65,12 @@ class StatsAppender:
         counters = {k: float(metrics[k]) for k in RATE_COUNTERS
                     if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)}
         rates = {}
-        if before and now > then:  # not on the first line: a resumed writer starts from its checkpoint
+        if metrics.get("final") and now > self.started:
+            # the closing line: rates over the whole life of the process (wall clock), not since the
+            # previous line (units finish in bursts, so a last short interval says nothing)
+            rates = {f"{k}_per_s": round((v - self.baseline.get(k, 0.0)) / (now - self.started), 3)
+                     for k, v in counters.items()}
+        elif before and now > then:  # not on the first line: a resumed writer starts from its checkpoint
             rates = {f"{k}_per_s": round((v - before.get(k, 0.0)) / (now - then), 3) for k, v in counters.items()}
         self._previous = (now, counters)
         line = orjson.dumps({**head, **metrics, **rates}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
@@ -226,6 +234,46 @@ def aggregate(roles: dict[str, dict[str, Any]], live_only_in_flight: bool = True
         for key in ("duplicates", "torn_lines", "unknown_units", "buffered", "lines"):
             if key in writer:
                 out[f"writer/{key}"] = int(_num(writer.get(key)))
+    return out
+
+
+_SUMMED = ("completed", "failed", "requests", "output_tokens", "trajectories", "retries")
+_MEANS = ("mean_turns", "mean_response_length", "mean_reward")
+
+
+def across_processes(history: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One line per role that counts every process of it (a resumed run's earlier launches, restarts):
+    an actor's counters, finish reasons and errors are summed over the last line of each of its
+    processes, its means weighted by the units each completed; liveness and in-flight counts stay
+    those of the newest process. Other roles keep their newest line (the writer counts from its
+    checkpoint, across launches already)."""
+    out: dict[str, dict[str, Any]] = {}
+    for role, lines in history.items():
+        if not lines:
+            continue
+        if not _is_actor(role):
+            out[role] = lines[-1]
+            continue
+        last_of: dict[tuple[Any, Any], dict[str, Any]] = {}
+        for line in lines:  # oldest first: each process's latest line wins
+            last_of[(line.get("host"), line.get("pid"))] = line
+        merged = dict(lines[-1])
+        ends = list(last_of.values())
+        for key in _SUMMED:
+            if any(key in e for e in ends):
+                merged[key] = sum(int(_num(e.get(key))) for e in ends)
+        for key in ("finish_reasons", "errors"):
+            total: dict[str, int] = {}
+            for e in ends:
+                for k, v in (e.get(key) or {}).items():
+                    total[k] = total.get(k, 0) + int(_num(v))
+            merged[key] = total
+        for key in _MEANS:
+            vals = [(_num(e[key]), _num(e.get("completed"))) for e in ends if e.get(key) is not None]
+            weight = sum(w for _, w in vals)
+            if vals:
+                merged[key] = sum(v * w for v, w in vals) / weight if weight else vals[-1][0]
+        out[role] = merged
     return out
 
 

@@ -3,8 +3,8 @@
 Shows: the run's state (running / finished / finished with failures / stopped before completion),
 progress (committed/total, batches, pending, in flight, failed units with their reasons), rates from
 the stats stream (units/s and output tokens/s, recent and over the current processes; latency
-p50/p95), what the outputs look like (finish reasons, response lengths, turns, mean reward, errors
-by kind, duplicates dropped, torn lines skipped), per-role liveness (the pid of each role's latest
+p50/p95), what the outputs look like over every launch of the run (finish reasons, response lengths,
+turns, mean reward, errors by kind, duplicates dropped, torn lines skipped), per-role liveness (the pid of each role's latest
 stats line, whether that process is alive, the age of that line; who holds DIR/.writer.lock) and
 where the logs are. Exit status 0 for any run directory; 2 with one line for a path that is not one.
 
@@ -15,6 +15,7 @@ verl/torch (it must answer in well under a second beside a busy run).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,7 +27,8 @@ import orjson
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.observe.progress import snapshot
-from pipegen.observe.stats import history_rates, human_rate, line_alive, pid_alive, stats_history
+from pipegen.observe.stats import (aggregate, across_processes, history_rates, human_rate, line_alive, pid_alive,
+                                   stats_history)
 
 
 @dataclass
@@ -111,6 +113,14 @@ def writer_lock_status(run: RunDir) -> LockStatus:
     return status
 
 
+def writer_lock_holder(run: RunDir) -> int | None:
+    """The pid of the live process that holds the writer lock, or None when the lock is free."""
+    lock = writer_lock_status(run)
+    if lock.held is None:  # no /proc/locks: trust the pid the holder wrote, if that process lives
+        return lock.pid if lock.pid is not None and pid_alive(lock.pid) else None
+    return lock.pid if lock.held else None
+
+
 def _log_files(run: RunDir, now: float) -> list[dict[str, Any]]:
     out = []
     if run.logs.is_dir():
@@ -134,6 +144,7 @@ def gather(run: RunDir) -> RunStatus:
     snap = snapshot(run, n)
     history = stats_history(run.stats)
     rates = history_rates(history)
+    snap.metrics = aggregate(across_processes(history))  # outputs of every launch, not the newest only
     lock = writer_lock_status(run)
     logs = _log_files(run, now)
     log_by_role = {Path(entry["file"]).stem: entry for entry in logs if entry["file"].endswith(".log")}
@@ -324,9 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"pipegen.status: error: cannot read {run.root}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    if as_json:
-        sys.stdout.write(orjson.dumps(asdict(st), option=orjson.OPT_INDENT_2).decode() + "\n")
-    else:
-        print(render(st))
+    try:
+        if as_json:
+            sys.stdout.write(orjson.dumps(asdict(st), option=orjson.OPT_INDENT_2).decode() + "\n")
+        else:
+            print(render(st))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `... | head` closed the pipe: what it wanted is shown; point stdout at /dev/null so the
+        # interpreter's final flush does not fail again (the recipe of Python's signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 

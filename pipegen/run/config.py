@@ -1,7 +1,8 @@
 """Config: compose pipegen's Hydra config with verl's groups once, save it, load it in every child.
 
 Owns: finding verl's config folder without importing verl, composing `conf/pipegen.yaml` with CLI
-overrides, writing and reading `OUTPUT_DIR/conf/config.yaml`.
+overrides, saying in one line what is wrong with an override, writing and reading
+`OUTPUT_DIR/conf/config.yaml`.
 Must never: import verl or torch (the launcher's startup stays fast), or compose verl's groups in a
 child process (children read the saved file so every role sees exactly one config).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -62,3 +64,87 @@ def load_run_config(run: RunDir) -> DictConfig:
 def save_run_config(run: RunDir, cfg: DictConfig) -> None:
     run.conf.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run.config_file, OmegaConf.to_yaml(cfg, resolve=True).encode())
+
+
+HELP = "python -m pipegen.launch --help"
+# keys the launcher and every child read as numbers: a wrong type is said here, naming the key
+INTEGER_KEYS = ("n", "max_samples", "seed", "max_prompt_length", "max_response_length", "actors.num_actors",
+                "actors.concurrency", "actors.shard_max_bytes", "generation.save_batch_size",
+                "generation.max_attempts", "generation.restart_limit")
+FLOAT_KEYS = ("temperature", "actors.stats_interval_s", "actors.fsync_interval_s", "generation.pull_timeout",
+              "llm.ready_timeout_s", "llm.request_timeout_s")
+
+
+def describe_config_error(error: Exception) -> str:
+    """One line naming the fix for a Hydra / OmegaConf error (theirs span many lines)."""
+    text = str(error).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = lines[0] if lines else type(error).__name__
+    m = re.match(r"Could not override '([^']+)'", first)
+    if m:
+        return (f"unknown key '{m.group(1)}': check its spelling against {HELP} "
+                f"(a new key needs a leading +, as in +{m.group(1)}=...)")
+    m = re.search(r"Could not find '([^'/]+)/([^']+)'", first)
+    if m:
+        group = m.group(1)
+        options = [ln for ln in lines[2:] if not ln.startswith(("Config search path", "provider="))]
+        choices = ", ".join(f"{group}={o}" for o in options if "=" not in o)
+        return f"{group}={m.group(2)} does not exist" + (f"; choose {choices}" if choices else f"; see {HELP}")
+    if type(error).__name__ == "OverrideParseException":
+        return f"cannot parse an override ({first}); overrides are key=value (quote lists: 'key=[a,b]')"
+    return f"{first} (see {HELP})"
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Raise ValueError naming the key when a mandatory key is unset (`???`) or a number-valued key
+    holds something else."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        key = missing[0]
+        example = "'llm.urls=[http://HOST:PORT]'" if key == "llm.urls" else f"{key}=VALUE"
+        raise ValueError(f"{key} must be set: add {example} to the command line")
+    for keys, kind, name in ((INTEGER_KEYS, int, "an integer"), (FLOAT_KEYS, float, "a number")):
+        for key in keys:
+            value = OmegaConf.select(cfg, key, default=None)
+            if value is None:
+                continue
+            try:
+                ok = not isinstance(value, bool) and kind(value) == float(value)
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"{key}={value!r} must be {name}")
+
+
+# verl's keys that users set most, shown by --help with their values (verl's groups hold ~200 more)
+VERL_KEYS_SHOWN = (
+    "data.prompt_key", "data.filter_overlong_prompts", "data.truncation", "data.shuffle", "data.seed",
+    "data.apply_chat_template_kwargs", "data.return_raw_chat",
+    "actor_rollout_ref.model.path", "actor_rollout_ref.model.custom_chat_template",
+    "actor_rollout_ref.model.trust_remote_code",
+    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p",
+    "actor_rollout_ref.rollout.top_k", "actor_rollout_ref.rollout.do_sample",
+    "actor_rollout_ref.rollout.prompt_length", "actor_rollout_ref.rollout.response_length",
+    "actor_rollout_ref.rollout.calculate_log_probs",
+    "actor_rollout_ref.rollout.agent.default_agent_loop", "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+    "actor_rollout_ref.rollout.multi_turn.enable", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+)
+
+
+def help_text(cfg: DictConfig) -> str:
+    """pipegen's own keys as YAML, then verl's most used keys, each with its current value."""
+    verl_groups = ("actor_rollout_ref", "data", "distillation")
+    own = OmegaConf.create({k: cfg[k] for k in cfg if k not in verl_groups})
+    lines = [OmegaConf.to_yaml(own).rstrip(), "", "verl's keys users set most (verl's groups keep all of verl's keys "
+             "and defaults; set any of them the same way):"]
+    for key in VERL_KEYS_SHOWN:
+        try:
+            value = OmegaConf.select(cfg, key, throw_on_missing=False, default="(not in this verl)")
+        except Exception:  # an interpolation that cannot resolve yet: show it unresolved
+            value = "?"
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+        lines.append(f"  {key}={shown}")
+    return "\n".join(lines)

@@ -6,7 +6,9 @@ sampled 64 KiB blocks), tokenizer files and chat template (full digests: they ar
 (the model or the fake test engine), agent loop, tool and loop configs, and scoring.
 Stored as `conf/fingerprint.json`; a launch or writer restart whose fingerprint differs is refused
 with one line naming what changed and how to proceed (a new output_dir, or `resume_with_changes=true`),
-so two datasets are never silently mixed in one output.
+so two datasets are never silently mixed in one output. The fingerprint binds a directory only once
+the run has produced something (`has_output`): a launch refused before generating (a prompt too long,
+a wrong column) may be rerun with the fix in the same output_dir.
 
 Owns: computing and comparing fingerprints. Must never: read whole multi-GB weight or data files
 (sampled blocks identify them and keep a relaunch instant), or modify the run directory except
@@ -146,6 +148,17 @@ def _short(value: Any, limit: int = 60) -> str:
     """JSON text of value; a long one keeps its end (paths differ at the end, not at /home/...)."""
     text = orjson.dumps(value).decode()
     return text if len(text) <= limit else "..." + text[-(limit - 3):]
+
+
+def has_output(run) -> bool:
+    """Whether the run directory holds anything generated: a stream record (rollout or failure), a
+    batch file, or a checkpoint. Until then nothing can mix, so any setting may still change."""
+    from pipegen.run.layout import list_shards
+
+    if run.checkpoint.exists() or run.batch_files_on_disk():
+        return True
+    return any(shard.stat().st_size > 0 for topic in (run.rollouts, run.failures)
+               for shards in list_shards(topic).values() for shard in shards)
 
 
 def save_fingerprint(path: Path, fp: dict[str, Any]) -> None:

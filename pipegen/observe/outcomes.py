@@ -1,0 +1,66 @@
+"""What the generated samples scored, for the end-of-run summary: mean reward and pass@n.
+
+Read from the rollout shards (each unit's first complete line, as the writer keeps it): the mean of
+every trajectory's `reward_score`, and pass@n, the share of prompts with at least one of its n samples
+scoring above 0. Only the `index`/`sample` head and the `reward_score` fields of a line are looked at
+(a regex over the bytes, no JSON parse), so a summary of a 100k-unit run costs about a second.
+
+Owns: the reward summary. Must never: write anything, or read more than MAX_BYTES of shards (a huge
+run gets no pass@n line rather than a long wait at its end).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipegen.run.layout import RunDir, list_shards
+from pipegen.run.records import read_head
+
+MAX_BYTES = 2 << 30
+_REWARD = re.compile(rb'"reward_score":(-?[0-9][0-9.eE+-]*)')
+
+
+@dataclass
+class RewardSummary:
+    mean_reward: float
+    scored: int  # trajectories with a reward
+    prompts: int  # prompts with at least one scored sample
+    passed: int  # of those, prompts with a sample scoring above 0
+
+    @property
+    def pass_at_n(self) -> float:
+        return self.passed / self.prompts if self.prompts else 0.0
+
+
+def reward_summary(run: RunDir) -> RewardSummary | None:
+    """None when nothing was scored (no ground truth, scoring off) or the shards exceed MAX_BYTES."""
+    shards = [p for paths in list_shards(run.rollouts).values() for p in paths]
+    try:
+        if sum(p.stat().st_size for p in shards) > MAX_BYTES:
+            return None
+    except OSError:
+        return None
+    seen: set[tuple[int, int]] = set()
+    total = 0.0
+    scored = 0
+    best: dict[int, float] = {}
+    for path in shards:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        for line in data.split(b"\n")[:-1]:  # complete lines only
+            head = read_head(line)
+            if head is None or head in seen:
+                continue
+            seen.add(head)
+            rewards = [float(m) for m in _REWARD.findall(line)]
+            if not rewards:
+                continue
+            total += sum(rewards)
+            scored += len(rewards)
+            best[head[0]] = max(best.get(head[0], float("-inf")), max(rewards))
+    if not scored:
+        return None
+    return RewardSummary(total / scored, scored, len(best), sum(1 for v in best.values() if v > 0))
