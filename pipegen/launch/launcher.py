@@ -13,8 +13,10 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -125,6 +127,37 @@ def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     return len(indices)
 
 
+@dataclass
+class ServerWatch:
+    """One server's wait for `/health_generate` in a thread, so the actors and the writer start (and
+    import verl) while the server loads; the supervision loop reads the outcome."""
+
+    name: str
+    url: str
+    timeout_s: float
+    role: Role | None = None  # None: an external server (no process of ours to watch)
+    ready_after_s: float | None = None
+    error: Exception | None = None
+    logged: bool = False
+
+    def start(self) -> "ServerWatch":
+        threading.Thread(target=self._wait, name=f"wait-{self.name}", daemon=True).start()
+        return self
+
+    def _alive(self) -> bool:
+        proc = self.role.proc if self.role is not None else None  # read once: the supervisor resets it
+        return self.role is None or (proc is not None and proc.poll() is None)
+
+    def _wait(self) -> None:
+        from pipegen.launch.servers import wait_ready
+
+        try:
+            self.ready_after_s = wait_ready(self.url, self.timeout_s, self._alive,
+                                            self.role.log_path if self.role else None)
+        except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): the launcher raises it
+            self.error = e
+
+
 class Launcher:
     def __init__(self, cfg: DictConfig, run: RunDir):
         self.cfg = cfg
@@ -132,16 +165,25 @@ class Launcher:
         self.sup = Supervisor(run)
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self._stopping = False
+        self.watches: list[ServerWatch] = []
+        self.launch_started = run.read_launch().started  # the origin of every start-up phase
+        self._startup_logged = False
+        self._actors_started = 0
 
     def _role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
         return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
                                  int(self.cfg.generation.restart_limit)))
 
     def start_servers(self, plan) -> None:
-        from pipegen.launch.servers import cpu_server_command, sglang_server_command, wait_ready
+        """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
+        from pipegen.launch.servers import check_sglang_python, cpu_server_command, sglang_python, sglang_server_command
 
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
         build = cpu_server_command if llm["kind"] == "cpu" else sglang_server_command
+        if llm["kind"] == "sglang" and plan.servers:
+            problem = check_sglang_python(sglang_python(llm))
+            if problem:
+                raise ValueError(problem)
         roles = []
         per_server = list(llm.get("server_args") or [])
         for i, server in enumerate(plan.servers):
@@ -152,12 +194,41 @@ class Launcher:
             role.group = "servers"  # one server crash-looping must not end a run the others can finish
             self.sup.start(role)
             roles.append((server, role))
-        for server, role in roles:
-            waited = wait_ready(server.url, float(llm["ready_timeout_s"]), lambda r=role: r.alive, role.log_path)
-            log.info("%s ready at %s after %.1fs", server.name, server.url, waited)
-        for url in plan.external_urls:
-            waited = wait_ready(url, float(llm["ready_timeout_s"]))
-            log.info("external server %s ready after %.1fs", url, waited)
+        timeout = float(llm["ready_timeout_s"])
+        self.watches = [ServerWatch(server.name, server.url, timeout, role).start() for server, role in roles]
+        self.watches += [ServerWatch("external server", url, timeout).start() for url in plan.external_urls]
+        log.info("waiting for %d server(s) to answer /health_generate; actors and writer start meanwhile",
+                 len(self.watches))
+
+    def check_servers(self) -> None:
+        """Log each server once it answers. A server that dies or misses llm.ready_timeout_s ends the run
+        (ServerNotReady, quoting its log) when no other server answers; else the others carry on."""
+        ready = [w for w in self.watches if w.ready_after_s is not None]
+        for watch in self.watches:
+            if watch.logged:
+                continue
+            if watch.ready_after_s is not None:
+                watch.logged = True
+                log.info("%s ready at %s: answered /health_generate %.1fs after the launch started", watch.name,
+                         watch.url, time.time() - self.launch_started)
+            elif watch.error is not None and ready:
+                watch.logged = True
+                log.error("%s did not become ready; %d other server(s) carry on: %s", watch.name, len(ready),
+                          watch.error)
+        if self.watches and not ready and all(w.error is not None for w in self.watches):
+            raise self.watches[0].error
+
+    def log_startup(self, roles: dict, final: bool = False) -> None:
+        """Once every actor has reported its first unit (or at the end, as far as it got): the launch's
+        start-up phases, in one log line."""
+        from pipegen.observe.startup import startup_phases
+
+        if self._startup_logged:
+            return
+        phases = startup_phases(roles, self.launch_started)
+        if phases is not None and (final or (phases.complete and phases.actors >= self._actors_started)):
+            self._startup_logged = True
+            log.info("start-up: %s", phases.render())
 
     def run_roles(self, plan, total: int) -> int:
         py = sys.executable
@@ -168,6 +239,7 @@ class Launcher:
             writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
             self.sup.start(writer)
         world_actors = plan.num_actors * plan.node.world_size
+        self._actors_started = plan.num_actors
         for k in range(plan.num_actors):
             rank = plan.node.rank * plan.num_actors + k
             self.sup.start(self._role(actor_role(rank), [py, "-m", "pipegen.actor", out, f"rank={rank}",
@@ -196,6 +268,7 @@ class Launcher:
                 else:
                     print(line, file=sys.stderr, flush=True)
             snap = snapshot(self.run, self.n, total)
+            self.log_startup(snap.roles, final=force)
             if tracker is not None:
                 tracker.update(snap, force=force)
             if bar is not None:
@@ -211,6 +284,7 @@ class Launcher:
                 last = 0.0
                 while True:
                     finished = self.sup.poll()
+                    self.check_servers()
                     if time.monotonic() - last >= 0.5:
                         refresh()
                         last = time.monotonic()
@@ -232,7 +306,19 @@ class Launcher:
         return 0
 
     def stop(self) -> None:
+        """Stop every child. A server stopped here logs the SIGTERM in its own way (SGLang: "Subprocess
+        scheduler_0 ... crashed with exit code -15"), so its log gets a line first saying it is this stop."""
+        servers = [r for r in self.sup.roles.values() if r.group == "servers" and r.alive]
+        for role in servers:
+            try:
+                with open(role.log_path, "ab") as f:  # O_APPEND: safe beside the server's own writes
+                    f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} pipegen stops {role.name} (SIGTERM): "
+                            f"the run is over; exit codes -15 reported below are this stop, not a crash =====\n".encode())
+            except OSError:
+                pass
         self.sup.stop_all()
+        if servers:
+            log.info("stopped %s (SIGTERM, a normal stop)", ", ".join(r.name for r in servers))
 
 
 def report(run: RunDir, n: int) -> int:
@@ -296,14 +382,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt = load_checkpoint(run.checkpoint)
     n = int(cfg.actor_rollout_ref.rollout.n)
-    if not run.units_file.exists():
-        try:
-            log.info("reading the dataset %s", cfg.data.train_files)
-            rows = build_manifest(cfg, run)
-        except ValueError as e:
-            return fail(str(e))
-        log.info("%d prompts x %d samples = %d units", rows, n, rows * n)
-    if ckpt.complete and not ckpt.failed and run.trajectories.exists() == bool(cfg.generation.final_merge):
+    if (run.units_file.exists() and ckpt.complete and not ckpt.failed
+            and run.trajectories.exists() == bool(cfg.generation.final_merge)):
         print(f"pipegen: {run.root} is already complete.")
         return report(run, n)
 
@@ -321,11 +401,16 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    total = run.total_units(n)
     started = time.monotonic()
     try:
+        # Servers first: they take longest (SGLang ~100 s), and load while the dataset is read here
+        # and the actors and the writer start up.
         launcher.start_servers(plan)
-        launcher.run_roles(plan, total)
+        if not run.units_file.exists():
+            log.info("reading the dataset %s", cfg.data.train_files)
+            rows = build_manifest(cfg, run)
+            log.info("%d prompts x %d samples = %d units", rows, n, rows * n)
+        launcher.run_roles(plan, run.total_units(n))
     except KeyboardInterrupt:
         print("\npipegen: interrupted; stopping every process. Run the same command to resume.", file=sys.stderr)
         launcher.stop()

@@ -44,10 +44,30 @@ def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: in
     return argv, {"OMP_NUM_THREADS": str(llm.get("threads", 1))}
 
 
+def sglang_python(llm: Mapping) -> str:
+    """The interpreter SGLang runs under: `llm.python` (./launch.sh's .venv-sglang, or any SGLang install),
+    else this process's own."""
+    return str(llm.get("python") or sys.executable)
+
+
+def check_sglang_python(python: str) -> str | None:
+    """None when `python` can import sglang (found, not imported: that takes seconds); else the one-line fix."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"llm.python={python} cannot be run ({e}); point llm.python at a python with SGLang 0.5.12"
+    if found:
+        return None
+    return (f"llm=sglang: SGLang is not installed for {python}; run ./launch.sh on the GPU machine (it creates "
+            f".venv-sglang from requirements/sglang-server.txt) or set llm.python=/path/to/python-with-sglang")
+
+
 def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
-    """`python -m sglang.launch_server` for one tensor-parallel group, token ids in and out."""
+    """`python -m sglang.launch_server` for one tensor-parallel group, token ids in and out, run by
+    `llm.python` (SGLang's own environment)."""
     argv = [
-        sys.executable, "-m", "sglang.launch_server",
+        sglang_python(llm), "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--host", plan.host,
         "--port", str(plan.port),

@@ -1,0 +1,120 @@
+"""An actor's start-up: when it became ready, when a server first answered, when its first request went
+out and its first unit reached a shard; and the wait for the first server.
+
+The launcher starts actors while the servers still load, so an actor's own start-up (almost all of it
+importing verl, torch and transformers: ~6 s on a 2-core CPU box, ~17 s on a GPU box) overlaps the
+server's. An actor then polls every server's `/health_generate` and starts sending the moment one
+answers 200; servers that come up later join as the client's own probes find them.
+
+Owns: the actor's start-up clock (wall-clock times, written into its stats lines under `startup/...`,
+the names pipegen/observe/startup.py reads) and `wait_for_first_server`.
+Must never: send a /generate request, or give up on a server that is still loading (only the launcher's
+`llm.ready_timeout_s` decides that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipegen.observe.startup import ACTOR_PHASES
+
+log = logging.getLogger("pipegen.actor")
+
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock): from /proc on Linux, else now (this module loads early)."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+PROCESS_STARTED = process_start_time()
+
+HEALTH_POLL_S = 0.2  # how often an actor asks the servers whether they are ready; costs nothing measurable
+
+
+@dataclass
+class StartupClock:
+    """Wall-clock times (time.time()) of an actor's start-up phases; None until reached."""
+
+    process_started: float = PROCESS_STARTED
+    times: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, phase: str) -> float:
+        """Record `phase` now (the first time only); returns its time."""
+        assert phase in ACTOR_PHASES, phase
+        return self.times.setdefault(phase, time.time())
+
+    def since(self, phase: str, start: str | None = None) -> float:
+        """Seconds from `start` (the process start when None) to `phase`."""
+        origin = self.process_started if start is None else self.times[start]
+        return self.times[phase] - origin
+
+    def as_stats(self) -> dict[str, Any]:
+        return {"startup/process_started": self.process_started,
+                **{f"startup/{phase}": self.times.get(phase) for phase in ACTOR_PHASES}}
+
+    def trace_config(self):
+        """An aiohttp TraceConfig that marks `first_request` when the first /generate request starts."""
+        import aiohttp
+
+        async def on_request_start(_session, _ctx, params) -> None:
+            if "first_request" not in self.times and params.url.path.endswith("/generate"):
+                self.mark("first_request")
+
+        trace = aiohttp.TraceConfig()
+        trace.on_request_start.append(on_request_start)
+        return trace
+
+    def unit_written(self) -> None:
+        if "first_unit" not in self.times:
+            self.mark("first_unit")
+            log.info("first unit in a shard %.2fs after a server was ready (first request %.2fs after it)",
+                     self.since("first_unit", "server_ready"),
+                     self.since("first_request", "server_ready") if "first_request" in self.times else float("nan"))
+
+
+async def wait_for_first_server(session, urls: list[str], clock: StartupClock, poll_s: float = HEALTH_POLL_S) -> str:
+    """Poll every server's GET /health_generate until one answers 200; mark `server_ready`; return its URL.
+
+    Refused connections, 503 and timeouts all mean "still loading". There is no deadline here: the
+    launcher stops the run when a server misses `llm.ready_timeout_s` or dies.
+    """
+    import aiohttp
+
+    started = time.monotonic()
+    timeout = aiohttp.ClientTimeout(total=30)  # /health_generate runs one token through the engine
+
+    async def answers(url: str) -> bool:
+        try:
+            async with session.get(f"{url}/health_generate", timeout=timeout) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    waiting_logged = False
+    while True:
+        results = await asyncio.gather(*(answers(u) for u in urls))
+        ready = [u for u, ok in zip(urls, results) if ok]
+        if ready:
+            clock.mark("server_ready")
+            log.info("server %s ready (waited %.1fs; %d of %d answering); sending requests", ready[0],
+                     time.monotonic() - started, len(ready), len(urls))
+            return ready[0]
+        if not waiting_logged:
+            log.info("waiting for a server to answer /health_generate (%s)", ", ".join(urls))
+            waiting_logged = True
+        await asyncio.sleep(poll_s)
