@@ -7,7 +7,8 @@ server's. An actor then polls every server's `/health_generate` and starts sendi
 answers 200; servers that come up later join as the client's own probes find them.
 
 Owns: the actor's start-up clock (wall-clock times, written into its stats lines under `startup/...`,
-the names pipegen/observe/startup.py reads) and `wait_for_first_server`.
+the names pipegen/observe/startup.py reads), `wait_for_first_server`, and keeping servers that are
+still loading out of the client's rotation until they answer.
 Must never: send a /generate request, or give up on a server that is still loading (only the launcher's
 `llm.ready_timeout_s` decides that).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,11 +27,8 @@ from pipegen.observe.startup import ACTOR_PHASES
 log = logging.getLogger("pipegen.actor")
 
 
-
 def process_start_time() -> float:
     """When this process started (wall clock): from /proc on Linux, else now (this module loads early)."""
-    import os
-
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in ticks since boot
@@ -42,6 +41,7 @@ def process_start_time() -> float:
 
 PROCESS_STARTED = process_start_time()
 
+_JOINING: set[asyncio.Task] = set()
 HEALTH_POLL_S = 0.2  # how often an actor asks the servers whether they are ready; costs nothing measurable
 
 
@@ -86,35 +86,51 @@ class StartupClock:
                      self.since("first_request", "server_ready") if "first_request" in self.times else float("nan"))
 
 
-async def wait_for_first_server(session, urls: list[str], clock: StartupClock, poll_s: float = HEALTH_POLL_S) -> str:
-    """Poll every server's GET /health_generate until one answers 200; mark `server_ready`; return its URL.
-
-    Refused connections, 503 and timeouts all mean "still loading". There is no deadline here: the
-    launcher stops the run when a server misses `llm.ready_timeout_s` or dies.
-    """
+async def _answers(session, url: str) -> bool:
+    """GET /health_generate answered 200 (refused connections, 503 and timeouts mean "still loading")."""
     import aiohttp
 
+    try:
+        # /health_generate runs one token through the engine: give it time under load
+        async with session.get(f"{url}/health_generate", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            await resp.read()
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
+async def _join_when_ready(session, server, poll_s: float) -> None:
+    while not await _answers(session, server.url):
+        await asyncio.sleep(poll_s)
+    server.healthy = True
+    log.info("server %s ready: joins the rotation", server.url)
+
+
+async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: float = HEALTH_POLL_S) -> None:
+    """Poll every server of `pool` (the actor's client.ServerPool) until one answers /health_generate; mark
+    `server_ready`. Servers still loading then stay out of rotation until they answer (so no unit is
+    retried against a server that is not up yet); background tasks bring them in as they answer.
+
+    There is no deadline here: the launcher stops the run when a server misses `llm.ready_timeout_s` or dies.
+    """
     started = time.monotonic()
-    timeout = aiohttp.ClientTimeout(total=30)  # /health_generate runs one token through the engine
-
-    async def answers(url: str) -> bool:
-        try:
-            async with session.get(f"{url}/health_generate", timeout=timeout) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
-
     waiting_logged = False
     while True:
-        results = await asyncio.gather(*(answers(u) for u in urls))
-        ready = [u for u, ok in zip(urls, results) if ok]
-        if ready:
-            clock.mark("server_ready")
-            log.info("server %s ready (waited %.1fs; %d of %d answering); sending requests", ready[0],
-                     time.monotonic() - started, len(ready), len(urls))
-            return ready[0]
+        results = await asyncio.gather(*(_answers(session, s.url) for s in pool.servers))
+        if any(results):
+            break
         if not waiting_logged:
-            log.info("waiting for a server to answer /health_generate (%s)", ", ".join(urls))
+            log.info("waiting for a server to answer /health_generate (%s)", ", ".join(s.url for s in pool.servers))
             waiting_logged = True
         await asyncio.sleep(poll_s)
+    clock.mark("server_ready")
+    late = [s for s, ok in zip(pool.servers, results) if not ok]
+    log.info("server %s ready after waiting %.1fs (%d of %d answering); sending requests",
+             next(s.url for s, ok in zip(pool.servers, results) if ok), time.monotonic() - started,
+             len(pool.servers) - len(late), len(pool.servers))
+    for server in late:
+        server.healthy = False
+    for server in late:
+        task = asyncio.get_running_loop().create_task(_join_when_ready(session, server, max(poll_s, 0.5)))
+        _JOINING.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(_JOINING.discard)

@@ -153,7 +153,7 @@ class Actor:
 
             reporter = asyncio.create_task(self._report(pool, stats, len(todo)))
             # servers may still be loading (the launcher starts actors beside them): send once one answers
-            await wait_for_first_server(session, list(self.launch.servers), self.clock)
+            await wait_for_first_server(session, pool, self.clock)
             workers = [asyncio.create_task(worker()) for _ in range(int(actors_cfg.concurrency))]
             await asyncio.gather(*workers)
             reporter.cancel()

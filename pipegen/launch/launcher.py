@@ -13,10 +13,8 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -127,37 +125,6 @@ def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     return len(indices)
 
 
-@dataclass
-class ServerWatch:
-    """One server's wait for `/health_generate` in a thread, so the actors and the writer start (and
-    import verl) while the server loads; the supervision loop reads the outcome."""
-
-    name: str
-    url: str
-    timeout_s: float
-    role: Role | None = None  # None: an external server (no process of ours to watch)
-    ready_after_s: float | None = None
-    error: Exception | None = None
-    logged: bool = False
-
-    def start(self) -> "ServerWatch":
-        threading.Thread(target=self._wait, name=f"wait-{self.name}", daemon=True).start()
-        return self
-
-    def _alive(self) -> bool:
-        proc = self.role.proc if self.role is not None else None  # read once: the supervisor resets it
-        return self.role is None or (proc is not None and proc.poll() is None)
-
-    def _wait(self) -> None:
-        from pipegen.launch.servers import wait_ready
-
-        try:
-            self.ready_after_s = wait_ready(self.url, self.timeout_s, self._alive,
-                                            self.role.log_path if self.role else None)
-        except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): the launcher raises it
-            self.error = e
-
-
 class Launcher:
     def __init__(self, cfg: DictConfig, run: RunDir):
         self.cfg = cfg
@@ -165,7 +132,7 @@ class Launcher:
         self.sup = Supervisor(run)
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self._stopping = False
-        self.watches: list[ServerWatch] = []
+        self.watches: list = []  # launch.servers.ServerWatch, one per server URL
         self.launch_started = run.read_launch().started  # the origin of every start-up phase
         self._startup_logged = False
         self._actors_started = 0
@@ -176,7 +143,8 @@ class Launcher:
 
     def start_servers(self, plan) -> None:
         """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
-        from pipegen.launch.servers import check_sglang_python, cpu_server_command, sglang_python, sglang_server_command
+        from pipegen.launch.servers import (ServerWatch, check_sglang_python, cpu_server_command, sglang_python,
+                                            sglang_server_command)
 
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
         build = cpu_server_command if llm["kind"] == "cpu" else sglang_server_command

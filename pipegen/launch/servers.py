@@ -7,6 +7,7 @@
 - `ServerProcess`: start any SGLang-protocol server as a child with its own log, on a fixed port or
   one it reports through `--port-file`, and wait until it answers; tests and benchmarks use it, the
   launcher uses `wait_ready` on the processes its supervisor owns.
+- `ServerWatch`: `wait_ready` in a thread, so the launcher starts actors and the writer while servers load.
 
 Owns: how a server is started and when it counts as ready.
 Must never: import the CPU server package (it is started by module name, as SGLang is) or treat a
@@ -19,13 +20,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from pipegen.launch.world import ServerPlan
+
+if TYPE_CHECKING:
+    from pipegen.launch.supervise import Role
 
 
 def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
@@ -197,3 +203,32 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class ServerWatch:
+    """One server's wait for `/health_generate` in a thread, so the actors and the writer start (and
+    import verl) while the server loads; the supervision loop reads the outcome."""
+
+    name: str
+    url: str
+    timeout_s: float
+    role: "Role | None" = None  # the supervisor's role; None: an external server (no process of ours)
+    ready_after_s: float | None = None
+    error: Exception | None = None
+    logged: bool = False
+
+    def start(self) -> "ServerWatch":
+        threading.Thread(target=self._wait, name=f"wait-{self.name}", daemon=True).start()
+        return self
+
+    def _alive(self) -> bool:
+        proc = self.role.proc if self.role is not None else None  # read once: the supervisor resets it
+        return self.role is None or (proc is not None and proc.poll() is None)
+
+    def _wait(self) -> None:
+        try:
+            self.ready_after_s = wait_ready(self.url, self.timeout_s, self._alive,
+                                            self.role.log_path if self.role else None)
+        except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): the launcher raises it
+            self.error = e
