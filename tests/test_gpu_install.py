@@ -91,6 +91,7 @@ PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(5, 36)] + [
 
 
 @pytest.mark.slow  # pip resolves ~200 packages against PyPI, reading each wheel's metadata by HTTP range requests (~4 min)
+@pytest.mark.timeout(1500)  # network-bound and sequential in pip: the suite's 300 s default is too short for it
 @pytest.mark.skipif(not pypi_reachable(), reason="needs the package index (pypi.org) to resolve the SGLang server's pins")
 def test_sglang_server_requirements_resolve_against_the_index(tmp_path: Path) -> None:
     """pip's own resolver, in dry-run/report mode, for a Python 3.12 Linux GPU machine: the server

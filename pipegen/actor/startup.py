@@ -1,14 +1,15 @@
 """An actor's start-up: when it became ready, when a server first answered, when its first request went
 out and its first unit reached a shard; and the wait for the first server.
 
-The launcher starts actors while the servers still load, so an actor's own start-up (almost all of it
-importing verl, torch and transformers: ~6 s on a 2-core CPU box, ~17 s on a GPU box) overlaps the
-server's. An actor then polls every server's `/health_generate` and starts sending the moment one
-answers 200; servers that come up later join as the client's own probes find them.
+The launcher starts actors right after the servers, so an actor's own start-up (almost all of it
+importing verl, torch and transformers: ~6 s on an idle 2-core CPU box, ~17 s on a GPU box) overlaps
+the servers' load and the launcher's read of the dataset (the actor waits for the unit manifest only
+after its imports). An actor then polls every server's `/health_generate` and starts sending the moment
+one answers 200; servers that come up later join the rotation as they answer.
 
 Owns: the actor's start-up clock (wall-clock times, written into its stats lines under `startup/...`,
-the names pipegen/observe/startup.py reads), `wait_for_first_server`, and keeping servers that are
-still loading out of the client's rotation until they answer.
+the names pipegen/observe/startup.py reads), the wait for the manifest and for the first server, and
+keeping servers that are still loading out of the client's rotation until they answer.
 Must never: send a /generate request, or give up on a server that is still loading (only the launcher's
 `llm.ready_timeout_s` decides that).
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipegen.observe.startup import ACTOR_PHASES
+from pipegen.run.layout import RunDir
 
 log = logging.getLogger("pipegen.actor")
 
@@ -51,6 +53,7 @@ class StartupClock:
 
     process_started: float = PROCESS_STARTED
     times: dict[str, float] = field(default_factory=dict)
+    server_answered_first_poll: bool = False  # True: the server was up before this actor (the actor was the wait)
 
     def mark(self, phase: str) -> float:
         """Record `phase` now (the first time only); returns its time."""
@@ -64,6 +67,7 @@ class StartupClock:
 
     def as_stats(self) -> dict[str, Any]:
         return {"startup/process_started": self.process_started,
+                "startup/server_answered_first_poll": self.server_answered_first_poll,
                 **{f"startup/{phase}": self.times.get(phase) for phase in ACTOR_PHASES}}
 
     def trace_config(self):
@@ -84,6 +88,27 @@ class StartupClock:
             log.info("first unit in a shard %.2fs after a server was ready (first request %.2fs after it)",
                      self.since("first_unit", "server_ready"),
                      self.since("first_request", "server_ready") if "first_request" in self.times else float("nan"))
+
+
+MANIFEST_WAIT_S = 1800.0  # as long as the slowest dataset read a launcher may do; a hand-started actor gets a clear exit
+
+
+def import_then_wait_for_manifest(run: RunDir, timeout_s: float = MANIFEST_WAIT_S) -> None:
+    """Import what building the actor needs (verl's agent loop, transformers, torch: nearly all of an actor's
+    start-up), then wait until the launcher has written the unit manifest: it reads the dataset meanwhile."""
+    import importlib
+
+    for module in ("transformers", "verl.experimental.agent_loop.agent_loop", "verl.tools.tool_registry",
+                   "verl.utils.dataset.rl_dataset"):
+        importlib.import_module(module)
+    started = time.monotonic()
+    if not run.units_file.exists():
+        log.info("imports done; waiting for the launcher to write %s", run.units_file)
+    while not run.units_file.exists():
+        if time.monotonic() - started > timeout_s:
+            raise SystemExit(f"no unit manifest {run.units_file} after {timeout_s:.0f}s; actors are started by "
+                             f"python -m pipegen.launch output_dir={run.root}, which writes it")
+        time.sleep(0.05)
 
 
 async def _answers(session, url: str) -> bool:
@@ -115,10 +140,12 @@ async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: floa
     """
     started = time.monotonic()
     waiting_logged = False
+    clock.server_answered_first_poll = True
     while True:
         results = await asyncio.gather(*(_answers(session, s.url) for s in pool.servers))
         if any(results):
             break
+        clock.server_answered_first_poll = False
         if not waiting_logged:
             log.info("waiting for a server to answer /health_generate (%s)", ", ".join(s.url for s in pool.servers))
             waiting_logged = True

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from pipegen.actor.rollout import UnitRunner
-from pipegen.actor.startup import StartupClock, wait_for_first_server
+from pipegen.actor.startup import StartupClock, import_then_wait_for_manifest, wait_for_first_server
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_run_config(run)
     import uvloop
 
+    import_then_wait_for_manifest(run)  # the launcher may still be reading the dataset
     actor = Actor(cfg, run, rank, int(num_actors_arg or cfg.actors.num_actors))
     actor.clock.mark("ready")
     log.info("actor %d ready %.1fs after its process started (pid %d)", rank, actor.clock.since("ready"), os.getpid())

@@ -198,20 +198,23 @@ class Launcher:
             self._startup_logged = True
             log.info("start-up: %s", phases.render())
 
-    def run_roles(self, plan, total: int) -> int:
-        py = sys.executable
-        out = f"output_dir={self.run.root}"
-        writer = None
-        if plan.runs_writer and self.cfg.generation.run_writer:
-            writer = self._role("writer", [py, "-m", "pipegen.writer", out])
-            writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
-            self.sup.start(writer)
+    def start_actors(self, plan) -> None:
+        """Start this node's actors: they import verl while the servers load and the dataset is read."""
         world_actors = plan.num_actors * plan.node.world_size
         self._actors_started = plan.num_actors
         for k in range(plan.num_actors):
             rank = plan.node.rank * plan.num_actors + k
-            self.sup.start(self._role(actor_role(rank), [py, "-m", "pipegen.actor", out, f"rank={rank}",
+            self.sup.start(self._role(actor_role(rank), [sys.executable, "-m", "pipegen.actor",
+                                                        f"output_dir={self.run.root}", f"rank={rank}",
                                                         f"num_actors={world_actors}"]))
+
+    def run_roles(self, plan, total: int) -> int:
+        """Start the writer (it needs the unit manifest) and supervise the run to its end."""
+        writer = None
+        if plan.runs_writer and self.cfg.generation.run_writer:
+            writer = self._role("writer", [sys.executable, "-m", "pipegen.writer", f"output_dir={self.run.root}"])
+            writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
+            self.sup.start(writer)
         return self.supervise(writer, total)
 
     def supervise(self, writer: Role | None, total: int) -> int:
@@ -281,7 +284,7 @@ class Launcher:
             try:
                 with open(role.log_path, "ab") as f:  # O_APPEND: safe beside the server's own writes
                     f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} pipegen stops {role.name} (SIGTERM): "
-                            f"the run is over; exit codes -15 reported below are this stop, not a crash =====\n".encode())
+                            f"exit codes -15 reported below are this stop, not a crash =====\n".encode())
             except OSError:
                 pass
         self.sup.stop_all()
@@ -371,9 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     started = time.monotonic()
     try:
-        # Servers first: they take longest (SGLang ~100 s), and load while the dataset is read here
-        # and the actors and the writer start up.
+        # Servers first: they take longest (SGLang ~100 s). Then the actors, which import verl (~6-17 s)
+        # while the servers load and the dataset is read here; then the writer, which needs the manifest.
         launcher.start_servers(plan)
+        launcher.start_actors(plan)
         if not run.units_file.exists():
             log.info("reading the dataset %s", cfg.data.train_files)
             rows = build_manifest(cfg, run)

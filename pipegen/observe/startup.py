@@ -28,6 +28,7 @@ class StartupPhases:
     server_ready: float | None = None  # the first time any actor saw a server answer /health_generate
     first_request: float | None = None
     first_unit: float | None = None
+    server_was_first: bool = False  # a server answered the actors' very first poll: the actors were the wait
 
     @property
     def request_after_server_s(self) -> float | None:
@@ -50,7 +51,8 @@ class StartupPhases:
                 "actors_ready_last_s": self.actors_ready_last, "server_ready_s": self.server_ready,
                 "first_request_s": self.first_request, "first_unit_s": self.first_unit,
                 "first_request_after_server_ready_s": self.request_after_server_s,
-                "first_unit_after_server_ready_s": self.unit_after_server_s}
+                "first_unit_after_server_ready_s": self.unit_after_server_s,
+                "server_answered_first_poll": self.server_was_first}
 
     def render(self) -> str:
         def at(t: float | None) -> str:
@@ -59,7 +61,10 @@ class StartupPhases:
         ready = at(self.actors_ready_last)
         if self.actors > 1 and self.actors_ready_first is not None:
             ready = f"{at(self.actors_ready_first)}..{at(self.actors_ready_last)} ({self.actors} actors)"
-        parts = [f"server ready {at(self.server_ready)}", f"actors ready {ready}",
+        server = at(self.server_ready)
+        if self.server_was_first and self.server_ready is not None:
+            server = f"≤{server} (up before the actors: they were the wait)"
+        parts = [f"server ready {server}", f"actors ready {ready}",
                  f"first request {at(self.first_request)}"]
         if self.request_after_server_s is not None:
             parts[-1] += f" ({self.request_after_server_s:.2f}s after server ready)"
@@ -88,4 +93,7 @@ def startup_phases(roles: Mapping[str, Mapping[str, Any]], launch_started: float
         actors_ready_first=min(ready, default=None),
         actors_ready_last=max(ready) if len(ready) == len(lines) else None,
         server_ready=first["server_ready"], first_request=first["first_request"], first_unit=first["first_unit"],
+        server_was_first=any(bool(line.get("startup/server_answered_first_poll")) for line in lines
+                             if line.get("startup/server_ready") is not None
+                             and float(line["startup/server_ready"]) - launch_started == first["server_ready"]),
     )
