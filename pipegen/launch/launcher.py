@@ -178,7 +178,7 @@ class Launcher:
             if watch.ready_after_s is not None:
                 watch.logged = True
                 log.info("%s ready at %s: answered /health_generate %.1fs after the launch started", watch.name,
-                         watch.url, time.time() - self.launch_started)
+                         watch.url, watch.ready_at - self.launch_started)
             elif watch.error is not None and ready:
                 watch.logged = True
                 log.error("%s did not become ready; %d other server(s) carry on: %s", watch.name, len(ready),

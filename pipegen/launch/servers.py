@@ -215,6 +215,7 @@ class ServerWatch:
     timeout_s: float
     role: "Role | None" = None  # the supervisor's role; None: an external server (no process of ours)
     ready_after_s: float | None = None
+    ready_at: float | None = None  # wall clock, taken in the thread (the launcher's loop may look later)
     error: Exception | None = None
     logged: bool = False
 
@@ -228,7 +229,7 @@ class ServerWatch:
 
     def _wait(self) -> None:
         try:
-            self.ready_after_s = wait_ready(self.url, self.timeout_s, self._alive,
-                                            self.role.log_path if self.role else None)
+            waited = wait_ready(self.url, self.timeout_s, self._alive, self.role.log_path if self.role else None)
+            self.ready_at, self.ready_after_s = time.time(), waited
         except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): the launcher raises it
             self.error = e
