@@ -124,10 +124,13 @@ async def _answers(session, url: str) -> bool:
         return False
 
 
-async def _join_when_ready(session, server, poll_s: float) -> None:
+async def _join_when_ready(session, pool, server, poll_s: float) -> None:
     while not await _answers(session, server.url):
         await asyncio.sleep(poll_s)
     server.healthy = True
+    recovered = getattr(pool, "_recovered", None)  # wakes requests waiting while no server was in rotation
+    if recovered is not None:
+        recovered.set()
     log.info("server %s ready: joins the rotation", server.url)
 
 
@@ -158,6 +161,6 @@ async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: floa
     for server in late:
         server.healthy = False
     for server in late:
-        task = asyncio.get_running_loop().create_task(_join_when_ready(session, server, max(poll_s, 0.5)))
+        task = asyncio.get_running_loop().create_task(_join_when_ready(session, pool, server, max(poll_s, 0.5)))
         _JOINING.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_JOINING.discard)
