@@ -66,7 +66,7 @@ def test_first_unit_lands_within_seconds_of_a_slow_server_becoming_ready(tmp_pat
 
     # the log says so, in phases measured by the actors themselves
     launch_log = run.role_log("launch").read_text()
-    assert "start-up: server ready +" in launch_log and "first unit in a shard +" in launch_log, launch_log
+    assert "start-up: server ready " in launch_log and "first unit in a shard +" in launch_log, launch_log
     from pipegen.observe.stats import latest_stats
 
     phases = startup_phases(latest_stats(run.stats), run.read_launch().started)
@@ -75,7 +75,7 @@ def test_first_unit_lands_within_seconds_of_a_slow_server_becoming_ready(tmp_pat
     assert phases.unit_after_server_s < 5
     status = subprocess.run([sys.executable, "-m", "pipegen.status", str(out)], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
-    assert "start-up   server ready +" in status.stdout, status.stdout
+    assert "start-up   server ready " in status.stdout and "after server ready" in status.stdout, status.stdout
 
 
 def test_a_normal_run_logs_its_start_up_and_stops_its_servers_without_calling_it_a_crash(tmp_path: Path,

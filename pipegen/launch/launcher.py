@@ -208,14 +208,14 @@ class Launcher:
                                                         f"output_dir={self.run.root}", f"rank={rank}",
                                                         f"num_actors={world_actors}"]))
 
-    def run_roles(self, plan, total: int) -> int:
-        """Start the writer (it needs the unit manifest) and supervise the run to its end."""
-        writer = None
-        if plan.runs_writer and self.cfg.generation.run_writer:
-            writer = self._role("writer", [sys.executable, "-m", "pipegen.writer", f"output_dir={self.run.root}"])
-            writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
-            self.sup.start(writer)
-        return self.supervise(writer, total)
+    def start_writer(self, plan) -> Role | None:
+        """Start the writer (rank 0 only): it imports verl, then waits for the unit manifest."""
+        if not (plan.runs_writer and self.cfg.generation.run_writer):
+            return None
+        writer = self._role("writer", [sys.executable, "-m", "pipegen.writer", f"output_dir={self.run.root}"])
+        writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
+        self.sup.start(writer)
+        return writer
 
     def supervise(self, writer: Role | None, total: int) -> int:
         """Wait for the run to end while showing it: the progress bar (off with
@@ -374,15 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     started = time.monotonic()
     try:
-        # Servers first: they take longest (SGLang ~100 s). Then the actors, which import verl (~6-17 s)
-        # while the servers load and the dataset is read here; then the writer, which needs the manifest.
+        # Servers first: they take longest (SGLang ~100 s). Then the actors and the writer, which import
+        # verl (~6-17 s) while the servers load and the dataset is read here, then wait for the manifest.
         launcher.start_servers(plan)
         launcher.start_actors(plan)
+        writer = launcher.start_writer(plan)
         if not run.units_file.exists():
             log.info("reading the dataset %s", cfg.data.train_files)
             rows = build_manifest(cfg, run)
             log.info("%d prompts x %d samples = %d units", rows, n, rows * n)
-        launcher.run_roles(plan, run.total_units(n))
+        launcher.supervise(writer, run.total_units(n))
     except KeyboardInterrupt:
         print("\npipegen: interrupted; stopping every process. Run the same command to resume.", file=sys.stderr)
         launcher.stop()

@@ -265,7 +265,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
+    from pipegen.actor.startup import ACTOR_IMPORTS, import_then_wait_for_manifest
+
     try:
+        import_then_wait_for_manifest(run, ACTOR_IMPORTS)  # verl first; the launcher may still read the dataset
         return uvloop.run(Writer(cfg, run).main())
     finally:
         lock.release()
