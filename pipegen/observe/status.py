@@ -27,6 +27,7 @@ import orjson
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.observe.progress import snapshot
+from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import (aggregate, across_processes, history_rates, human_rate, line_alive, pid_alive,
                                    stats_history)
 
@@ -64,6 +65,7 @@ class RunStatus:
     logs: str
     logs_files: list[dict[str, Any]] = field(default_factory=list)
     servers: list[dict[str, Any]] = field(default_factory=list)  # {"url", "answering"}
+    startup: dict[str, Any] | None = None  # this launch's start-up phases (pipegen/observe/startup.py)
 
 
 class NotARun(Exception):
@@ -201,8 +203,10 @@ def gather(run: RunDir) -> RunStatus:
     servers: list[dict[str, Any]] = []
     for url in run.read_launch().servers[:16]:
         servers.append({"url": url, "answering": _answers(url) if state != "finished" else None})
+    phases = startup_phases(snap.roles, run.read_launch().started)
     return RunStatus(str(run.root), state, hint, progress, rates, snap.metrics, roles, lock,
-                     dict(snap.failed_units), str(run.logs), logs, servers)
+                     dict(snap.failed_units), str(run.logs), logs, servers,
+                     {**phases.as_dict(), "text": phases.render()} if phases else None)
 
 
 def _answers(url: str, timeout_s: float = 0.3) -> bool | None:
@@ -274,6 +278,8 @@ def render(st: RunStatus) -> str:
         out.append(f"  writer     duplicates dropped {m.get('writer/duplicates', 0)} | torn lines skipped "
                    f"{m.get('writer/torn_lines', 0)} | buffered {m.get('writer/buffered', 0)} | "
                    f"unknown units {m.get('writer/unknown_units', 0)}")
+    if st.startup:
+        out.append("  start-up   " + st.startup["text"] + "  (seconds since the launch started)")
     out.append("  processes  (pid from each role's latest stats line)")
     for role in st.roles:
         if role.pid is None:

@@ -362,10 +362,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
-    writer = Writer(cfg, run)
+    from pipegen.actor.startup import ACTOR_IMPORTS, import_then_wait_for_manifest
+
+    writer = None
     try:
+        import_then_wait_for_manifest(run, ACTOR_IMPORTS)  # verl first; the launcher may still read the dataset
+        writer = Writer(cfg, run)
         return uvloop.run(writer.main())
     finally:
-        writer.committer.close()
+        if writer is not None:
+            writer.committer.close()
         lock.release()
 

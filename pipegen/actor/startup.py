@@ -1,0 +1,171 @@
+"""An actor's start-up: when it became ready, when a server first answered, when its first request went
+out and its first unit reached a shard; and the wait for the first server.
+
+The launcher starts actors right after the servers, so an actor's own start-up (almost all of it
+importing verl, torch and transformers: ~6 s on an idle 2-core CPU box, ~17 s on a GPU box) overlaps
+the servers' load and the launcher's read of the dataset (the actor waits for the unit manifest only
+after its imports). An actor then polls every server's `/health_generate` and starts sending the moment
+one answers 200; servers that come up later join the rotation as they answer.
+
+Owns: the actor's start-up clock (wall-clock times, written into its stats lines under `startup/...`,
+the names pipegen/observe/startup.py reads), the wait for the manifest and for the first server, and
+keeping servers that are still loading out of the client's rotation until they answer.
+Must never: send a /generate request, or give up on a server that is still loading (only the launcher's
+`llm.ready_timeout_s` decides that).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipegen.observe.startup import ACTOR_PHASES
+from pipegen.run.layout import RunDir
+
+log = logging.getLogger("pipegen.actor")
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock): from /proc on Linux, else now (this module loads early)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, in ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+PROCESS_STARTED = process_start_time()
+
+_JOINING: set[asyncio.Task] = set()
+HEALTH_POLL_S = 0.2  # how often an actor asks the servers whether they are ready; costs nothing measurable
+
+
+@dataclass
+class StartupClock:
+    """Wall-clock times (time.time()) of an actor's start-up phases; None until reached."""
+
+    process_started: float = PROCESS_STARTED
+    times: dict[str, float] = field(default_factory=dict)
+    server_answered_first_poll: bool = False  # True: the server was up before this actor (the actor was the wait)
+
+    def mark(self, phase: str) -> float:
+        """Record `phase` now (the first time only); returns its time."""
+        assert phase in ACTOR_PHASES, phase
+        return self.times.setdefault(phase, time.time())
+
+    def since(self, phase: str, start: str | None = None) -> float:
+        """Seconds from `start` (the process start when None) to `phase`."""
+        origin = self.process_started if start is None else self.times[start]
+        return self.times[phase] - origin
+
+    def as_stats(self) -> dict[str, Any]:
+        return {"startup/process_started": self.process_started,
+                "startup/server_answered_first_poll": self.server_answered_first_poll,
+                **{f"startup/{phase}": self.times.get(phase) for phase in ACTOR_PHASES}}
+
+    def trace_config(self):
+        """An aiohttp TraceConfig that marks `first_request` when the first /generate request starts."""
+        import aiohttp
+
+        async def on_request_start(_session, _ctx, params) -> None:
+            if "first_request" not in self.times and params.url.path.endswith("/generate"):
+                self.mark("first_request")
+
+        trace = aiohttp.TraceConfig()
+        trace.on_request_start.append(on_request_start)
+        return trace
+
+    def unit_written(self) -> None:
+        if "first_unit" not in self.times:
+            self.mark("first_unit")
+            log.info("first unit in a shard %.2fs after a server was ready (first request %.2fs after it)",
+                     self.since("first_unit", "server_ready"),
+                     self.since("first_request", "server_ready") if "first_request" in self.times else float("nan"))
+
+
+MANIFEST_WAIT_S = 1800.0  # as long as the slowest dataset read a launcher may do; a hand-started actor gets a clear exit
+
+
+# What building an actor imports: nearly all of its start-up (verl's agent loop pulls in torch and ray).
+ACTOR_IMPORTS = ("transformers", "verl.experimental.agent_loop.agent_loop", "verl.tools.tool_registry",
+                 "verl.utils.dataset.rl_dataset")
+
+
+def import_then_wait_for_manifest(run: RunDir, modules: tuple[str, ...] = ACTOR_IMPORTS,
+                                  timeout_s: float = MANIFEST_WAIT_S) -> None:
+    """Import `modules` (what the process needs: the slow part of its start-up), then wait until the
+    launcher has written the unit manifest: it reads the dataset meanwhile. The writer uses it too."""
+    import importlib
+
+    for module in modules:
+        importlib.import_module(module)
+    started = time.monotonic()
+    if not run.units_file.exists():
+        log.info("imports done; waiting for the launcher to write %s", run.units_file)
+    while not run.units_file.exists():
+        if time.monotonic() - started > timeout_s:
+            raise SystemExit(f"no unit manifest {run.units_file} after {timeout_s:.0f}s; it is written by "
+                             f"python -m pipegen.launch output_dir={run.root}, which starts actors and writer")
+        time.sleep(0.05)
+
+
+async def _answers(session, url: str) -> bool:
+    """GET /health_generate answered 200 (refused connections, 503 and timeouts mean "still loading")."""
+    import aiohttp
+
+    try:
+        # /health_generate runs one token through the engine: give it time under load
+        async with session.get(f"{url}/health_generate", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            await resp.read()
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
+async def _join_when_ready(session, pool, server, poll_s: float) -> None:
+    while not await _answers(session, server.url):
+        await asyncio.sleep(poll_s)
+    server.healthy = True
+    recovered = getattr(pool, "_recovered", None)  # wakes requests waiting while no server was in rotation
+    if recovered is not None:
+        recovered.set()
+    log.info("server %s ready: joins the rotation", server.url)
+
+
+async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: float = HEALTH_POLL_S) -> None:
+    """Poll every server of `pool` (the actor's client.ServerPool) until one answers /health_generate; mark
+    `server_ready`. Servers still loading then stay out of rotation until they answer (so no unit is
+    retried against a server that is not up yet); background tasks bring them in as they answer.
+
+    There is no deadline here: the launcher stops the run when a server misses `llm.ready_timeout_s` or dies.
+    """
+    started = time.monotonic()
+    waiting_logged = False
+    clock.server_answered_first_poll = True
+    while True:
+        results = await asyncio.gather(*(_answers(session, s.url) for s in pool.servers))
+        if any(results):
+            break
+        clock.server_answered_first_poll = False
+        if not waiting_logged:
+            log.info("waiting for a server to answer /health_generate (%s)", ", ".join(s.url for s in pool.servers))
+            waiting_logged = True
+        await asyncio.sleep(poll_s)
+    clock.mark("server_ready")
+    late = [s for s, ok in zip(pool.servers, results) if not ok]
+    log.info("server %s ready after waiting %.1fs (%d of %d answering); sending requests",
+             next(s.url for s, ok in zip(pool.servers, results) if ok), time.monotonic() - started,
+             len(pool.servers) - len(late), len(pool.servers))
+    for server in late:
+        server.healthy = False
+    for server in late:
+        task = asyncio.get_running_loop().create_task(_join_when_ready(session, pool, server, max(poll_s, 0.5)))
+        _JOINING.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(_JOINING.discard)

@@ -1,0 +1,139 @@
+"""The GPU install path, proven on a CPU machine: `./launch.sh` on a machine whose nvidia-smi reports a GPU
+puts SGLang into its own virtualenv (from requirements/sglang-server.txt) and hands its python to the
+launcher; that file's pins resolve with pip against the package index; the server is started by that
+python; the GPU benchmark is skipped cleanly without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+SERVER_REQUIREMENTS = REPO / "requirements" / "sglang-server.txt"
+
+
+def dry_run_setup(tmp_path: Path, nvidia_smi: str | None, *args: str) -> list[list[str]]:
+    """`./launch.sh ARGS` with PIPEGEN_SETUP_DRY_RUN=1 and a fake nvidia-smi (None: none on PATH):
+    the commands it would run, each split back into its argv."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.unlink(missing_ok=True)
+    if nvidia_smi is not None:
+        smi.write_text(f"#!/bin/sh\n{nvidia_smi}\n")
+        smi.chmod(0o755)
+    # PATH: the fake first; then only the folders holding bash's helpers and python3, never a real nvidia-smi
+    path = [str(bin_dir)] + [p for p in os.environ["PATH"].split(os.pathsep)
+                             if p and not (Path(p) / "nvidia-smi").exists()]
+    env = {**os.environ, "PATH": os.pathsep.join(path), "PIPEGEN_SETUP_DRY_RUN": "1",
+           "PIPEGEN_VENV": str(tmp_path / "venvs" / ".venv")}
+    env.pop("PIPEGEN_SGLANG_VENV", None)
+    result = subprocess.run(["bash", str(REPO / "launch.sh"), *args], capture_output=True, text=True, env=env,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "venvs").exists(), "a dry run must not create anything"
+    return [shlex.split(line[2:]) for line in result.stdout.splitlines() if line.startswith("+ ")]
+
+
+def test_launch_sh_takes_the_gpu_path_where_nvidia_smi_reports_a_gpu(tmp_path: Path) -> None:
+    venvs = tmp_path / "venvs"
+    gpu = dry_run_setup(tmp_path, 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-00000000)"',
+                        "output_dir=runs/x", "llm=sglang")
+    server_python = str(venvs / ".venv-sglang" / "bin" / "python")
+    assert ["python3", "-m", "venv", str(venvs / ".venv-sglang")] in gpu
+    server_install = [c for c in gpu if c[0] == server_python]
+    assert server_install == [[server_python, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+                               "-r", str(SERVER_REQUIREMENTS)]]
+    main_python = str(venvs / ".venv" / "bin" / "python")
+    main_installs = [c for c in gpu if c[0] == main_python and "pip" in c]
+    assert [c for c in main_installs if f"{REPO}[test]" in c], main_installs  # pipegen itself, no sglang extra
+    assert not any(a.startswith("torch==") for c in main_installs for a in c)  # the CUDA torch, not the CPU pin
+    # the launcher is handed the server environment's python (conf/llm/sglang.yaml: llm.python)
+    assert ["export", f"PIPEGEN_SGLANG_PYTHON={server_python}"] in gpu
+    assert gpu[-1] == ["exec", main_python, "-m", "pipegen.launch", "output_dir=runs/x", "llm=sglang"]
+
+    for no_gpu in (None, "exit 9"):  # no nvidia-smi, or one that finds no GPU (a driver without a device)
+        cpu = dry_run_setup(tmp_path, no_gpu, "--setup")
+        assert not any(".venv-sglang" in a for c in cpu for a in c), cpu
+        assert [main_python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "torch==2.13.0"] in cpu
+
+
+def test_the_server_environment_pins_what_verl_expects() -> None:
+    """requirements/sglang-server.txt names the SGLang version verl 0.9.1's own `sglang` extra names."""
+    from importlib.metadata import requires
+
+    verl_sglang = [r.split(";")[0].strip() for r in requires("verl") or [] if r.startswith("sglang==")]
+    pins = [line.strip() for line in SERVER_REQUIREMENTS.read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert verl_sglang and verl_sglang[0] in pins, (verl_sglang, pins)
+
+
+def pypi_reachable() -> bool:
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+# Linux x86_64 wheel tags of a current GPU machine (glibc 2.34+); pip needs each manylinux level spelled out.
+PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(5, 36)] + [
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
+
+
+@pytest.mark.slow  # pip resolves ~200 packages against PyPI, reading each wheel's metadata by HTTP range requests (~4 min)
+@pytest.mark.timeout(1500)  # network-bound and sequential in pip: the suite's 300 s default is too short for it
+@pytest.mark.skipif(not pypi_reachable(), reason="needs the package index (pypi.org) to resolve the SGLang server's pins")
+def test_sglang_server_requirements_resolve_against_the_index(tmp_path: Path) -> None:
+    """pip's own resolver, in dry-run/report mode, for a Python 3.12 Linux GPU machine: the server
+    environment's pins resolve. `fast-deps` reads each wheel's metadata with HTTP range requests, so no
+    CUDA wheel is downloaded (the index here serves no PEP 658 metadata files)."""
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
+           "--use-feature=fast-deps", "--report", str(report), "--target", str(tmp_path / "never-written"),
+           "--index-url", "https://pypi.org/simple", "--only-binary=:all:", "--implementation", "cp",
+           "--python-version", "3.12", *[a for p in PLATFORMS for a in ("--platform", p)],
+           "--cache-dir", str(tmp_path / "pip-cache"), "-r", str(SERVER_REQUIREMENTS)]
+    started = time.monotonic()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    took = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-4000:]
+    installs = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    print(f"resolved {len(installs)} packages in {took:.0f}s: sglang {installs.get('sglang')}, "
+          f"torch {installs.get('torch')}, transformers {installs.get('transformers')}")
+    assert installs["sglang"] == "0.5.12"
+    assert "torch" in installs and "transformers" in installs
+    assert not (tmp_path / "never-written").exists()
+    cache = sum(f.stat().st_size for f in (tmp_path / "pip-cache").rglob("*") if f.is_file())
+    assert cache < 200 << 20, f"pip downloaded {cache >> 20} MiB: CUDA wheels were fetched whole"
+
+
+def test_sglang_servers_run_with_the_server_environments_python(tmp_path: Path) -> None:
+    from pipegen.launch.servers import check_sglang_python, sglang_server_command
+    from pipegen.launch.world import ServerPlan
+
+    plan = ServerPlan("server_0", "127.0.0.1", 30000, (0, 1))
+    argv, env = sglang_server_command(plan, "/models/m", {"python": "/opt/sglang/bin/python", "tp": 2}, 0)
+    assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"] and env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert sglang_server_command(plan, "/models/m", {"python": None}, 0)[0][0] == sys.executable
+    # a python without SGLang: one line naming both fixes
+    problem = check_sglang_python(sys.executable)
+    assert problem is not None and "llm.python" in problem and "launch.sh" in problem and "\n" not in problem
+
+
+def test_gpu_benchmark_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "pipegen.bench", "--only", "gpu", "--out", str(tmp_path / "bench.md")],
+                            cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "gpu: skipped: no GPU" in result.stdout, result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
