@@ -250,7 +250,7 @@ def report(run: RunDir, n: int) -> int:
                     f"{human_rate(launch['throughput/units_per_s_launch_avg'], 'samples')})")
         print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
         if snap.merged:
-            print(f"  trajectories: {run.trajectories}")
+            print(f"  trajectories: {run.merged_output() or run.trajectories}")
             print(f"  artifact:     {run.artifact}")
         else:
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             return fail(str(e))
         log.info("%d prompts x %d samples = %d units", rows, n, rows * n)
-    if ckpt.complete and not ckpt.failed and run.trajectories.exists() == bool(cfg.generation.final_merge):
+    if ckpt.complete and not ckpt.failed and (run.merged_output() is not None) == bool(cfg.generation.final_merge):
         print(f"pipegen: {run.root} is already complete.")
         return report(run, n)
 
