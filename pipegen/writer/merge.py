@@ -210,7 +210,12 @@ def merge_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
         from pipegen.export.writers import export_plan
 
         started = time.monotonic()
-        export_plan(cfg, plan, run.export_file(str(fmt)), str(fmt))
+        try:
+            export_plan(cfg, plan, run.export_file(str(fmt)), str(fmt))
+        except Exception as exc:  # the merged output is complete: report, never fail the run over the export
+            log.error("export to %s failed (%s); retry with: python -m pipegen.export %s --format %s",
+                      run.export_file(str(fmt)), exc, run.root, fmt)
+            return
         log.info("exported %d rows to %s in %.1fs", plan.num_rows, run.export_file(str(fmt)),
                  time.monotonic() - started)
 
