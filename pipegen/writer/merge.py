@@ -24,6 +24,7 @@ import shutil
 import time
 import zipfile
 from collections import OrderedDict
+from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional, Sequence
@@ -134,12 +135,9 @@ class MergePlan:
             self._cache.popitem(last=False)
         return part
 
-    def rows(self, lo: int, hi: int) -> Any:
-        """Sorted output rows [lo, hi) as one DataProto in verl's layout (int64 token tensors)."""
-        from verl import DataProto
-
-        n = hi - lo
-        tensors = {k: torch.empty((n, *shape), dtype=dtype) for k, (dtype, shape) in self.tensor_specs.items()}
+    def _tensors(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """Sorted rows [lo, hi) of every tensor, int64 token tensors, read from the batches that hold them."""
+        tensors = {k: torch.empty((hi - lo, *shape), dtype=dtype) for k, (dtype, shape) in self.tensor_specs.items()}
         for i, dest in enumerate(self.dest):
             hit = np.nonzero((dest >= lo) & (dest < hi))[0]
             if not len(hit):
@@ -147,16 +145,28 @@ class MergePlan:
             part, at, src = self._batch(i), torch.from_numpy(dest[hit] - lo), torch.from_numpy(hit)
             for k, out in tensors.items():
                 out[at] = part.batch[k][src].to(out.dtype)
-        meta = dict(self.meta)
-        metrics = self.metrics[lo:hi]
-        if metrics and "prompts" in tensors:
+        return tensors
+
+    def run_meta(self) -> dict[str, Any]:
+        """meta_info of every output piece: the run's (so sharded parts concatenate with DataProto.concat)."""
+        if "timing" not in self.meta and self.metrics and "prompts" in self.tensor_specs:
             from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
-            meta["timing"] = AgentLoopManager._performance_metrics(None, [metrics], _Shape(tensors))
-        if self.reward_keys is not None and "rm_scores" in tensors:
+            # verl reads the prompt width and the slowest row's attention mask: one row, fetched when asked.
+            shim = _Shape({"prompts": torch.empty((0, *self.tensor_specs["prompts"][1])),
+                           "attention_mask": _LazyRow(self)})
+            self.meta["timing"] = AgentLoopManager._performance_metrics(None, [self.metrics], shim)
+        meta = dict(self.meta)
+        if self.reward_keys is not None and "rm_scores" in self.tensor_specs:
             meta["reward_extra_keys"] = self.reward_keys
-        return DataProto.from_dict(tensors=tensors, non_tensors={k: v[lo:hi] for k, v in self.non_tensor.items()},
-                                   meta_info=meta)
+        return meta
+
+    def rows(self, lo: int, hi: int) -> Any:
+        """Sorted output rows [lo, hi) as one DataProto in verl's layout (int64 token tensors)."""
+        from verl import DataProto
+
+        return DataProto.from_dict(tensors=self._tensors(lo, hi), meta_info=self.run_meta(),
+                                   non_tensors={k: v[lo:hi] for k, v in self.non_tensor.items()})
 
     def pieces(self, rows: int) -> Iterator[tuple[int, int, Any]]:
         """(lo, hi, DataProto) for consecutive ranges of at most ``rows`` sorted rows."""
@@ -171,6 +181,16 @@ class _Shape:
     """What verl's `_performance_metrics` reads of an output: `.batch`."""
 
     batch: dict
+
+
+@dataclass
+class _LazyRow:
+    """`attention_mask[i]` of the sorted output, read on demand."""
+
+    plan: MergePlan
+
+    def __getitem__(self, i: Any) -> torch.Tensor:
+        return self.plan._tensors(int(i), int(i) + 1)["attention_mask"][0]
 
 
 def output_meta(cfg: DictConfig) -> dict[str, Any]:
@@ -200,7 +220,7 @@ def merge_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
             shutil.rmtree(run.output_shards)
         merged = plan.rows(0, plan.num_rows)
         plan._cache.clear()
-        atomic_write(run.trajectories, lambda f: save_dataproto(merged, f))
+        atomic_write(run.trajectories, partial(save_dataproto, merged))
         del merged
         target = run.trajectories
     write_artifact(cfg, run)
@@ -228,14 +248,15 @@ def write_shards(plan: MergePlan, run: RunDir, shard_rows: int) -> None:
     shards = []
     for number, (lo, hi, piece) in enumerate(plan.pieces(shard_rows)):
         path = run.output_shard(number)
-        atomic_write(path, lambda f: save_dataproto(piece, f))
+        atomic_write(path, partial(save_dataproto, piece))
         nt = piece.non_tensor_batch
         shards.append({"file": path.name, "rows": hi - lo, "first_row": lo,
                        "first": [int(nt[k][0]) for k in ROW_ORDER], "last": [int(nt[k][-1]) for k in ROW_ORDER]})
         del piece
-    index = {"format": INDEX_FORMAT, "rows": plan.num_rows, "order": list(ROW_ORDER), "meta_info": plan.meta,
+    index = {"format": INDEX_FORMAT, "rows": plan.num_rows, "order": list(ROW_ORDER), "meta_info": plan.run_meta(),
              "shards": shards}
-    atomic_write_bytes(run.output_index, orjson.dumps(index, option=orjson.OPT_INDENT_2))
+    atomic_write_bytes(run.output_index, orjson.dumps(index, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY,
+                                                      default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
 def read_index(run: RunDir) -> dict[str, Any]:
