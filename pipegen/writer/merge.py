@@ -142,9 +142,15 @@ class MergePlan:
             hit = np.nonzero((dest >= lo) & (dest < hi))[0]
             if not len(hit):
                 continue
-            part, at, src = self._batch(i), torch.from_numpy(dest[hit] - lo), torch.from_numpy(hit)
+            part, at = self._batch(i), dest[hit] - lo
+            if hit[-1] - hit[0] + 1 == len(hit) and at[-1] - at[0] + 1 == len(at) and (np.diff(at) == 1).all():
+                # the usual case (the writer commits in order): one slice copy per tensor
+                for k, out in tensors.items():
+                    out[at[0]:at[-1] + 1].copy_(part.batch[k][hit[0]:hit[-1] + 1])
+                continue
+            at_t, src = torch.from_numpy(at), torch.from_numpy(hit)
             for k, out in tensors.items():
-                out[at] = part.batch[k][src].to(out.dtype)
+                out[at_t] = part.batch[k][src].to(out.dtype)
         return tensors
 
     def run_meta(self) -> dict[str, Any]:
