@@ -71,8 +71,11 @@ def child(what: str, root: str) -> dict:
     run = RunDir(Path(root))
     cfg = load_run_config(run)
     ckpt = load_checkpoint(run.checkpoint)
-    import pyarrow.parquet  # noqa: F401  - imports stay out of the peak
-    from verl import DataProto  # noqa: F401
+    import importlib
+
+    for module in ("pyarrow.parquet", "verl", "verl.experimental.agent_loop.agent_loop"):
+        importlib.import_module(module)  # imports stay out of the peak
+    from verl import DataProto
 
     base = current_rss()
     t0 = time.perf_counter()
