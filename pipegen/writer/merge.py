@@ -80,6 +80,9 @@ class MergePlan:
     batch_reads: int = 0
     _cache: OrderedDict = field(default_factory=OrderedDict)
 
+    def __post_init__(self) -> None:
+        self._span = [(int(d.min()), int(d.max())) if len(d) else (0, -1) for d in self.dest]
+
     @property
     def num_rows(self) -> int:
         return sum(len(d) for d in self.dest)
@@ -139,6 +142,8 @@ class MergePlan:
         """Sorted rows [lo, hi) of every tensor, int64 token tensors, read from the batches that hold them."""
         tensors = {k: torch.empty((hi - lo, *shape), dtype=dtype) for k, (dtype, shape) in self.tensor_specs.items()}
         for i, dest in enumerate(self.dest):
+            if not len(dest) or self._span[i][0] >= hi or self._span[i][1] < lo:
+                continue  # no row of this batch in [lo, hi)
             hit = np.nonzero((dest >= lo) & (dest < hi))[0]
             if not len(hit):
                 continue
