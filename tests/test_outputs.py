@@ -3,6 +3,7 @@ of the single merged trajectories.pkl, in order, once each."""
 
 from __future__ import annotations
 
+import pickle
 import shutil
 
 import numpy as np
@@ -11,8 +12,6 @@ import orjson
 import torch
 
 from conftest import FAKE_ENGINE, FAST, launch
-
-pytestmark = pytest.mark.slow  # one whole-pipeline launch + the three Parquet loaders: 60 s on the shared 2-core box
 from test_verl_parity import _plain
 
 
@@ -33,6 +32,7 @@ def _single_merge(run_dir):
     return DataProto.load_from_disk(str(run.trajectories))
 
 
+@pytest.mark.slow  # one whole-pipeline launch + the three Parquet loaders: 60 s on the shared 2-core box
 def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
     from verl import DataProto
 
@@ -106,3 +106,44 @@ def _assert_rows_equal(rows: list[dict], ref) -> None:
         assert row["raw_prompt"] == _plain(nt["raw_prompt"][i])
         assert row["finish_reason"] == ("stop" if int(response[-1]) in (2000, 2002) else "length")
         assert isinstance(row["response_text"], str) and row["response_text"]
+
+
+def test_merge_sorts_batches_committed_out_of_order(tmp_path):
+    """Batches whose rows interleave (several actors, retries): single file, parts and export agree, sorted."""
+    import asyncio
+
+    import pyarrow.parquet as pq
+    from verl import DataProto
+
+    from pipegen.actor.dataset import load_tokenizer
+    from pipegen.bench import common as c
+    from pipegen.export.writers import export_plan
+    from pipegen.run.atomic import atomic_write_bytes
+    from pipegen.run.checkpoint import Checkpoint
+    from pipegen.writer.batches import BatchBuilder, to_storage
+    from pipegen.writer.merge import MergePlan, output_meta, save_dataproto, write_shards
+
+    cfg, run = c.prepare_run(tmp_path / "run", "n=2", "max_samples=8", "max_response_length=16")
+    records = c.RecordFactory(cfg).records(16, 16)
+    builder = BatchBuilder(cfg, load_tokenizer(cfg))
+    ckpt = Checkpoint()
+    for number, chunk in enumerate([records[1::3], records[0::3], records[2::3]]):  # interleaved, out of order
+        batch = to_storage(asyncio.run(builder.build(chunk)), True)
+        atomic_write_bytes(run.batch_file(number), pickle.dumps(batch))
+        ckpt.batches.add(len(batch), len(batch))
+    plan = MergePlan.scan([run.batch_file(i) for i in ckpt.batches.numbers()], output_meta(cfg))
+    with open(run.trajectories, "wb") as f:
+        save_dataproto(plan.rows(0, plan.num_rows), f)
+    single = DataProto.load_from_disk(str(run.trajectories))
+    keys = list(zip(single.non_tensor_batch["index"], single.non_tensor_batch["sample"]))
+    assert keys == sorted(keys) and len(set(keys)) == 16 and single.meta_info["temperature"] == 1.0
+    assert single.batch["input_ids"].dtype == torch.int64
+    write_shards(plan, run, 5)
+    from pipegen.writer.merge import load_shards
+
+    parts = DataProto.concat(list(load_shards(run)))
+    for key in single.batch.keys():
+        assert torch.equal(parts.batch[key], single.batch[key]), key
+    export_plan(cfg, plan, run.export_file("parquet"), "parquet", row_group_rows=3)
+    _assert_rows_equal(pq.read_table(run.export_file("parquet")).to_pylist(), single)
+    assert pq.ParquetFile(run.export_file("parquet")).metadata.num_row_groups == 6
