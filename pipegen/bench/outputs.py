@@ -27,7 +27,7 @@ from pipegen.bench import common as c
 
 KEY = "outputs"
 TITLE = "7. Outputs: merge peak memory ÷ output size; Parquet export rate"
-ROWS = {"quick": 2048, "full": 20480}
+ROWS = {"quick": 1024, "full": 20480}
 BATCH = 64
 TOKENS = 1024
 
