@@ -599,7 +599,7 @@ def test_hf_matches_transformers_and_batching_changes_nothing(hf: Server, tiny_m
     lp = torch.log_softmax(logits, -1)
     want = [lp[len(PROMPT) - 1 + i, t].item() for i, t in enumerate(alone[0]["output_ids"])]
     got = [x[0] for x in alone[0]["meta_info"]["output_token_logprobs"]]
-    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-3  # raw-logit log_softmax of the chosen token
+    assert max(abs(a - b) for a, b in zip(want, got)) < 1e-3  # greedy: the unscaled log_softmax (SGLang)
     # Prompt logprobs (logprob_start_len = 0): the first entry is null, then log p(token | prefix).
     out = gen(hf, {**_greedy(PROMPT, 1), "logprob_start_len": 0})
     ilp = out["meta_info"]["input_token_logprobs"]
@@ -650,3 +650,27 @@ def test_hf_sampling_seed_stop_ids_phantom_and_abort(hf: Server) -> None:
     out = box["result"]
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < len(out["output_ids"]) < 4000
+
+
+def test_hf_logprobs_are_sglangs_temperature_scaled_ones(hf: Server, tiny_model: str) -> None:
+    """SGLang 0.5.12: log_softmax((logits after penalties) / temperature); top-k/top-p shape the draw only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    for extra in ({"top_k": 5, "top_p": 0.9}, {"frequency_penalty": 0.5}):
+        sp = {"max_new_tokens": 10, "temperature": 0.7, "sampling_seed": 3, "ignore_eos": True, **extra}
+        out = gen(hf, {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 3, "sampling_params": sp})
+        ids = out["output_ids"]
+        with torch.inference_mode():
+            logits = model(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1:-1].float()
+        counts = torch.zeros_like(logits)
+        for i in range(1, len(ids)):  # the penalty at step i counts the tokens generated before it
+            counts[i] = counts[i - 1]
+            counts[i, ids[i - 1]] += 1
+        lp = torch.log_softmax((logits - sp.get("frequency_penalty", 0.0) * counts) / 0.7, -1)
+        want = lp[torch.arange(len(ids)), torch.tensor(ids)]
+        got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+        assert (want - got).abs().max() < 1e-3, extra
+        top = torch.tensor([[v for v, _, _ in step] for step in out["meta_info"]["output_top_logprobs"]])
+        assert (top - lp.topk(3, -1).values).abs().max() < 1e-3, extra

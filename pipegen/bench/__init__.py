@@ -14,5 +14,6 @@ SCENARIOS = {
     "occupancy": "pipegen.bench.occupancy",
     "checkpoint": "pipegen.bench.checkpoint_scan",
     "cpu_server": "pipegen.bench.cpu_server",
+    "outputs": "pipegen.bench.outputs",
     "gpu": "pipegen.bench.gpu",
 }

@@ -10,7 +10,8 @@ Owns:
     left padding trimmed), so a short answer never waits for a long one;
   * per-row stop: EOS ids (config.json + generation_config.json, lists allowed) and ``stop_token_ids`` unless
     ``ignore_eos``, per-row max_new_tokens, length checked before stop (SGLang's order); aborts between steps.
-Sampling and logprobs of a row (its own parameters and seeded RNG, raw-logit logprobs) live in ``hf_sampling``.
+Sampling and logprobs of a row (its own parameters and seeded RNG; logprobs after temperature, as SGLang reports
+them) live in ``hf_sampling``.
 Own loop rather than transformers' continuous batching (``generate_batch`` / ``init_continuous_batching``,
 transformers 5.10): that API samples every row with one ``torch.multinomial`` on the global RNG under one
 manager-wide ``do_sample``, so per-request ``sampling_seed`` and mixed greedy/sampled batches cannot be honoured;
@@ -339,17 +340,17 @@ class HFEngine(Engine):
 
     def _advance(self, rows: list[_Row], logits: Any) -> None:
         """Sample one token per row (``logits``: [len(rows), V] float32), record it, check finish."""
-        tokens, lps, raw_lp = sample(logits, [r.req.spec.sampling for r in rows], [r.rng for r in rows],
+        tokens, lps, lp_matrix = sample(logits, [r.req.spec.sampling for r in rows], [r.rng for r in rows],
                                      [r.result.output_ids for r in rows], self.eos_token_ids)
         for i, row in enumerate(rows):
             spec = row.req.spec
             res = row.result
             tok, lp = tokens[i], lps[i]
             if spec.top_logprobs_num > 0:
-                tv, ti = raw_lp[i].topk(spec.top_logprobs_num)
+                tv, ti = lp_matrix[i].topk(spec.top_logprobs_num)
                 res.output_top_logprobs.append(list(zip(tv.tolist(), ti.tolist())))
             if spec.token_ids_logprob is not None:
-                sel = raw_lp[i, list(spec.token_ids_logprob)].tolist()
+                sel = lp_matrix[i, list(spec.token_ids_logprob)].tolist()
                 res.output_token_ids_logprobs.append(list(zip(sel, spec.token_ids_logprob)))
             res.output_logprobs.append(lp)
             res.output_logprob_ids.append(tok)

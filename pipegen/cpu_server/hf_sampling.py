@@ -7,15 +7,21 @@ Owns:
   * ``row_seed`` - the RNG seed of a row with a ``sampling_seed`` (with the sample index), independent of the
     server seed so the same sampling_seed reproduces on any server;
   * ``prompt_logprobs`` - prompt-side logprob lists from a full-logits prefill.
-Logprob convention: the reported logprob of a token is ``log_softmax`` of the raw model logits (before
-temperature, penalties and top-k/top-p filtering). SGLang by default reports the temperature-scaled
-distribution; with temperature 1.0 and no filtering (verl's rollout defaults) the two agree.
+Logprob convention, SGLang 0.5.12's (``srt/layers/sampler.py``, standard path): the reported logprob of an output
+token, and the top-k / token-id lists, come from ``log_softmax((logits after penalties, logit_bias and the
+min_new_tokens mask) / temperature)``, clamped to the float32 minimum instead of -inf. top-k / top-p / min-p
+filtering shapes the draw only, never the reported logprobs. That is what verl's trainer recomputes (HF forward,
+logits / temperature, log_softmax), so ``rollout_log_probs`` and ``old_log_probs`` agree at any temperature. Greedy
+rows (temperature < 1e-6, or top_k = 1) report the unscaled log_softmax, as SGLang's all-greedy path does. With
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` in the server's environment every row reports the unscaled log_softmax, as
+SGLang does. Prompt logprobs are never temperature-scaled (SGLang's ``temp_scaled_logprobs`` is off).
 Must never: import torch at module import time (the server binds its port before torch loads), keep state
 between calls, or draw from a shared RNG.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any, Optional, Sequence
 
@@ -24,6 +30,8 @@ from pipegen.cpu_server.parse import EntrySpec
 from pipegen.cpu_server.sampling_params import SamplingSpec
 
 MASK64 = (1 << 64) - 1
+# Read once at import, like SGLang: report logprobs before temperature scaling.
+RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes", "on")
 
 
 def row_seed(sampling_seed: int, sample_index: int) -> int:
@@ -63,12 +71,10 @@ def _adjust(logits: Any, sp: SamplingSpec, output_ids: list[int], eos_ids: froze
 
 
 def _draw(logits: Any, specs: list[SamplingSpec], u: Any) -> list[int]:
-    """Inverse-CDF draws for sampled rows: ``u`` holds one uniform in [0, 1) per row (float64)."""
+    """Inverse-CDF draws for sampled rows from temperature-scaled ``logits``; ``u``: one uniform in [0, 1) per row."""
     import torch
 
     vocab = logits.shape[-1]
-    temps = torch.tensor([s.temperature for s in specs], dtype=logits.dtype)
-    logits = logits / temps[:, None]
     order = None
     if any((0 < s.top_k < vocab) or s.top_p < 1.0 or s.min_p > 0.0 for s in specs):
         logits, order = logits.sort(dim=-1, descending=True)
@@ -94,12 +100,12 @@ def sample(logits: Any, samplings: Sequence[SamplingSpec], rngs: Sequence[random
            outputs: Sequence[list[int]], eos_ids: frozenset[int]) -> tuple[list[int], list[float], Any]:
     """One token per row of ``logits`` ([B, V] float32) with that row's parameters, RNG and output so far.
 
-    Returns the tokens, their raw-logit logprobs, and the raw ``log_softmax`` matrix (for top-k lists).
+    Returns the tokens, their logprobs and the logprob matrix they come from (for top-k / token-id lists),
+    both in SGLang's convention (module docstring).
     """
     import torch
 
     b = logits.shape[0]
-    raw_lp = torch.log_softmax(logits, dim=-1)
     work = logits
     # Rare per-row adjustments (penalties, bias, min_new_tokens) on a copy.
     adjust = [i for i in range(b) if _needs_adjust(samplings[i], outputs[i])]
@@ -107,6 +113,10 @@ def sample(logits: Any, samplings: Sequence[SamplingSpec], rngs: Sequence[random
         work = logits.clone()
         for i in adjust:
             work[i] = _adjust(work[i], samplings[i], outputs[i], eos_ids)
+    temps = [1.0 if sp.greedy else sp.temperature for sp in samplings]
+    scaled = work if all(t == 1.0 for t in temps) else work / torch.tensor(temps, dtype=work.dtype)[:, None]
+    lp = torch.log_softmax(work if RETURN_ORIGINAL_LOGPROB else scaled, dim=-1)
+    lp.clamp_(min=torch.finfo(lp.dtype).min)  # SGLang clamps -inf (masked tokens) to the dtype's minimum
     tokens = [0] * b
     greedy = [i for i in range(b) if samplings[i].greedy]
     sampled = [i for i in range(b) if not samplings[i].greedy]
@@ -115,10 +125,10 @@ def sample(logits: Any, samplings: Sequence[SamplingSpec], rngs: Sequence[random
             tokens[i] = t
     if sampled:
         u = torch.tensor([rngs[i].random() for i in sampled], dtype=torch.float64)
-        for i, t in zip(sampled, _draw(work[sampled], [samplings[i] for i in sampled], u)):
+        for i, t in zip(sampled, _draw(scaled[sampled], [samplings[i] for i in sampled], u)):
             tokens[i] = t
-    lps = raw_lp[torch.arange(b), torch.tensor(tokens, dtype=torch.long)].tolist()
-    return tokens, lps, raw_lp
+    lps = lp[torch.arange(b), torch.tensor(tokens, dtype=torch.long)].tolist()
+    return tokens, lps, lp
 
 
 def prompt_logprobs(logits: Any, spec: EntrySpec) -> tuple[list[Optional[float]], Optional[list[Optional[TopList]]],

@@ -350,7 +350,7 @@ def report(run: RunDir, n: int) -> int:
             print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
                   f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
         if snap.merged:
-            print(f"  trajectories: {run.trajectories}")
+            print(f"  trajectories: {run.merged_output() or run.trajectories}")
             print(f"  artifact:     {run.artifact}")
         else:
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             return fail(str(e))
     if (run.units_file.exists() and ckpt.complete and not ckpt.failed
-            and run.trajectories.exists() == bool(cfg.generation.final_merge)):
+            and (run.merged_output() is not None) == bool(cfg.generation.final_merge)):
         print(f"pipegen: {run.root} is already complete.")
         return report(run, n)
 

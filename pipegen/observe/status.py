@@ -173,7 +173,7 @@ def gather(run: RunDir) -> RunStatus:
     committed_all = snap.total > 0 and snap.committed >= snap.total
     if snap.complete and committed_all:
         state = "finished"
-        hint = (f"trajectories: {run.trajectories}" if snap.merged
+        hint = (f"trajectories: {run.merged_output() or run.trajectories}" if snap.merged
                 else f"batches: {run.root / BATCH_GLOB} (not merged: generation.final_merge=false)")
     elif anything_alive:
         state = "running"

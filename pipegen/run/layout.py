@@ -13,6 +13,8 @@ DIR/
   checkpoint.json         the writer's commit record (checkpoint.py)
   batch_00000.pkl ...     padded DataProto batches
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
+  trajectories/           the sharded output instead (part_00000.pkl ..., index.json), for runs larger than RAM
+  trajectories.parquet    the export (or trajectories.jsonl), one row per trajectory
 ```
 
 Owns: every path above (no other module joins a name onto the run directory), the run key, and
@@ -164,6 +166,29 @@ class RunDir:
     @property
     def artifact(self) -> Path:
         return self.root / "trajectories.zip"
+
+    @property
+    def output_shards(self) -> Path:
+        """The sharded output's folder (generation.merge_output=sharded)."""
+        return self.root / "trajectories"
+
+    @property
+    def output_index(self) -> Path:
+        return self.output_shards / "index.json"
+
+    def output_shard(self, number: int) -> Path:
+        return self.output_shards / f"part_{number:05d}.pkl"
+
+    def merged_output(self) -> Path | None:
+        """The merged output that exists: trajectories.pkl, or the sharded output's index; None before the merge."""
+        for path in (self.trajectories, self.output_index):
+            if path.exists():
+                return path
+        return None
+
+    def export_file(self, fmt: str) -> Path:
+        """The export in ``fmt`` (parquet or jsonl)."""
+        return self.root / f"trajectories.{fmt}"
 
     @property
     def wandb(self) -> Path:

@@ -1,0 +1,52 @@
+"""`python -m pipegen.export DIR --format parquet|jsonl [--output PATH] [--row-group-rows N]`
+
+Writes DIR/trajectories.parquet (or .jsonl): one row per trajectory, in the merged output's order, from the
+batch files the checkpoint lists. Works on any run with committed batches, finished or not, merged or not.
+Owns: argument parsing and the one-line errors. Must never: touch the run's own files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from pipegen.export.writers import FORMATS, ROW_GROUP_ROWS, export_plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipegen.export",
+                                description="export a pipegen run's trajectories as Parquet or JSON lines")
+    p.add_argument("run_dir", help="the run directory (output_dir of the launch)")
+    p.add_argument("--format", choices=FORMATS, default="parquet")
+    p.add_argument("--output", help="file to write (default: DIR/trajectories.<format>)")
+    p.add_argument("--row-group-rows", type=int, default=ROW_GROUP_ROWS,
+                   help="rows per Parquet row group / per write (bounds memory; default %(default)s)")
+    args = p.parse_args(argv)
+
+    from pipegen.run.checkpoint import load_checkpoint
+    from pipegen.run.config import load_run_config
+    from pipegen.run.layout import RunDir
+    from pipegen.writer.merge import plan_run
+
+    run = RunDir(Path(args.run_dir).expanduser().resolve())
+    if not run.root.is_dir():
+        print(f"pipegen.export: {run.root} does not exist: pass a run directory", file=sys.stderr)
+        return 2
+    cfg = load_run_config(run)
+    ckpt = load_checkpoint(run.checkpoint)
+    if not len(ckpt.batches):
+        print(f"pipegen.export: {run.root} has no committed batches yet: run or resume it first "
+              f"(python -m pipegen.launch output_dir={run.root})", file=sys.stderr)
+        return 2
+    out = Path(args.output) if args.output else run.export_file(args.format)
+    started = time.monotonic()
+    rows = export_plan(cfg, plan_run(cfg, run, ckpt), out, args.format, max(1, args.row_group_rows))
+    took = time.monotonic() - started
+    print(f"pipegen.export: {rows} rows -> {out} ({out.stat().st_size / 2**20:.1f} MiB, {took:.1f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""A run's trajectories as Parquet or JSON lines: one row per trajectory, for SFT and best-of-n without verl.
+
+Columns, in order: index, sample, trajectory, uid, raw_prompt (the chat messages sent), response_text (the response
+tokens decoded with the run's tokenizer, special tokens kept), prompt_ids, response_ids, response_mask,
+rollout_log_probs, reward (the row's summed rm_scores, null when unscored), finish_reason ("stop" when the
+last model token is an EOS id, else "length": verl's rows keep no finish reason, so it is derived), then
+every other field of the row (the dataset row's fields and verl's uid/priority/__num_turns__/...).
+Nested fields keep their structure (Arrow lists and structs) when one Arrow type fits the whole column;
+otherwise they are JSON strings, named in the file's `pipegen.json_columns` metadata.
+
+Owns: the export row, its schema, and writing it in row groups from a `MergePlan` (rows in the merged
+output's order, read batch by batch, so memory is one row group plus a few batch files).
+Must never: write anything but its one output file, or leave it half-written under its final name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import orjson
+import torch
+from omegaconf import DictConfig
+
+from pipegen.run.atomic import atomic_write
+from pipegen.writer.merge import MergePlan
+
+FORMATS = ("parquet", "jsonl")
+ROW_GROUP_ROWS = 1024
+LEADING = ("index", "sample", "trajectory", "uid", "raw_prompt")
+
+
+def plain(value: Any) -> Any:
+    """Python values Arrow and orjson take: numpy arrays and scalars become lists and numbers."""
+    if isinstance(value, np.ndarray):
+        return [plain(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def _writable(t: Any) -> bool:
+    """Parquet cannot store structs without fields or null-typed children."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(t):
+        return t.num_fields > 0 and all(_writable(t.field(i).type) for i in range(t.num_fields))
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _writable(t.value_type)
+    return not pa.types.is_null(t)
+
+
+class RowSchema:
+    """The export's columns and their Arrow types, fixed once from the whole run's non-tensor columns."""
+
+    def __init__(self, plan: MergePlan):
+        import pyarrow as pa
+
+        self.fields = [k for k in LEADING if k in plan.non_tensor] + \
+                      [k for k in plan.non_tensor if k not in LEADING]
+        self.types: dict[str, Any] = {"index": pa.int64(), "sample": pa.int64(), "trajectory": pa.int64(),
+                                      "uid": pa.string()}
+        self.json_columns: list[str] = []
+        for key in self.fields:
+            if key in self.types:
+                continue
+            try:
+                t = pa.array([plain(v) for v in plan.non_tensor[key]]).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
+                t = None
+            if t is not None and pa.types.is_null(t):
+                t = pa.string()  # every value is None: a null string column
+            if t is None or not _writable(t):
+                self.json_columns.append(key)
+                t = pa.string()
+            self.types[key] = t
+        self.has_logprobs = "rollout_log_probs" in plan.tensor_specs
+        self.has_reward = "rm_scores" in plan.tensor_specs
+
+    def arrow(self) -> Any:
+        import pyarrow as pa
+
+        cols = [(k, self.types[k]) for k in self.fields if k in LEADING]
+        cols += [("response_text", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
+                 ("response_ids", pa.list_(pa.int32())), ("response_mask", pa.list_(pa.int8())),
+                 ("rollout_log_probs", pa.list_(pa.float32())), ("reward", pa.float32()),
+                 ("finish_reason", pa.string())]
+        cols += [(k, self.types[k]) for k in self.fields if k not in LEADING]
+        meta = {"pipegen.json_columns": orjson.dumps(self.json_columns)}
+        return pa.schema(cols, metadata=meta)
+
+
+class RowBuilder:
+    """DataProto pieces -> export columns (python lists / numpy per column, shared by both formats)."""
+
+    def __init__(self, cfg: DictConfig, plan: MergePlan):
+        from pipegen.actor.dataset import load_tokenizer
+
+        self.tokenizer = load_tokenizer(cfg)
+        self.eos_ids = _eos_ids(cfg, self.tokenizer)
+        self.schema = RowSchema(plan)
+
+    def columns(self, piece: Any, json_strings: bool = True) -> dict[str, Any]:
+        """Column name -> values for the piece's rows. Token lists are (flat values, offsets) pairs.
+        ``json_strings``: nested fields no Arrow type fits become JSON text (Parquet); JSON lines keep them."""
+        b, nt = piece.batch, piece.non_tensor_batch
+        p = b["prompts"].shape[1]
+        attn = b["attention_mask"].bool()
+        prompt_att, resp_att = attn[:, :p], attn[:, p:]
+        prompt_off = _offsets(prompt_att.sum(1))
+        resp_len = resp_att.sum(1)
+        resp_off = _offsets(resp_len)
+        response_ids = b["responses"][resp_att].to(torch.int32).numpy()
+        mask = b["response_mask"][resp_att].to(torch.int8).numpy()
+        per_row = np.split(response_ids, resp_off[1:-1])
+        out: dict[str, Any] = {}
+        for k in self.schema.fields:
+            if k in LEADING:
+                out[k] = self._values(k, nt[k], json_strings)
+        out["response_text"] = self._decode([r.tolist() for r in per_row])
+        out["prompt_ids"] = (b["prompts"][prompt_att].to(torch.int32).numpy(), prompt_off)
+        out["response_ids"] = (response_ids, resp_off)
+        out["response_mask"] = (mask, resp_off)
+        if self.schema.has_logprobs:
+            out["rollout_log_probs"] = (b["rollout_log_probs"][resp_att].to(torch.float32).numpy(), resp_off)
+        else:
+            out["rollout_log_probs"] = [None] * len(piece)
+        out["reward"] = (b["rm_scores"].sum(-1).to(torch.float32).numpy() if self.schema.has_reward
+                         else [None] * len(piece))
+        out["finish_reason"] = [self._finish(r, m) for r, m in zip(per_row, np.split(mask, resp_off[1:-1]))]
+        for k in self.schema.fields:
+            if k not in LEADING:
+                out[k] = self._values(k, nt[k], json_strings)
+        return out
+
+    def _decode(self, rows: list[list[int]]) -> list[str]:
+        """The tokens as text, special tokens kept; the fast tokenizer's own batch decode when there is one
+        (transformers' wrapper spends most of its time re-checking the ids)."""
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        if backend is not None and hasattr(backend, "decode_batch"):
+            return backend.decode_batch(rows, skip_special_tokens=False)
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+
+    def _values(self, key: str, values: np.ndarray, json_strings: bool) -> list[Any]:
+        if key in ("index", "sample", "trajectory"):
+            return [int(v) for v in values]
+        if json_strings and key in self.schema.json_columns:
+            return [orjson.dumps(plain(v)).decode() for v in values]
+        return [plain(v) for v in values]
+
+    def _finish(self, ids: np.ndarray, mask: np.ndarray) -> str:
+        model = ids[mask.astype(bool)]
+        return "stop" if len(model) and int(model[-1]) in self.eos_ids else "length"
+
+    def table(self, piece: Any) -> Any:
+        import pyarrow as pa
+
+        schema = self.schema.arrow()
+        arrays = []
+        for f, (name, values) in zip(schema, self.columns(piece).items()):
+            assert f.name == name, (f.name, name)
+            if isinstance(values, tuple):
+                flat, off = values
+                arrays.append(pa.ListArray.from_arrays(pa.array(off, pa.int32()), pa.array(flat, f.type.value_type)))
+            else:
+                arrays.append(pa.array(values, f.type))
+        return pa.Table.from_arrays(arrays, schema=schema)
+
+    def json_lines(self, piece: Any) -> bytes:
+        cols = self.columns(piece, json_strings=False)
+        lists = {}
+        for name, values in cols.items():
+            if isinstance(values, tuple):
+                flat, off = values
+                lists[name] = [a.tolist() for a in np.split(flat, off[1:-1])] if len(off) > 1 else []
+            else:
+                lists[name] = values.tolist() if isinstance(values, np.ndarray) else values
+        names = list(lists)
+        return b"".join(orjson.dumps(dict(zip(names, row)), option=orjson.OPT_APPEND_NEWLINE)
+                        for row in zip(*(lists[n] for n in names)))
+
+
+def _offsets(lengths: torch.Tensor) -> np.ndarray:
+    off = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths.numpy(), out=off[1:])
+    return off
+
+
+def _eos_ids(cfg: DictConfig, tokenizer: Any) -> set[int]:
+    """The tokenizer's EOS and generation_config.json's (one id or a list), as the servers stop on them."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(str(cfg.actor_rollout_ref.model.path)).eos_token_id
+    except (OSError, ValueError):
+        eos = None
+    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return {int(i) for i in ids}
+
+
+def export_plan(cfg: DictConfig, plan: MergePlan, path: Path, fmt: str, row_group_rows: int = ROW_GROUP_ROWS) -> int:
+    """Write the plan's rows to ``path`` in ``fmt`` (parquet or jsonl), atomically; returns the row count."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    builder = RowBuilder(cfg, plan)
+
+    def pieces() -> Iterator[Any]:
+        for _, _, piece in plan.pieces(row_group_rows):
+            yield piece
+
+    def write(f) -> None:
+        if fmt == "jsonl":
+            for piece in pieces():
+                f.write(builder.json_lines(piece))
+            return
+        import pyarrow.parquet as pq
+
+        with pq.ParquetWriter(f, builder.schema.arrow(), compression="zstd") as writer:
+            for piece in pieces():
+                writer.write_table(builder.table(piece), row_group_size=row_group_rows)
+
+    atomic_write(Path(path), write)
+    return plan.num_rows
