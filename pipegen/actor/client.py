@@ -9,9 +9,13 @@ Owns:
 - routing: every request of one sticky key (the prompt's index: its n samples and every turn of a unit)
   goes to one server, chosen by least in-flight requests when the key is new or its server is out of
   rotation;
-- failure handling: a timeout on every request; connection errors, 5xx/408/429, timeouts, aborts and
-  unreadable answers are retried with exponential backoff and jitter on another server when there is
-  one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
+- failure handling: a stall watchdog on every request (pacing.py's deadline from its max_new_tokens and
+  the server's observed time per token; on expiry the request is aborted on that server with
+  `POST /abort_request {rid}` and re-sent elsewhere with a new rid), `llm.request_timeout_s` as the outer
+  bound; in the tail (the actor has nothing left to start and capacity sits idle) a request older than a
+  few times the recent p90 latency is hedged: sent once more, first answer wins, the other is aborted;
+  connection errors, 5xx/408/429, stalls, aborts and unreadable answers are retried with exponential
+  backoff and jitter on another server when there is one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
   (`GET /health_generate`) until it answers 200; when no server is in rotation, requests wait for one
   to come back (bounded by the request timeout).
 Must never: re-tokenize anything (ids in, ids out), retry a 4xx other than 408/429 (a client bug would
@@ -32,6 +36,8 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+from pipegen.actor.pacing import TokenClock, WatchdogLimits, stall_deadline
 
 log = logging.getLogger("pipegen.client")
 
@@ -57,6 +63,8 @@ class ServerState:
     successes: int = 0
     quarantines: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    clock: TokenClock = field(default_factory=TokenClock)
+    stalled: int = 0  # requests past their deadline here (then aborted here and re-sent)
 
 
 @dataclass
@@ -72,6 +80,8 @@ class ClientLimits:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = 30.0  # /health_generate generates one token: give it time under load
     vocab_size: int | None = None  # ids >= this are refused before sending (SGLang does not check)
+    watchdog: WatchdogLimits = field(default_factory=WatchdogLimits)
+    abort_timeout_s: float = 5.0  # POST /abort_request; a wedged server may not answer it either
 
 
 def max_new_tokens_for(sampling_params: dict[str, Any], prompt_len: int, limits: ClientLimits) -> int:
@@ -159,6 +169,15 @@ class ServerPool:
         self.output_tokens = 0
         self.latencies: deque[float] = deque(maxlen=4096)
         self.finish_reasons: dict[str, int] = {}
+        self.stalled = 0  # requests past their stall deadline
+        self.aborts_sent = 0  # POST /abort_request sent (stalls and hedge losers)
+        self.hedges = 0  # tail requests sent a second time
+        self.hedge_wins = 0  # ...whose second copy answered first
+        self.draining = False  # set through start_draining() when the actor has no unit left to start
+        self._tail: asyncio.Future | None = None  # resolved when draining starts: wakes watched requests
+        self.capacity = lambda: 0  # units the actor may hold in flight (set by the actor)
+        self.units_in_flight = lambda: 0
+        self._clock_all = TokenClock(window=1024)
 
     # ---- routing ----
     def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:
@@ -263,6 +282,7 @@ class ServerPool:
         key = sticky_key if sticky_key is not None else request_id
         tried: set[str] = set()
         errors: list[str] = []
+        stalls = 0
         for attempt in range(self.limits.max_attempts):
             if attempt:
                 self.retries += 1
@@ -273,12 +293,106 @@ class ServerPool:
             if len(tried) >= len(self.servers):
                 tried.clear()  # every server had a go: the next attempt may return to any of them
                 tried.add(server.url)
-            error = await self._attempt(server, body)
-            if isinstance(error, str):
-                errors.append(error)
+            result = await self._watched(server, body, key, stalls)
+            if isinstance(result, str):
+                errors.append(result)
+                stalls += result.startswith("stalled")
                 continue
-            return error
+            return result
         raise RetriesExhausted(f"gave up after {self.limits.max_attempts} attempts: " + "; ".join(errors[-4:]))
+
+    def start_draining(self) -> None:
+        """The tail begins (no unit left to start): requests already in flight may now be hedged."""
+        self.draining = True
+        if self._tail is not None and not self._tail.done():
+            self._tail.set_result(None)
+
+    def _tail_future(self) -> asyncio.Future:
+        if self._tail is None:
+            self._tail = asyncio.get_running_loop().create_future()
+        return self._tail
+
+    def _hedge_after(self) -> float | None:
+        """Age past which a request may be hedged now, or None while hedging is off or not worth it."""
+        wd = self.limits.watchdog
+        if not (wd.hedge and self.draining and self.units_in_flight() < self.capacity()):
+            return None
+        p90 = self._clock_all.latency_p90()
+        return None if p90 is None else max(wd.hedge_min_s, wd.hedge_factor * p90)
+
+    async def _watched(self, server: ServerState, body: dict[str, Any], key: Any, stalls: int):
+        """One attempt under the stall watchdog (and, in the tail, with one hedge): the TokenOutput, or a
+        string naming a transient failure. RequestRejected propagates."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        max_new = int(body["sampling_params"].get("max_new_tokens") or self.limits.response_length)
+        deadline = started + min(stall_deadline(server.clock, max_new, self.limits.watchdog, stalls),
+                                 self.limits.request_timeout_s)
+        primary = loop.create_task(self._attempt(server, body))
+        copies = {primary: (server, body)}
+        failures: list[str] = []
+        try:
+            while copies:
+                now = loop.time()
+                hedge_after = self._hedge_after() if len(copies) == 1 and primary in copies else None
+                wake = deadline - now
+                if hedge_after is not None:
+                    if now - started >= hedge_after:
+                        hedge_server = self.pick(key, {server.url}) or server
+                        hedge_body = {**body, "rid": uuid.uuid4().hex}
+                        copies[loop.create_task(self._attempt(hedge_server, hedge_body))] = (hedge_server, hedge_body)
+                        self.hedges += 1
+                        continue
+                    wake = min(wake, max(0.05, started + hedge_after - now), 1.0)
+                elif self.draining and self.limits.watchdog.hedge and primary in copies:
+                    wake = min(wake, 1.0)  # re-check: capacity may free up in the tail
+                if wake <= 0:
+                    for task, (srv, b) in copies.items():
+                        srv.stalled += 1
+                        self.stalled += 1
+                        self._record_failure(srv, "stalled")
+                    waited = loop.time() - started
+                    await self._cancel_copies(copies)
+                    return (f"stalled: no answer from {server.url} in {waited:.0f}s (watchdog deadline from "
+                            f"max_new_tokens={max_new}); aborted there")
+                waiting_on = set(copies)
+                if self.limits.watchdog.hedge and not self.draining:
+                    waiting_on.add(self._tail_future())  # wake when the tail starts, to consider a hedge
+                done, _ = await asyncio.wait(waiting_on, timeout=wake, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task not in copies:
+                        continue
+                    copies.pop(task)
+                    result = task.result()  # RequestRejected propagates
+                    if isinstance(result, str):
+                        failures.append(result)
+                        continue
+                    if task is not primary:
+                        self.hedge_wins += 1
+                    return result
+            return "; ".join(failures)
+        finally:
+            if copies:
+                await self._cancel_copies(copies)
+
+    async def _cancel_copies(self, copies: dict) -> None:
+        """Abort each copy on its server (SGLang: POST /abort_request {rid}), then drop its connection."""
+        items = list(copies.items())
+        copies.clear()
+        await asyncio.gather(*(self._abort(srv, b["rid"]) for _, (srv, b) in items), return_exceptions=True)
+        for task, _ in items:
+            task.cancel()
+        await asyncio.gather(*(t for t, _ in items), return_exceptions=True)
+
+    async def _abort(self, server: ServerState, rid: str) -> None:
+        self.aborts_sent += 1
+        try:
+            async with self.session.post(f"{server.url}/abort_request", data=orjson.dumps({"rid": rid}),
+                                         headers={"Content-Type": "application/json"},
+                                         timeout=aiohttp.ClientTimeout(total=self.limits.abort_timeout_s)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.info("abort of %s on %s not confirmed: %s", rid, server.url, e)
 
     async def _attempt(self, server: ServerState, body: dict[str, Any]):
         """One POST: the TokenOutput, or a string describing a transient failure (already recorded)."""
@@ -323,7 +437,10 @@ class ServerPool:
             return f"request aborted by {server.url}: {finish.get('message')}"
         out = parse_response(answer, body["return_logprob"])
         self._record_success(server)
-        self.latencies.append(time.monotonic() - started)
+        latency = time.monotonic() - started
+        self.latencies.append(latency)
+        server.clock.observe(latency, len(out.token_ids))
+        self._clock_all.observe(latency, len(out.token_ids))
         self.output_tokens += len(out.token_ids)
         reason = finish_type or "none"
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
