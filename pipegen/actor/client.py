@@ -42,6 +42,7 @@ from pipegen.actor.pacing import TokenClock, WatchdogLimits, stall_deadline
 log = logging.getLogger("pipegen.client")
 
 STICKY_CACHE_SIZE = 10000
+MAX_COPIES = 3  # a request and its hedges in flight at once (the tail only)
 RETRYABLE_4XX = (408, 429)  # request timeout / too many requests (routers): transient, not a client bug
 
 
@@ -330,21 +331,24 @@ class ServerPool:
                                  self.limits.request_timeout_s)
         primary = loop.create_task(self._attempt(server, body))
         copies = {primary: (server, body)}
+        last_sent = started
         failures: list[str] = []
         try:
             while copies:
                 now = loop.time()
-                hedge_after = self._hedge_after() if len(copies) == 1 and primary in copies else None
+                hedge_after = self._hedge_after() if len(copies) < MAX_COPIES else None
                 wake = deadline - now
                 if hedge_after is not None:
-                    if now - started >= hedge_after:
-                        hedge_server = self.pick(key, {server.url}) or server
+                    if now - last_sent >= hedge_after:
+                        # a copy may hang too: the newest one gets the same grace before the next copy
+                        hedge_server = self.pick(key, {srv.url for srv, _ in copies.values()}) or server
                         hedge_body = {**body, "rid": uuid.uuid4().hex}
                         copies[loop.create_task(self._attempt(hedge_server, hedge_body))] = (hedge_server, hedge_body)
                         self.hedges += 1
+                        last_sent = now
                         continue
-                    wake = min(wake, max(0.05, started + hedge_after - now), 1.0)
-                elif self.draining and self.limits.watchdog.hedge and primary in copies:
+                    wake = min(wake, max(0.05, last_sent + hedge_after - now), 1.0)
+                elif self.draining and self.limits.watchdog.hedge and len(copies) < MAX_COPIES:
                     wake = min(wake, 1.0)  # re-check: capacity may free up in the tail
                 if wake <= 0:
                     for task, (srv, b) in copies.items():

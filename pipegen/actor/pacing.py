@@ -43,7 +43,7 @@ class WatchdogLimits:
     stall_margin: float = 3.0  # x the expected decode time (max_new_tokens x observed s/token)
     prior_s_per_token: float = 0.1  # before a server answered anything: a slow GPU under a full batch
     hedge: bool = True  # re-send the oldest requests to idle capacity when nothing else is left to run
-    hedge_factor: float = 1.5  # a request is a hedge candidate past this x the recent p90 latency
+    hedge_factor: float = 1.0  # in the tail, a request older than the recent p90 latency may be hedged
     hedge_min_s: float = 1.0
 
 

@@ -66,6 +66,7 @@ class ReferenceServer:
         self.injected_503 = 0
         self.hung = 0
         self.hung_aborted = 0  # hung requests released by /abort_request
+        self.hung_disconnected = 0  # hung requests whose client closed the connection first
         self.hung_rids: dict[str, asyncio.Event] = {}
         self.client_disconnects = 0
         self.aborted_via_endpoint = 0
@@ -186,6 +187,9 @@ class ReferenceServer:
         self.hung_rids[rid] = released
         try:
             await released.wait()
+        except asyncio.CancelledError:
+            self.hung_disconnected += 1  # the client went away first
+            raise
         finally:
             self.hung_rids.pop(rid, None)
         self.count_status(200)
@@ -342,6 +346,8 @@ class ReferenceServer:
             "injected_503": self.injected_503,
             "hung": self.hung,
             "hung_aborted": self.hung_aborted,
+            "hung_disconnected": self.hung_disconnected,
+            "hung_pending": len(self.hung_rids),
             "abort_requests": self.abort_requests,
             "client_disconnects": self.client_disconnects,
             "aborted_via_endpoint": self.aborted_via_endpoint,
