@@ -144,7 +144,7 @@ def test_stalled_request_is_aborted_on_its_server_and_retried_elsewhere(servers)
         return out, time.monotonic() - t0
 
     (out, took), pool = pool_run([hangs.url, a.url], body, watchdog=WatchdogLimits(stall_floor_s=0.5, hedge=False))
-    assert out.token_ids and 0.5 <= took < 5
+    assert out.token_ids and took >= 0.5  # the deadline: floor + margin x 8 tokens x the prior s/token
     state = {s.url: s for s in pool.servers}
     assert state[hangs.url].errors == {"stalled": 1} and state[a.url].requests == 1
     assert pool.stalled == 1 and pool.aborts_sent == 1

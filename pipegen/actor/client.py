@@ -179,6 +179,7 @@ class ServerPool:
         self.capacity = lambda: 0  # units the actor may hold in flight (set by the actor)
         self.units_in_flight = lambda: 0
         self._clock_all = TokenClock(window=1024)
+        self._superseded: set[str] = set()  # rids being aborted by this client (their abort answer is no failure)
 
     # ---- routing ----
     def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:
@@ -329,7 +330,7 @@ class ServerPool:
         max_new = int(body["sampling_params"].get("max_new_tokens") or self.limits.response_length)
         deadline = started + min(stall_deadline(server.clock, max_new, self.limits.watchdog, stalls),
                                  self.limits.request_timeout_s)
-        primary = loop.create_task(self._attempt(server, body))
+        primary = self._start(server, body)
         copies = {primary: (server, body)}
         last_sent = started
         failures: list[str] = []
@@ -343,7 +344,7 @@ class ServerPool:
                         # a copy may hang too: the newest one gets the same grace before the next copy
                         hedge_server = self.pick(key, {srv.url for srv, _ in copies.values()}) or server
                         hedge_body = {**body, "rid": uuid.uuid4().hex}
-                        copies[loop.create_task(self._attempt(hedge_server, hedge_body))] = (hedge_server, hedge_body)
+                        copies[self._start(hedge_server, hedge_body)] = (hedge_server, hedge_body)
                         self.hedges += 1
                         last_sent = now
                         continue
@@ -383,10 +384,12 @@ class ServerPool:
         """Abort each copy on its server (SGLang: POST /abort_request {rid}), then drop its connection."""
         items = list(copies.items())
         copies.clear()
+        self._superseded.update(b["rid"] for _, (_, b) in items)
         await asyncio.gather(*(self._abort(srv, b["rid"]) for _, (srv, b) in items), return_exceptions=True)
         for task, _ in items:
             task.cancel()
         await asyncio.gather(*(t for t, _ in items), return_exceptions=True)
+        self._superseded.difference_update(b["rid"] for _, (_, b) in items)
 
     async def _abort(self, server: ServerState, rid: str) -> None:
         self.aborts_sent += 1
@@ -398,11 +401,16 @@ class ServerPool:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             log.info("abort of %s on %s not confirmed: %s", rid, server.url, e)
 
-    async def _attempt(self, server: ServerState, body: dict[str, Any]):
-        """One POST: the TokenOutput, or a string describing a transient failure (already recorded)."""
+    def _start(self, server: ServerState, body: dict[str, Any]) -> asyncio.Task:
+        """Count the request against its server now (the next pick sees it), then send it in a task."""
         server.in_flight += 1
         server.requests += 1
         self.requests_sent += 1
+        return asyncio.get_running_loop().create_task(self._attempt(server, body))
+
+    async def _attempt(self, server: ServerState, body: dict[str, Any]):
+        """One POST (counted by _start): the TokenOutput, or a string describing a transient failure
+        (already recorded)."""
         started = time.monotonic()
         try:
             async with self.session.post(
@@ -437,6 +445,8 @@ class ServerPool:
         finish_type = finish.get("type") if isinstance(finish, dict) else None
         if finish_type == "abort":
             # SGLang answers 200 for aborted requests; the partial output is dropped and the request re-sent
+            if body["rid"] in self._superseded:  # our own abort of a stalled copy or a hedge loser
+                return f"request {body['rid']} aborted by the client"
             self._record_failure(server, "abort")
             return f"request aborted by {server.url}: {finish.get('message')}"
         out = parse_response(answer, body["return_logprob"])

@@ -73,14 +73,19 @@ class _Poller(threading.Thread):
 
 def _edges(samples: list[tuple[float, dict]], expected: int) -> tuple[float, float]:
     """First request arrival and last completion (the last time the running batch emptied), each as the
-    midpoint of the two polls around it."""
+    midpoint of the two polls around it (or the poll itself at the edge of the samples)."""
     start = end = None
-    for (t0, s0), (t1, s1) in zip(samples, samples[1:]):
-        if start is None and s0["requests_total"] == 0 and s1["requests_total"] > 0:
-            start = (t0 + t1) / 2
-        if s0["running"] > 0 and s1["running"] == 0 and s1["generations_total"] >= expected:
-            end = (t0 + t1) / 2
-    if start is None or end is None:
+    prev_t = None
+    for t, s in samples:
+        if s["requests_total"] > 0:
+            start = t if prev_t is None else (prev_t + t) / 2
+            break
+        prev_t = t
+    busy = [i for i, (_, s) in enumerate(samples) if s["running"] > 0]
+    if busy:
+        i = busy[-1]
+        end = samples[i][0] if i + 1 == len(samples) else (samples[i][0] + samples[i + 1][0]) / 2
+    if start is None or end is None or end <= start or samples[-1][1]["generations_total"] < expected:
         raise RuntimeError("could not find the start and end of generation in the server's stats")
     return start, end
 
