@@ -326,7 +326,7 @@ def test_hangs_503s_and_a_killed_actor_with_default_timeouts(tmp_path, tiny_mode
     """20% of requests answered 503, 2% never answered, the actor SIGKILLed mid-run; nothing shortened
     (default llm.request_timeout_s, stall watchdog, concurrency and attempts): every unit exactly once,
     and every hung request was aborted on the server (/abort_request) or dropped with its killed client."""
-    seed = fault_seed(0.2, 0.02, 60, hangs_after=25, min_hangs=2)
+    seed = fault_seed(0.2, 0.02, 40, hangs_after=18, min_hangs=2)  # hangs after the kill, within the run
     server = FakeServer("flaky", tmp_path, tiny_model, "--fail-rate", "0.2", "--hang-rate", "0.02",
                         "--token-latency", "0.02", seed=seed).wait_ready()
     out = tmp_path / "run"
