@@ -267,6 +267,11 @@ class UnitRunner:
         self._rows: dict[int, dict[str, Any]] = {}
         self._factories: dict[str, Any] = {}
         self.prompt_tokens = PromptTokens()
+        # read once: a DictConfig lookup costs tens of microseconds, and these are read per unit
+        self._base_seed = int(cfg.seed)
+        self._per_unit_seed = bool(cfg.actors.per_unit_seed)
+        self._cfg_wrap = self.DictConfigWrap(cfg)  # verl only reads through these wrappers
+        self._data_wrap = self.DictConfigWrap(cfg.data)
 
     def row(self, pos: int) -> dict[str, Any]:
         if pos not in self._rows:
@@ -274,7 +279,7 @@ class UnitRunner:
         return self._rows[pos]
 
     def seed(self, index: int, sample: int) -> int | None:
-        return unit_seed(int(self.cfg.seed), index, sample) if self.cfg.actors.per_unit_seed else None
+        return unit_seed(self._base_seed, index, sample) if self._per_unit_seed else None
 
     def agent_name(self, pos: int) -> str:
         return self.row(pos).get("agent_name") or self.default_agent
@@ -321,13 +326,13 @@ class UnitRunner:
             raise ValueError(f"agent loop '{agent_name}' is not registered; known: {sorted(self.registry)} "
                              "(register yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
         agent = self._loop_factory(agent_name)(
-            trainer_config=self.DictConfigWrap(self.cfg),
+            trainer_config=self._cfg_wrap,
             server_manager=UnitServerManager(pool, sticky_key=index, sampling_seed=seed),
             tokenizer=self.tokenizer,
             processor=None,
             hf_model_type=self.hf_model_type,
             dataset_cls=self.dataset_cls,
-            data_config=self.DictConfigWrap(self.cfg.data),
+            data_config=self._data_wrap,
             tools=self.ToolListWrap(self.tools),
         )
         builder = getattr(agent, "continuous_token_builder", None)
