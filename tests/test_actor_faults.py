@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import time
 from pathlib import Path
@@ -371,6 +372,10 @@ def test_hangs_503s_and_a_killed_actor_with_default_timeouts(tmp_path, tiny_mode
 
     actor = latest_stats(out / "streams" / "stats")["actor_0"]
     assert actor["aborts_sent"] >= 1 and actor["stalled"] + actor["hedges"] >= 1, actor
+    # the status command shows what the watchdog did and the concurrency the server was driven at
+    status = subprocess.run([sys.executable, "-m", "pipegen.status", str(out)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60).stdout
+    assert "watchdog   stalled" in status and re.search(rf"{server.url} driven at \d+ in flight", status), status
 
 
 def test_server_dying_mid_run_is_routed_around(tmp_path, tiny_model):

@@ -136,11 +136,12 @@ def parse_response(body: dict[str, Any], return_logprob: bool):
     meta = body.get("meta_info") or {}
     finish = meta.get("finish_reason")
     stop_reason = finish.get("type") if isinstance(finish, dict) else None
-    token_ids = [int(t) for t in body.get("output_ids") or []]
+    # no per-token int()/float() here: TokenOutput (pydantic) validates and coerces the lists in Rust
+    token_ids = body.get("output_ids") or []
     if return_logprob:
         triples = meta.get("output_token_logprobs") or []
         if triples and len(triples) == len(token_ids):
-            log_probs = [float(t[0]) for t in triples]
+            log_probs = [t[0] for t in triples]
         else:  # the max_new_tokens=0 phantom entry, or an abort with no logprobs: verl keeps nothing
             token_ids, log_probs = [], []
     else:

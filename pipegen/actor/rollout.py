@@ -342,9 +342,10 @@ class UnitRunner:
         outputs = check_trajectories(result, self.prompt_length, self.response_length)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
         if self.scorer is not None and outputs[-1].reward_score is None and self.scorer.applies(row):
-            loop = asyncio.get_running_loop()
-            # off the event loop: math scorers (sympy) can take a while
-            await loop.run_in_executor(None, self.scorer.score, outputs[-1], row)
+            if self.scorer.cheap(row):
+                self.scorer.score(outputs[-1], row)  # proven fast: a thread hop would cost more
+            else:  # off the event loop: math scorers (sympy) can take a while
+                await asyncio.get_running_loop().run_in_executor(None, self.scorer.score, outputs[-1], row)
             for out in outputs[:-1]:  # a multi-trajectory unit shares its final reward, as verl's TQ worker does
                 out.reward_score = outputs[-1].reward_score
                 if "reward_extra_info" in outputs[-1].extra_fields:

@@ -167,9 +167,10 @@ class Actor:
                 while len(running) >= control.total():
                     slot_free.clear()
                     control.changed.clear()
-                    await asyncio.wait([asyncio.ensure_future(slot_free.wait()),
-                                        asyncio.ensure_future(control.changed.wait())],
-                                       return_when=asyncio.FIRST_COMPLETED)
+                    waits = [asyncio.ensure_future(slot_free.wait()), asyncio.ensure_future(control.changed.wait())]
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    for w in waits:
+                        w.cancel()
                 task = asyncio.create_task(self.run_unit(pool, pos, sample, rollouts, failures))
                 running.add(task)
                 task.add_done_callback(finished)
