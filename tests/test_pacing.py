@@ -29,12 +29,12 @@ def test_gpu_like_engine_reports_its_limits_and_load_and_aborts_like_sglang(tiny
     try:
         info = orjson.loads(server.get("/get_server_info")[1])
         assert info["max_running_requests"] == 4
-        body = {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 40}, "return_logprob": True}
+        body = {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 10}, "return_logprob": True}
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(post, server.url, "/generate", {**body, "rid": f"r{i}"}) for i in range(12)]
             for _ in range(200):
                 load = orjson.loads(server.get("/get_load")[1])
-                if load[0]["num_reqs"] == 12:
+                if load[0]["num_reqs"] == 12 and load[0]["num_waiting_reqs"] < 11:  # admitted at a step's end
                     break
                 asyncio.run(asyncio.sleep(0.02))
             assert load == [{"dp_rank": 0, "num_reqs": 12, "num_waiting_reqs": 8, "num_tokens": 0}]
@@ -43,8 +43,8 @@ def test_gpu_like_engine_reports_its_limits_and_load_and_aborts_like_sglang(tiny
         assert answers["r11"]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
         for i in range(11):
             meta = answers[f"r{i}"]["meta_info"]
-            assert meta["finish_reason"] == {"type": "length", "length": 40}
-            assert len(answers[f"r{i}"]["output_ids"]) == len(meta["output_token_logprobs"]) == 40
+            assert meta["finish_reason"] == {"type": "length", "length": 10}
+            assert len(answers[f"r{i}"]["output_ids"]) == len(meta["output_token_logprobs"]) == 10
         stats = server.stats()
         assert stats["max_batch_size"] == 4 and stats["running"] == 0 and stats["waiting"] == 0
     finally:

@@ -1,11 +1,7 @@
 """HTTP server manager: what verl agent loops call `server_manager.generate(...)` on, over SGLang's /generate.
 
 Owns:
-- the request: verl's sampling params mapped to SGLang's native body exactly as verl's SGLang adapter does
-  (the `max_new_tokens` rule, `logprobs` popped to top-level `return_logprob`, no unknown keys inside
-  `sampling_params`), a fresh `rid` per attempt, the unit's `sampling_seed`, token ids checked against the
-  vocabulary before sending (SGLang does not check ids itself);
-- the answer: SGLang's JSON parsed into verl's `TokenOutput` the way verl's SGLang server builds it;
+- sending: the body protocol.py builds (a fresh `rid` per attempt), its answer parsed by protocol.py;
 - routing: every request of one sticky key (the prompt's index: its n samples and every turn of a unit)
   goes to one server, chosen by least in-flight requests when the key is new or its server is out of
   rotation;
@@ -37,17 +33,16 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pipegen.actor.pacing import TokenClock, WatchdogLimits, stall_deadline
+from pipegen.actor.pacing import TokenClock, stall_deadline
+from pipegen.actor.protocol import ClientLimits, RequestRejected, build_request, parse_response
+
+__all__ = ["ClientLimits", "RequestRejected", "RetriesExhausted", "ServerPool", "UnitServerManager"]
 
 log = logging.getLogger("pipegen.client")
 
 STICKY_CACHE_SIZE = 10000
 MAX_COPIES = 3  # a request and its hedges in flight at once (the tail only)
 RETRYABLE_4XX = (408, 429)  # request timeout / too many requests (routers): transient, not a client bug
-
-
-class RequestRejected(Exception):
-    """The request itself is wrong (HTTP 4xx, too long, bad ids): retrying cannot help."""
 
 
 class RetriesExhausted(Exception):
@@ -66,88 +61,6 @@ class ServerState:
     errors: dict[str, int] = field(default_factory=dict)
     clock: TokenClock = field(default_factory=TokenClock)
     stalled: int = 0  # requests past their deadline here (then aborted here and re-sent)
-
-
-@dataclass
-class ClientLimits:
-    prompt_length: int
-    response_length: int
-    max_model_len: int
-    request_timeout_s: float = 600.0
-    max_attempts: int = 4  # tries per request (over servers) before RetriesExhausted
-    backoff_base_s: float = 0.2
-    backoff_max_s: float = 5.0
-    quarantine_after: int = 3  # consecutive failures that take a server out of rotation
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 30.0  # /health_generate generates one token: give it time under load
-    vocab_size: int | None = None  # ids >= this are refused before sending (SGLang does not check)
-    watchdog: WatchdogLimits = field(default_factory=WatchdogLimits)
-    abort_timeout_s: float = 5.0  # POST /abort_request; a wedged server may not answer it either
-
-
-def max_new_tokens_for(sampling_params: dict[str, Any], prompt_len: int, limits: ClientLimits) -> int:
-    """verl's SGLang rule (async_sglang_server.generate): caller's value, else the remaining budget, clamped."""
-    max_possible = limits.max_model_len - prompt_len - 1
-    if max_possible < 0:
-        raise RequestRejected(
-            f"prompt of {prompt_len} tokens exceeds the model's maximum context length ({limits.max_model_len})"
-        )
-    if "max_new_tokens" in sampling_params:
-        wanted = sampling_params.pop("max_new_tokens")
-        sampling_params.pop("max_tokens", None)
-    elif "max_tokens" in sampling_params:
-        wanted = sampling_params.pop("max_tokens")
-    else:
-        wanted = min(limits.response_length, limits.prompt_length + limits.response_length - prompt_len)
-    return max(0, min(int(wanted), max_possible))
-
-
-def build_request(
-    prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits, sampling_seed: int | None
-) -> dict[str, Any]:
-    """The JSON body for SGLang's POST /generate (single form)."""
-    ids = [int(t) for t in prompt_ids]
-    if not ids:
-        raise RequestRejected("empty prompt")
-    if limits.vocab_size is not None:
-        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise RequestRejected(f"{len(bad)} prompt token id(s) outside the vocabulary of "
-                                  f"{limits.vocab_size} (first {bad[0]})")
-    params = dict(sampling_params)
-    max_new = max_new_tokens_for(params, len(ids), limits)
-    return_logprob = bool(params.pop("logprobs", False))
-    params.pop("prompt_logprobs", None)
-    params["max_new_tokens"] = max_new
-    if sampling_seed is not None:
-        params["sampling_seed"] = int(sampling_seed)
-    return {
-        "rid": uuid.uuid4().hex,  # fresh per attempt: re-sending an in-flight rid is a 400 in SGLang
-        "input_ids": ids,
-        "sampling_params": params,
-        "return_logprob": return_logprob,
-    }
-
-
-def parse_response(body: dict[str, Any], return_logprob: bool):
-    """SGLang /generate answer -> verl TokenOutput, the way verl's SGLang server builds it."""
-    from verl.workers.rollout.replica import TokenOutput
-
-    meta = body.get("meta_info") or {}
-    finish = meta.get("finish_reason")
-    stop_reason = finish.get("type") if isinstance(finish, dict) else None
-    # no per-token int()/float() here: TokenOutput (pydantic) validates and coerces the lists in Rust
-    token_ids = body.get("output_ids") or []
-    if return_logprob:
-        triples = meta.get("output_token_logprobs") or []
-        if triples and len(triples) == len(token_ids):
-            log_probs = [t[0] for t in triples]
-        else:  # the max_new_tokens=0 phantom entry, or an abort with no logprobs: verl keeps nothing
-            token_ids, log_probs = [], []
-    else:
-        log_probs = None
-    extra = {"global_steps": None, "min_global_steps": None, "max_global_steps": None}
-    return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason, extra_fields=extra)
 
 
 class ServerPool:

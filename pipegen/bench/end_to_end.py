@@ -92,7 +92,7 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]
 def raw_bodies(run) -> list[dict]:
     """The /generate bodies the actor sent for the units in its shard, built by the same function from
     the prompt ids and seeds it recorded (a fresh rid each)."""
-    from pipegen.actor.client import ClientLimits, build_request
+    from pipegen.actor.protocol import ClientLimits, build_request
     from pipegen.run.config import load_run_config
     from pipegen.run.records import RolloutRecord
 
