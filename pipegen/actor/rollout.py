@@ -211,6 +211,29 @@ def share_text_token_builders() -> None:
     verl_agent_loop.create_continuous_token_builder = create_shared
 
 
+class InlineExecutorLoop:
+    """The event loop as verl's single-turn loop sees it (`agent.loop`), with `run_in_executor(None, fn)`
+    run inline. Its two executor calls per unit are the prompt tokens (a lookup in PromptTokens after the
+    first sample of a prompt) and `merge_assistant_tokens` (a list concatenation): a thread hop costs more
+    than either, and on the GIL a thread does not make Python work parallel anyway."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+
+    def run_in_executor(self, executor, fn, *args):
+        if executor is not None:
+            return self._loop.run_in_executor(executor, fn, *args)
+        future = self._loop.create_future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001  (handed to the awaiting coroutine, as the executor would)
+            future.set_exception(e)
+        return future
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
 class UnitRunner:
     """Everything one actor needs to turn (position, sample) into a RolloutRecord."""
 
@@ -338,6 +361,8 @@ class UnitRunner:
         builder = getattr(agent, "continuous_token_builder", None)
         if builder is not None:
             agent.continuous_token_builder = self.prompt_tokens.wrap(builder)
+            if type(agent).__name__ == "SingleTurnAgentLoop" and getattr(agent, "processor", None) is None:
+                agent.loop = InlineExecutorLoop(agent.loop)
         result = await agent.run(dict(self.sampling_params), **kwargs)
         outputs = check_trajectories(result, self.prompt_length, self.response_length)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
