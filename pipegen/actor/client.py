@@ -1,17 +1,17 @@
 """HTTP server manager: what verl agent loops call `server_manager.generate(...)` on, over SGLang's /generate.
 
 Owns:
-- the request: verl's sampling params mapped to SGLang's native body exactly as verl's SGLang adapter does
-  (the `max_new_tokens` rule, `logprobs` popped to top-level `return_logprob`, no unknown keys inside
-  `sampling_params`), a fresh `rid` per attempt, the unit's `sampling_seed`, token ids checked against the
-  vocabulary before sending (SGLang does not check ids itself);
-- the answer: SGLang's JSON parsed into verl's `TokenOutput` the way verl's SGLang server builds it;
+- sending: the body protocol.py builds (a fresh `rid` per attempt), its answer parsed by protocol.py;
 - routing: every request of one sticky key (the prompt's index: its n samples and every turn of a unit)
   goes to one server, chosen by least in-flight requests when the key is new or its server is out of
   rotation;
-- failure handling: a timeout on every request; connection errors, 5xx/408/429, timeouts, aborts and
-  unreadable answers are retried with exponential backoff and jitter on another server when there is
-  one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
+- failure handling: a stall watchdog on every request (pacing.py's deadline from its max_new_tokens and
+  the server's observed time per token; on expiry the request is aborted on that server with
+  `POST /abort_request {rid}` and re-sent elsewhere with a new rid), `llm.request_timeout_s` as the outer
+  bound; in the tail (the actor has nothing left to start and capacity sits idle) a request older than a
+  few times the recent p90 latency is hedged: sent once more, first answer wins, the other is aborted;
+  connection errors, 5xx/408/429, stalls, aborts and unreadable answers are retried with exponential
+  backoff and jitter on another server when there is one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
   (`GET /health_generate`) until it answers 200; when no server is in rotation, requests wait for one
   to come back (bounded by the request timeout).
 Must never: re-tokenize anything (ids in, ids out), retry a 4xx other than 408/429 (a client bug would
@@ -33,14 +33,16 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pipegen.actor.pacing import TokenClock, stall_deadline
+from pipegen.actor.protocol import ClientLimits, RequestRejected, build_request, parse_response
+
+__all__ = ["ClientLimits", "RequestRejected", "RetriesExhausted", "ServerPool", "UnitServerManager"]
+
 log = logging.getLogger("pipegen.client")
 
 STICKY_CACHE_SIZE = 10000
+MAX_COPIES = 3  # a request and its hedges in flight at once (the tail only)
 RETRYABLE_4XX = (408, 429)  # request timeout / too many requests (routers): transient, not a client bug
-
-
-class RequestRejected(Exception):
-    """The request itself is wrong (HTTP 4xx, too long, bad ids): retrying cannot help."""
 
 
 class RetriesExhausted(Exception):
@@ -57,85 +59,8 @@ class ServerState:
     successes: int = 0
     quarantines: int = 0
     errors: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class ClientLimits:
-    prompt_length: int
-    response_length: int
-    max_model_len: int
-    request_timeout_s: float = 600.0
-    max_attempts: int = 4  # tries per request (over servers) before RetriesExhausted
-    backoff_base_s: float = 0.2
-    backoff_max_s: float = 5.0
-    quarantine_after: int = 3  # consecutive failures that take a server out of rotation
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 30.0  # /health_generate generates one token: give it time under load
-    vocab_size: int | None = None  # ids >= this are refused before sending (SGLang does not check)
-
-
-def max_new_tokens_for(sampling_params: dict[str, Any], prompt_len: int, limits: ClientLimits) -> int:
-    """verl's SGLang rule (async_sglang_server.generate): caller's value, else the remaining budget, clamped."""
-    max_possible = limits.max_model_len - prompt_len - 1
-    if max_possible < 0:
-        raise RequestRejected(
-            f"prompt of {prompt_len} tokens exceeds the model's maximum context length ({limits.max_model_len})"
-        )
-    if "max_new_tokens" in sampling_params:
-        wanted = sampling_params.pop("max_new_tokens")
-        sampling_params.pop("max_tokens", None)
-    elif "max_tokens" in sampling_params:
-        wanted = sampling_params.pop("max_tokens")
-    else:
-        wanted = min(limits.response_length, limits.prompt_length + limits.response_length - prompt_len)
-    return max(0, min(int(wanted), max_possible))
-
-
-def build_request(
-    prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits, sampling_seed: int | None
-) -> dict[str, Any]:
-    """The JSON body for SGLang's POST /generate (single form)."""
-    ids = [int(t) for t in prompt_ids]
-    if not ids:
-        raise RequestRejected("empty prompt")
-    if limits.vocab_size is not None:
-        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise RequestRejected(f"{len(bad)} prompt token id(s) outside the vocabulary of "
-                                  f"{limits.vocab_size} (first {bad[0]})")
-    params = dict(sampling_params)
-    max_new = max_new_tokens_for(params, len(ids), limits)
-    return_logprob = bool(params.pop("logprobs", False))
-    params.pop("prompt_logprobs", None)
-    params["max_new_tokens"] = max_new
-    if sampling_seed is not None:
-        params["sampling_seed"] = int(sampling_seed)
-    return {
-        "rid": uuid.uuid4().hex,  # fresh per attempt: re-sending an in-flight rid is a 400 in SGLang
-        "input_ids": ids,
-        "sampling_params": params,
-        "return_logprob": return_logprob,
-    }
-
-
-def parse_response(body: dict[str, Any], return_logprob: bool):
-    """SGLang /generate answer -> verl TokenOutput, the way verl's SGLang server builds it."""
-    from verl.workers.rollout.replica import TokenOutput
-
-    meta = body.get("meta_info") or {}
-    finish = meta.get("finish_reason")
-    stop_reason = finish.get("type") if isinstance(finish, dict) else None
-    token_ids = [int(t) for t in body.get("output_ids") or []]
-    if return_logprob:
-        triples = meta.get("output_token_logprobs") or []
-        if triples and len(triples) == len(token_ids):
-            log_probs = [float(t[0]) for t in triples]
-        else:  # the max_new_tokens=0 phantom entry, or an abort with no logprobs: verl keeps nothing
-            token_ids, log_probs = [], []
-    else:
-        log_probs = None
-    extra = {"global_steps": None, "min_global_steps": None, "max_global_steps": None}
-    return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason, extra_fields=extra)
+    clock: TokenClock = field(default_factory=TokenClock)
+    stalled: int = 0  # requests past their deadline here (then aborted here and re-sent)
 
 
 class ServerPool:
@@ -159,6 +84,16 @@ class ServerPool:
         self.output_tokens = 0
         self.latencies: deque[float] = deque(maxlen=4096)
         self.finish_reasons: dict[str, int] = {}
+        self.stalled = 0  # requests past their stall deadline
+        self.aborts_sent = 0  # POST /abort_request sent (stalls and hedge losers)
+        self.hedges = 0  # tail requests sent a second time
+        self.hedge_wins = 0  # ...whose second copy answered first
+        self.draining = False  # set through start_draining() when the actor has no unit left to start
+        self._tail: asyncio.Future | None = None  # resolved when draining starts: wakes watched requests
+        self.capacity = lambda: 0  # units the actor may hold in flight (set by the actor)
+        self.units_in_flight = lambda: 0
+        self._clock_all = TokenClock(window=1024)
+        self._superseded: set[str] = set()  # rids being aborted by this client (their abort answer is no failure)
 
     # ---- routing ----
     def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:
@@ -263,6 +198,7 @@ class ServerPool:
         key = sticky_key if sticky_key is not None else request_id
         tried: set[str] = set()
         errors: list[str] = []
+        stalls = 0
         for attempt in range(self.limits.max_attempts):
             if attempt:
                 self.retries += 1
@@ -273,18 +209,122 @@ class ServerPool:
             if len(tried) >= len(self.servers):
                 tried.clear()  # every server had a go: the next attempt may return to any of them
                 tried.add(server.url)
-            error = await self._attempt(server, body)
-            if isinstance(error, str):
-                errors.append(error)
+            result = await self._watched(server, body, key, stalls)
+            if isinstance(result, str):
+                errors.append(result)
+                stalls += result.startswith("stalled")
                 continue
-            return error
+            return result
         raise RetriesExhausted(f"gave up after {self.limits.max_attempts} attempts: " + "; ".join(errors[-4:]))
 
-    async def _attempt(self, server: ServerState, body: dict[str, Any]):
-        """One POST: the TokenOutput, or a string describing a transient failure (already recorded)."""
+    def start_draining(self) -> None:
+        """The tail begins (no unit left to start): requests already in flight may now be hedged."""
+        self.draining = True
+        if self._tail is not None and not self._tail.done():
+            self._tail.set_result(None)
+
+    def _tail_future(self) -> asyncio.Future:
+        if self._tail is None:
+            self._tail = asyncio.get_running_loop().create_future()
+        return self._tail
+
+    def _hedge_after(self) -> float | None:
+        """Age past which a request may be hedged now, or None while hedging is off or not worth it."""
+        wd = self.limits.watchdog
+        if not (wd.hedge and self.draining and self.units_in_flight() < self.capacity()):
+            return None
+        p90 = self._clock_all.latency_p90()
+        return None if p90 is None else max(wd.hedge_min_s, wd.hedge_factor * p90)
+
+    async def _watched(self, server: ServerState, body: dict[str, Any], key: Any, stalls: int):
+        """One attempt under the stall watchdog (and, in the tail, with one hedge): the TokenOutput, or a
+        string naming a transient failure. RequestRejected propagates."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        max_new = int(body["sampling_params"].get("max_new_tokens") or self.limits.response_length)
+        deadline = started + min(stall_deadline(server.clock, max_new, self.limits.watchdog, stalls),
+                                 self.limits.request_timeout_s)
+        primary = self._start(server, body)
+        copies = {primary: (server, body)}
+        last_sent = started
+        failures: list[str] = []
+        try:
+            while copies:
+                now = loop.time()
+                hedge_after = self._hedge_after() if len(copies) < MAX_COPIES else None
+                wake = deadline - now
+                if hedge_after is not None:
+                    if now - last_sent >= hedge_after:
+                        # a copy may hang too: the newest one gets the same grace before the next copy
+                        hedge_server = self.pick(key, {srv.url for srv, _ in copies.values()}) or server
+                        hedge_body = {**body, "rid": uuid.uuid4().hex}
+                        copies[self._start(hedge_server, hedge_body)] = (hedge_server, hedge_body)
+                        self.hedges += 1
+                        last_sent = now
+                        continue
+                    wake = min(wake, max(0.05, last_sent + hedge_after - now), 1.0)
+                elif self.draining and self.limits.watchdog.hedge and len(copies) < MAX_COPIES:
+                    wake = min(wake, 1.0)  # re-check: capacity may free up in the tail
+                if wake <= 0:
+                    for task, (srv, b) in copies.items():
+                        srv.stalled += 1
+                        self.stalled += 1
+                        self._record_failure(srv, "stalled")
+                    waited = loop.time() - started
+                    await self._cancel_copies(copies)
+                    return (f"stalled: no answer from {server.url} in {waited:.0f}s (watchdog deadline from "
+                            f"max_new_tokens={max_new}); aborted there")
+                waiting_on = set(copies)
+                if self.limits.watchdog.hedge and not self.draining:
+                    waiting_on.add(self._tail_future())  # wake when the tail starts, to consider a hedge
+                done, _ = await asyncio.wait(waiting_on, timeout=wake, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task not in copies:
+                        continue
+                    copies.pop(task)
+                    result = task.result()  # RequestRejected propagates
+                    if isinstance(result, str):
+                        failures.append(result)
+                        continue
+                    if task is not primary:
+                        self.hedge_wins += 1
+                    return result
+            return "; ".join(failures)
+        finally:
+            if copies:
+                await self._cancel_copies(copies)
+
+    async def _cancel_copies(self, copies: dict) -> None:
+        """Abort each copy on its server (SGLang: POST /abort_request {rid}), then drop its connection."""
+        items = list(copies.items())
+        copies.clear()
+        self._superseded.update(b["rid"] for _, (_, b) in items)
+        await asyncio.gather(*(self._abort(srv, b["rid"]) for _, (srv, b) in items), return_exceptions=True)
+        for task, _ in items:
+            task.cancel()
+        await asyncio.gather(*(t for t, _ in items), return_exceptions=True)
+        self._superseded.difference_update(b["rid"] for _, (_, b) in items)
+
+    async def _abort(self, server: ServerState, rid: str) -> None:
+        self.aborts_sent += 1
+        try:
+            async with self.session.post(f"{server.url}/abort_request", data=orjson.dumps({"rid": rid}),
+                                         headers={"Content-Type": "application/json"},
+                                         timeout=aiohttp.ClientTimeout(total=self.limits.abort_timeout_s)) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.info("abort of %s on %s not confirmed: %s", rid, server.url, e)
+
+    def _start(self, server: ServerState, body: dict[str, Any]) -> asyncio.Task:
+        """Count the request against its server now (the next pick sees it), then send it in a task."""
         server.in_flight += 1
         server.requests += 1
         self.requests_sent += 1
+        return asyncio.get_running_loop().create_task(self._attempt(server, body))
+
+    async def _attempt(self, server: ServerState, body: dict[str, Any]):
+        """One POST (counted by _start): the TokenOutput, or a string describing a transient failure
+        (already recorded)."""
         started = time.monotonic()
         try:
             async with self.session.post(
@@ -319,11 +359,16 @@ class ServerPool:
         finish_type = finish.get("type") if isinstance(finish, dict) else None
         if finish_type == "abort":
             # SGLang answers 200 for aborted requests; the partial output is dropped and the request re-sent
+            if body["rid"] in self._superseded:  # our own abort of a stalled copy or a hedge loser
+                return f"request {body['rid']} aborted by the client"
             self._record_failure(server, "abort")
             return f"request aborted by {server.url}: {finish.get('message')}"
         out = parse_response(answer, body["return_logprob"])
         self._record_success(server)
-        self.latencies.append(time.monotonic() - started)
+        latency = time.monotonic() - started
+        self.latencies.append(latency)
+        server.clock.observe(latency, len(out.token_ids))
+        self._clock_all.observe(latency, len(out.token_ids))
         self.output_tokens += len(out.token_ids)
         reason = finish_type or "none"
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1

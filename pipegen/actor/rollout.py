@@ -116,6 +116,124 @@ def trajectory_json(output) -> dict[str, Any]:
     return data
 
 
+class PromptTokens:
+    """The chat-template tokenisation of each prompt, done once for its n samples.
+
+    verl's agent loops tokenise their initial messages through the loop's Continuous Token builder
+    (`build_initial_tokens`, in an executor thread). The n samples of a prompt ask for the very same ids,
+    so each loop's builder is wrapped: text-only calls with the same messages and tools are answered from
+    here (the first caller computes them while the others of that prompt wait for it); everything else,
+    multimodal prompts included, goes to verl's builder unchanged."""
+
+    def __init__(self, max_prompts: int = 4096):
+        import threading
+        from collections import OrderedDict
+
+        self._ids: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._key_locks: dict[bytes, Any] = {}
+        self.max_prompts = max_prompts
+        self.hits = self.misses = 0
+
+    def wrap(self, builder: Any) -> Any:
+        return _CachingBuilder(builder, self)
+
+    def get(self, builder: Any, messages: list, tools: Any) -> list[int]:
+        import threading
+
+        import orjson
+
+        key = orjson.dumps([type(builder).__name__, messages, tools], default=str,
+                           option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_SORT_KEYS)
+        with self._lock:
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                ids = self._ids.get(key)
+                if ids is not None:
+                    self._ids.move_to_end(key)
+                    self.hits += 1
+                    return list(ids)
+            ids = tuple(builder.build_initial_tokens(messages, tools=tools))
+            with self._lock:
+                self.misses += 1
+                self._ids[key] = ids
+                while len(self._ids) > self.max_prompts:
+                    old, _ = self._ids.popitem(last=False)
+                    self._key_locks.pop(old, None)
+            return list(ids)
+
+
+class _CachingBuilder:
+    """verl's Continuous Token builder with `build_initial_tokens` answered by PromptTokens for text."""
+
+    def __init__(self, builder: Any, cache: PromptTokens):
+        self._builder = builder
+        self._cache = cache
+
+    def build_initial_tokens(self, messages, *, tools=None, images=None, videos=None, audios=None,
+                             mm_inputs_out=None) -> list[int]:
+        if images or videos or audios:
+            return self._builder.build_initial_tokens(messages, tools=tools, images=images, videos=videos,
+                                                      audios=audios, mm_inputs_out=mm_inputs_out)
+        return self._cache.get(self._builder, messages, tools)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._builder, name)
+
+
+def share_text_token_builders() -> None:
+    """Build verl's text Continuous Token builder once per actor instead of once per agent loop.
+
+    `AgentLoopBase.__init__` calls `create_continuous_token_builder(tokenizer, ...)` for every loop, i.e.
+    for every unit; a text builder only holds the tokenizer and a few token ids it encodes at
+    construction (a tokenizer call per unit). With the same tokenizer, model type and chat-template
+    arguments the builders are interchangeable, so the one in verl's agent-loop module is wrapped to
+    return one shared builder for text loops (a processor, i.e. a multimodal loop, always gets its own)."""
+    from verl.experimental.agent_loop import agent_loop as verl_agent_loop
+
+    create = verl_agent_loop.create_continuous_token_builder
+    if getattr(create, "pipegen_shared", False):
+        return
+    import orjson
+
+    shared: dict[tuple, Any] = {}
+
+    def create_shared(tokenizer, *args, processor=None, **kwargs):
+        if processor is not None or args:
+            return create(tokenizer, *args, processor=processor, **kwargs)
+        key = (id(tokenizer), orjson.dumps(kwargs, default=str, option=orjson.OPT_SORT_KEYS))
+        if key not in shared:
+            shared[key] = create(tokenizer, processor=None, **kwargs)
+        return shared[key]
+
+    create_shared.pipegen_shared = True
+    verl_agent_loop.create_continuous_token_builder = create_shared
+
+
+class InlineExecutorLoop:
+    """The event loop as verl's single-turn loop sees it (`agent.loop`), with `run_in_executor(None, fn)`
+    run inline. Its two executor calls per unit are the prompt tokens (a lookup in PromptTokens after the
+    first sample of a prompt) and `merge_assistant_tokens` (a list concatenation): a thread hop costs more
+    than either, and on the GIL a thread does not make Python work parallel anyway."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+
+    def run_in_executor(self, executor, fn, *args):
+        if executor is not None:
+            return self._loop.run_in_executor(executor, fn, *args)
+        future = self._loop.create_future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as e:  # noqa: BLE001  (handed to the awaiting coroutine, as the executor would)
+            future.set_exception(e)
+        return future
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loop, name)
+
+
 class UnitRunner:
     """Everything one actor needs to turn (position, sample) into a RolloutRecord."""
 
@@ -155,6 +273,7 @@ class UnitRunner:
         )
         # verl adds YAML-registered loops only inside AgentLoopWorker.__init__; do the same here.
         register_agent_loops(rollout.agent.agent_loop_config_path)
+        share_text_token_builders()
         self.registry = verl_agent_loop._agent_loop_registry
         self.DictConfigWrap = verl_agent_loop.DictConfigWrap
         self.ToolListWrap = verl_agent_loop.ToolListWrap
@@ -170,6 +289,12 @@ class UnitRunner:
         self.scorer = Scorer(self.tokenizer) if cfg.actors.scoring else None
         self._rows: dict[int, dict[str, Any]] = {}
         self._factories: dict[str, Any] = {}
+        self.prompt_tokens = PromptTokens()
+        # read once: a DictConfig lookup costs tens of microseconds, and these are read per unit
+        self._base_seed = int(cfg.seed)
+        self._per_unit_seed = bool(cfg.actors.per_unit_seed)
+        self._cfg_wrap = self.DictConfigWrap(cfg)  # verl only reads through these wrappers
+        self._data_wrap = self.DictConfigWrap(cfg.data)
 
     def row(self, pos: int) -> dict[str, Any]:
         if pos not in self._rows:
@@ -177,7 +302,7 @@ class UnitRunner:
         return self._rows[pos]
 
     def seed(self, index: int, sample: int) -> int | None:
-        return unit_seed(int(self.cfg.seed), index, sample) if self.cfg.actors.per_unit_seed else None
+        return unit_seed(self._base_seed, index, sample) if self._per_unit_seed else None
 
     def agent_name(self, pos: int) -> str:
         return self.row(pos).get("agent_name") or self.default_agent
@@ -224,22 +349,28 @@ class UnitRunner:
             raise ValueError(f"agent loop '{agent_name}' is not registered; known: {sorted(self.registry)} "
                              "(register yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
         agent = self._loop_factory(agent_name)(
-            trainer_config=self.DictConfigWrap(self.cfg),
+            trainer_config=self._cfg_wrap,
             server_manager=UnitServerManager(pool, sticky_key=index, sampling_seed=seed),
             tokenizer=self.tokenizer,
             processor=None,
             hf_model_type=self.hf_model_type,
             dataset_cls=self.dataset_cls,
-            data_config=self.DictConfigWrap(self.cfg.data),
+            data_config=self._data_wrap,
             tools=self.ToolListWrap(self.tools),
         )
+        builder = getattr(agent, "continuous_token_builder", None)
+        if builder is not None:
+            agent.continuous_token_builder = self.prompt_tokens.wrap(builder)
+            if type(agent).__name__ == "SingleTurnAgentLoop" and getattr(agent, "processor", None) is None:
+                agent.loop = InlineExecutorLoop(agent.loop)
         result = await agent.run(dict(self.sampling_params), **kwargs)
         outputs = check_trajectories(result, self.prompt_length, self.response_length)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
         if self.scorer is not None and outputs[-1].reward_score is None and self.scorer.applies(row):
-            loop = asyncio.get_running_loop()
-            # off the event loop: math scorers (sympy) can take a while
-            await loop.run_in_executor(None, self.scorer.score, outputs[-1], row)
+            if self.scorer.cheap(row):
+                self.scorer.score(outputs[-1], row)  # proven fast: a thread hop would cost more
+            else:  # off the event loop: math scorers (sympy) can take a while
+                await asyncio.get_running_loop().run_in_executor(None, self.scorer.score, outputs[-1], row)
             for out in outputs[:-1]:  # a multi-trajectory unit shares its final reward, as verl's TQ worker does
                 out.reward_score = outputs[-1].reward_score
                 if "reward_extra_info" in outputs[-1].extra_fields:

@@ -10,12 +10,15 @@ code data sources, so those rows stay unscored with one warning.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger("pipegen.actor")
 
 # verl's default_compute_score executes the model's code for these unless a sandbox is configured
 CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+INLINE_BUDGET_S = 0.0005  # a data source scored faster than this on average is scored on the event loop
+INLINE_AFTER = 16  # scorings timed (in a worker thread) before a data source may be scored inline
 
 
 class Scorer:
@@ -27,6 +30,13 @@ class Scorer:
         self.tokenizer = tokenizer
         self.compute = default_compute_score
         self._warned: set[str] = set()
+        self._cost: dict[str, tuple[int, float]] = {}  # data_source -> (scorings, seconds)
+
+    def cheap(self, row: dict[str, Any]) -> bool:
+        """Whether this row's data source has proven cheap enough to score without a thread hop (regex
+        scorers such as gsm8k take tens of microseconds; sympy-based ones do not)."""
+        count, seconds = self._cost.get(row.get("data_source"), (0, 0.0))
+        return count >= INLINE_AFTER and seconds / count < INLINE_BUDGET_S
 
     def applies(self, row: dict[str, Any]) -> bool:
         reward_model = row.get("reward_model") or {}
@@ -44,6 +54,14 @@ class Scorer:
         """Set output.reward_score and extra_fields['reward_extra_info'] (NotImplementedError: unscored)."""
         if not self.applies(row):
             return
+        started = time.perf_counter()
+        try:
+            self._score(output, row)
+        finally:
+            count, seconds = self._cost.get(row["data_source"], (0, 0.0))
+            self._cost[row["data_source"]] = (count + 1, seconds + time.perf_counter() - started)
+
+    def _score(self, output, row: dict[str, Any]) -> None:
         reward_model = row["reward_model"]
         text = self.tokenizer.decode(output.response_ids, skip_special_tokens=True)
         extra = dict(row.get("extra_info") or {})

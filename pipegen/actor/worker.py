@@ -7,8 +7,10 @@ Pending = the actor's share of all units (every A-th dataset position from K) - 
 has committed - units already in a complete shard line past the checkpoint's offsets. Units run
 prompt-major, so the n samples of one prompt reach the same server's prefix cache together.
 
-Owns: the actor's shards (a new one per start; one RolloutRecord or FailureRecord per unit), the
-concurrency of units in flight, and the actor's stats lines.
+Owns: the actor's shards (a new one per start; one RolloutRecord or FailureRecord per unit), admitting
+units up to the concurrency pacing.py's controller allows (fixed, or `auto`: following the servers'
+limits and load), telling the client when the tail starts (nothing left to admit: hedging may begin),
+and the actor's stats lines.
 Must never: write to another actor's shard, or write a failed unit as a trajectory.
 """
 
@@ -92,6 +94,7 @@ class Actor:
         self.runner = UnitRunner(cfg, run, self.launch, who=f"actor {rank}")
         self.counters = ActorCounters()
         self.clock = StartupClock()  # start-up phases, in every stats line (pipegen.status shows them)
+        self.control = None  # pacing.ConcurrencyControl, once main() started
 
     async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender) -> None:
         runner = self.runner
@@ -118,6 +121,7 @@ class Actor:
         import aiohttp
 
         from pipegen.actor.client import ClientLimits, ServerPool
+        from pipegen.actor.pacing import ConcurrencyControl, WatchdogLimits, unit_memory_bytes
 
         todo = pending_units(self.runner, self.run, self.rank, self.num_actors)
         log.info("actor %d: %d units pending", self.rank, len(todo))
@@ -134,28 +138,51 @@ class Actor:
             request_timeout_s=float(self.cfg.llm.request_timeout_s),
             max_attempts=int(self.cfg.generation.max_attempts),
             vocab_size=self.runner.vocab_size,
+            watchdog=WatchdogLimits(stall_floor_s=float(self.cfg.llm.get("stall_floor_s", 30.0)),
+                                    stall_margin=float(self.cfg.llm.get("stall_margin", 3.0)),
+                                    hedge=bool(self.cfg.actors.get("hedge", True))),
         )
         stats = StatsAppender(self.run.stats, actor_role(self.rank))
-        queue: asyncio.Queue = asyncio.Queue()
-        for item in todo:
-            queue.put_nowait(item)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, trace_configs=[self.clock.trace_config()]) as session:
             pool = ServerPool(list(self.launch.servers), limits, session)
-
-            async def worker() -> None:
-                while True:
-                    try:
-                        pos, sample = queue.get_nowait()
-                    except asyncio.QueueEmpty:
-                        return
-                    await self.run_unit(pool, pos, sample, rollouts, failures)
-
             reporter = asyncio.create_task(self._report(pool, stats, len(todo)))
-            # servers may still be loading (the launcher starts actors beside them): send once one answers
+            # servers may still be loading (the launcher starts actors beside them): send once one answers,
+            # then read the limits of those that answer (a late one starts at the default; /get_load adapts it)
             await wait_for_first_server(session, pool, self.clock)
-            workers = [asyncio.create_task(worker()) for _ in range(int(actors_cfg.concurrency))]
-            await asyncio.gather(*workers)
+            control = ConcurrencyControl(
+                list(self.launch.servers), actors_cfg.concurrency, sharing=int(actors_cfg.num_actors),
+                memory_cap_units=int(actors_cfg.max_memory_mb) * 2**20 // unit_memory_bytes(
+                    self.runner.prompt_length, self.runner.response_length))
+            await control.discover(session)
+            self.control = control
+            pool.capacity = control.total
+            pool.units_in_flight = lambda: self.counters.in_flight
+            follower = asyncio.create_task(control.follow(
+                session, lambda url: sum(s.in_flight for s in pool.servers if s.url == url),
+                lambda: self.counters.in_flight))
+            running: set[asyncio.Task] = set()
+            slot_free = asyncio.Event()
+
+            def finished(task: asyncio.Task) -> None:
+                running.discard(task)
+                slot_free.set()
+
+            for pos, sample in todo:
+                while len(running) >= control.total():
+                    slot_free.clear()
+                    control.changed.clear()
+                    waits = [asyncio.ensure_future(slot_free.wait()), asyncio.ensure_future(control.changed.wait())]
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    for w in waits:
+                        w.cancel()
+                task = asyncio.create_task(self.run_unit(pool, pos, sample, rollouts, failures))
+                running.add(task)
+                task.add_done_callback(finished)
+            pool.start_draining()  # the tail: nothing left to start, hedging may use idle capacity
+            while running:
+                await asyncio.gather(*list(running))
+            follower.cancel()
             reporter.cancel()
             self._write_stats(pool, stats, len(todo), final=True)
             pool.close()
@@ -196,6 +223,14 @@ class Actor:
                 "mean_reward": sum(c.rewards) / len(c.rewards) if c.rewards else None,
                 "errors": {**c.errors, **pool.error_summary()},
                 "servers_out_of_rotation": [s.url for s in pool.servers if not s.healthy],
+                "stalled": pool.stalled,
+                "aborts_sent": pool.aborts_sent,
+                "hedges": pool.hedges,
+                "hedge_wins": pool.hedge_wins,
+                "concurrency": self.control.total() if self.control else None,
+                "concurrency_by_server": self.control.by_server() if self.control else {},
+                "server_load": ({s.url: {"running": s.running, "waiting": s.waiting} for s in self.control.servers}
+                                if self.control and self.control.auto else {}),
                 "requests_by_server": {s.url: s.requests for s in pool.servers},
                 **self.clock.as_stats(),
             }

@@ -33,7 +33,7 @@ from pipegen.bench import common as c
 
 KEY = "e2e"
 TITLE = "3. End to end, instant fake server (actor vs raw aiohttp loop vs Ray queue)"
-TARGET_RAW = "≥ 0.7"
+TARGET_RAW = "≥ 0.8"  # issue 11 (was 0.7)
 TARGET_RAY = "≥ 5"
 
 
@@ -92,7 +92,7 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]
 def raw_bodies(run) -> list[dict]:
     """The /generate bodies the actor sent for the units in its shard, built by the same function from
     the prompt ids and seeds it recorded (a fresh rid each)."""
-    from pipegen.actor.client import ClientLimits, build_request
+    from pipegen.actor.protocol import ClientLimits, build_request
     from pipegen.run.config import load_run_config
     from pipegen.run.records import RolloutRecord
 
@@ -280,7 +280,7 @@ def run(quick: bool) -> c.ScenarioResult:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     with c.scratch("e2e") as tmp:
         if quick:
-            measure(res, tmp, RunSpec(256, n=4, concurrency=64), reps=2, with_ray=True, with_launcher=False)
+            measure(res, tmp, RunSpec(256, n=8, concurrency=64), reps=2, with_ray=True, with_launcher=False)
         else:
             measure(res, tmp, RunSpec(256, n=8, concurrency=64), reps=3, with_ray=True, with_launcher=True)
             measure(res, tmp, RunSpec(1024, n=4, concurrency=64), reps=2, with_ray=True, with_launcher=False)

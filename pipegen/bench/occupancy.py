@@ -39,7 +39,7 @@ from typing import Any
 from pipegen.bench import common as c
 
 KEY = "occupancy"
-TITLE = "4. Slot occupancy, fake server with per-token latency and fixed slots"
+TITLE = "4. Slot occupancy and saturation, fake servers with fixed slots (per-token latency; GPU-like batched steps)"
 TARGET_OCC = "≥ 0.97"
 TARGET_MAKESPAN = "≤ 1.03"  # 1 / 0.97: the same loss seen from the clock
 CLI_FLOOR = 0.95  # the command line's exit status
@@ -72,15 +72,20 @@ class _Poller(threading.Thread):
 
 
 def _edges(samples: list[tuple[float, dict]], expected: int) -> tuple[float, float]:
-    """First request arrival and last completion, each as the midpoint of the two polls around it."""
+    """First request arrival and last completion (the last time the running batch emptied), each as the
+    midpoint of the two polls around it (or the poll itself at the edge of the samples)."""
     start = end = None
-    for (t0, s0), (t1, s1) in zip(samples, samples[1:]):
-        if start is None and s0["requests_total"] == 0 and s1["requests_total"] > 0:
-            start = (t0 + t1) / 2
-        if end is None and s1["generations_total"] >= expected and s1["running"] == 0 and (
-                s0["generations_total"] < expected or s0["running"] > 0):
-            end = (t0 + t1) / 2
-    if start is None or end is None:
+    prev_t = None
+    for t, s in samples:
+        if s["requests_total"] > 0:
+            start = t if prev_t is None else (prev_t + t) / 2
+            break
+        prev_t = t
+    busy = [i for i, (_, s) in enumerate(samples) if s["running"] > 0]
+    if busy:
+        i = busy[-1]
+        end = samples[i][0] if i + 1 == len(samples) else (samples[i][0] + samples[i + 1][0]) / 2
+    if start is None or end is None or end <= start or samples[-1][1]["generations_total"] < expected:
         raise RuntimeError("could not find the start and end of generation in the server's stats")
     return start, end
 
@@ -101,20 +106,24 @@ def run_occupancy_bench(*, slots: int = 32, token_latency: float = 0.01, n: int 
                         max_response_length: int = 64, concurrency: int | None = None, actors: int = 1,
                         eos_prob: float = 0.02, model: str | None = None, out: str | None = None,
                         poll_s: float = 0.05, seed: int = 0, extra_overrides: list[str] | None = None,
+                        step_time: float = 0.0, step_time_per_request: float = 0.0, hang_rate: float = 0.0,
                         echo=print) -> dict[str, Any]:
-    """Run the benchmark once; returns occupancy, makespan, ideal and the timeline."""
+    """Run the benchmark once; returns occupancy, makespan, ideal and the timeline.
+
+    `concurrency` None leaves `actors.concurrency` at its default (auto)."""
     model = model or c.tiny_model()
-    concurrency = concurrency or 2 * slots
     workdir = Path(out) if out else Path(tempfile.mkdtemp(prefix="pipegen-occupancy-"))
     workdir.mkdir(parents=True, exist_ok=True)
     run_dir = workdir / "run"
     expected = prompts * n
     server_args = c.fake_engine_args(slots=slots, token_latency=token_latency, eos_prob=eos_prob, seed=seed,
-                                     model=model)
+                                     model=model, step_time=step_time, step_time_per_request=step_time_per_request,
+                                     hang_rate=hang_rate)
     cmd_overrides = ["train_files=demo", f"max_samples={prompts}", f"n={n}",
                      f"max_response_length={max_response_length}", f"seed={seed}", f"actors.num_actors={actors}",
-                     f"actors.concurrency={max(1, concurrency // actors)}", "generation.show_progress=false",
-                     *(extra_overrides or [])]
+                     "generation.show_progress=false", *(extra_overrides or [])]
+    if concurrency is not None:
+        cmd_overrides.append(f"actors.concurrency={max(1, concurrency // actors)}")
     with c.reference_server(workdir, server_args, ready_timeout_s=60) as server:
         poller = _Poller(server.url, poll_s)
         poller.start()
@@ -132,7 +141,7 @@ def run_occupancy_bench(*, slots: int = 32, token_latency: float = 0.01, n: int 
                            f"{result.stderr[-3000:]}")
     samples = poller.samples
     final = samples[-1][1]
-    if final["generations_total"] != expected:
+    if final["generations_total"] < expected:
         raise RuntimeError(f"expected {expected} generations, the server saw {final['generations_total']}")
     t_start, t_end = _edges(samples, expected)
     makespan = t_end - t_start
@@ -142,7 +151,9 @@ def run_occupancy_bench(*, slots: int = 32, token_latency: float = 0.01, n: int 
     timeline = _timeline(samples, t_start, t_end, slots)
     report = {
         "slots": slots, "token_latency_s": token_latency, "units": expected, "actors": actors,
-        "concurrency": concurrency, "max_response_length": max_response_length,
+        "concurrency": concurrency or "auto", "max_response_length": max_response_length,
+        "throughput_tok_s": round(int(final["tokens_generated"]) / makespan, 1), "hung": int(final.get("hung", 0)),
+        "hung_aborted": int(final.get("hung_aborted", 0)),
         "tokens_generated": int(final["tokens_generated"]), "requests": int(final["requests_total"]),
         "max_running": int(final["max_batch_size"]),
         "busy_slot_seconds": round(busy, 3), "makespan_s": round(makespan, 3), "ideal_makespan_s": round(ideal, 3),
@@ -150,8 +161,11 @@ def run_occupancy_bench(*, slots: int = 32, token_latency: float = 0.01, n: int 
         "launcher_wall_s": round(wall, 1), "occupancy_per_second": timeline,
         "run_dir": str(run_dir) if out else None,
     }
-    echo(f"pipegen occupancy benchmark: fake server with {slots} slots x {token_latency * 1000:g} ms/token, "
-         f"{expected} units ({prompts} prompts x n={n}), {actors} actor(s) x concurrency {concurrency // actors}")
+    timing = (f"{token_latency * 1000:g} ms/token" if not (step_time or step_time_per_request) else
+              f"GPU-like steps of {step_time * 1000:g} ms + {step_time_per_request * 1000:g} ms x running")
+    echo(f"pipegen occupancy benchmark: fake server with {slots} slots x {timing}, "
+         f"{expected} units ({prompts} prompts x n={n}), {actors} actor(s) x concurrency "
+         f"{concurrency // actors if concurrency else 'auto'}")
     echo(f"  tokens generated     {report['tokens_generated']} in {report['requests']} requests "
          f"(max running {report['max_running']}/{slots})")
     echo(f"  busy slot-time       {busy:.2f} s")
@@ -166,12 +180,48 @@ def run_occupancy_bench(*, slots: int = 32, token_latency: float = 0.01, n: int 
     return report
 
 
+# GPU-like engine: a batched step of 10 ms + 0.2 ms per running request, 64 slots (reported as SGLang's
+# max_running_requests): throughput rises with the batch and flattens at the slots.
+GPU_LIKE = dict(slots=64, step_time=0.01, step_time_per_request=0.0002, token_latency=0.0, max_response_length=64)
+GPU_SETTINGS = {"quick": dict(prompts=96, n=16, sweep=(64, 128)), "full": dict(prompts=96, n=32, sweep=(32, 64, 128, 256))}
+TARGET_AUTO = "≥ 0.95"
+TARGET_HANG = "≤ 1.15"
+
+
+def saturation_rows(res: c.ScenarioResult, quick: bool) -> None:
+    """Default (auto) concurrency vs the best fixed one of a sweep, and the same with 2% hung requests."""
+    g = GPU_SETTINGS["quick" if quick else "full"]
+    quiet = dict(echo=lambda *a, **k: None, prompts=g["prompts"], n=g["n"], **GPU_LIKE)
+    sweep = {conc: run_occupancy_bench(concurrency=conc, **quiet) for conc in g["sweep"]}
+    auto = run_occupancy_bench(**quiet)
+    hang = run_occupancy_bench(hang_rate=0.02, **quiet)
+    best_conc, best = max(sweep.items(), key=lambda kv: kv[1]["throughput_tok_s"])
+    setup = (f"{GPU_LIKE['slots']} slots, step {GPU_LIKE['step_time'] * 1000:g} ms + "
+             f"{GPU_LIKE['step_time_per_request'] * 1000:g} ms × running, {auto['units']} units")
+    res.add(c.Row(what="GPU-like fake engine, default (auto) concurrency vs best hand-tuned",
+                  ratio=auto["throughput_tok_s"] / best["throughput_tok_s"], label="auto ÷ best of sweep (tok/s)",
+                  target=TARGET_AUTO,
+                  raw=(f"auto {auto['throughput_tok_s']:,.0f} tok/s; sweep " + ", ".join(
+                      f"{k}: {v['throughput_tok_s']:,.0f}" for k, v in sweep.items())
+                       + f" (best {best_conc}); {setup}")))
+    res.add(c.Row(what="GPU-like fake engine, default concurrency: slot occupancy", ratio=auto["occupancy"], unit="",
+                  label="busy slot-time ÷ total slot-time", target=TARGET_AUTO,
+                  raw=f"makespan {auto['makespan_s']:.2f} s, ideal {auto['ideal_makespan_s']:.2f} s, "
+                      f"max running {auto['max_running']}"))
+    res.add(c.Row(what="same, 2% of requests never answered (default timeouts)",
+                  ratio=hang["makespan_s"] / auto["makespan_s"], label="makespan ÷ no-hang makespan",
+                  target=TARGET_HANG,
+                  raw=(f"{hang['makespan_s']:.2f} s vs {auto['makespan_s']:.2f} s; {hang['hung']} requests hung, "
+                       f"{hang['hung_aborted']} aborted on the server via /abort_request")))
+
+
 def run(quick: bool) -> c.ScenarioResult:
     res = c.ScenarioResult(KEY, TITLE)
-    report = run_occupancy_bench(**SETTINGS["quick" if quick else "full"], echo=lambda *a, **k: None)
+    report = run_occupancy_bench(**SETTINGS["quick" if quick else "full"], concurrency=64,
+                                 echo=lambda *a, **k: None)
     setup = (f"{report['slots']} slots × {report['token_latency_s'] * 1000:g} ms/token, {report['units']} units, "
-             f"{report['actors']} actor × concurrency {report['concurrency']}, {report['tokens_generated']:,} tokens, "
-             f"max running {report['max_running']}")
+             f"{report['actors']} actor × concurrency {report['concurrency']} (fixed), "
+             f"{report['tokens_generated']:,} tokens, max running {report['max_running']}")
     res.add(c.Row(what="busy slot-time ÷ total slot-time", ratio=float(report["occupancy"]), unit="",
                   label="occupancy over the run", target=TARGET_OCC,
                   raw=f"busy {report['busy_slot_seconds']:.1f} slot-s over {report['makespan_s']:.2f} s; {setup}"))
@@ -183,6 +233,10 @@ def run(quick: bool) -> c.ScenarioResult:
     if timeline:
         res.notes.append("occupancy, per second of the run: " + " ".join(f"{x:.2f}" for x in timeline)
                          + " (the loss is the drain at the end, when fewer units than slots remain).")
+    saturation_rows(res, quick)
+    res.notes.append("occupancy (GPU-like rows): the hang row's makespan includes hung requests re-sent in the "
+                     "tail (hedging) and stalled ones aborted by the watchdog; occupancy counts only the drain at "
+                     "the end as loss.")
     return res
 
 
@@ -194,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=96, help="demo prompts to use (at most 96)")
     p.add_argument("--max-response-length", type=int, default=64)
     p.add_argument("--eos-prob", type=float, default=0.02, help="fake engine's EOS chance per token")
-    p.add_argument("--concurrency", type=int, default=None, help="units in flight over all actors (default 2*slots)")
+    p.add_argument("--concurrency", type=int, default=None, help="units in flight over all actors (default: auto)")
+    p.add_argument("--step-time", type=float, default=0.0, help="GPU-like: seconds per batched step at batch 1")
+    p.add_argument("--step-time-per-request", type=float, default=0.0, help="GPU-like: extra s per step per request")
+    p.add_argument("--hang-rate", type=float, default=0.0, help="fraction of requests never answered")
     p.add_argument("--actors", type=int, default=1)
     p.add_argument("--model", default=None, help="model folder for tokenizer/chat template (default: tiny test model)")
     p.add_argument("--out", default=None, help="keep the run here (default: a temporary folder)")
@@ -204,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     report = run_occupancy_bench(slots=a.slots, token_latency=a.token_latency, n=a.n, prompts=a.prompts,
                                  max_response_length=a.max_response_length, concurrency=a.concurrency,
                                  actors=a.actors, eos_prob=a.eos_prob, model=a.model, out=a.out,
-                                 extra_overrides=a.overrides)
+                                 extra_overrides=a.overrides, step_time=a.step_time,
+                                 step_time_per_request=a.step_time_per_request, hang_rate=a.hang_rate)
     if a.json:
         print(json.dumps(report))
     return 0 if report["occupancy"] >= CLI_FLOOR else 1

@@ -3,7 +3,8 @@
 Owns: ``POST|PUT /generate`` (single, batch, ``n > 1``; the in-flight duplicate-rid check), ``GET /health``
 and ``GET /health_generate`` (503 with an empty body until the engine is loaded), ``GET /get_model_info`` and
 ``/model_info`` (answer during startup too), ``GET /get_server_info``, ``GET /v1/models``,
-``GET|POST /flush_cache``, ``POST /abort_request`` (rid prefix semantics), pipegen's ``GET /pipegen_stats``
+``GET|POST /flush_cache``, ``POST /abort_request`` (rid prefix semantics), ``GET /get_load`` (SGLang's
+per-DP running/waiting counts), pipegen's ``GET /pipegen_stats``
 (JSON counters for tests and benchmarks), and ``serve`` - the process life: bind the port first and load the
 model after, so liveness is visible early; stop on SIGTERM/SIGINT. A client disconnect aborts its request; the
 fault knobs (``--fail-rate``, ``--hang-rate``, ``--crash-after``) inject SGLang-shaped failures.
@@ -33,7 +34,7 @@ from aiohttp import web
 from pipegen.cpu_server.engine import HEALTH_CHECK_PREFIX, Engine, EngineRequest, ModelFacts, read_model_facts
 from pipegen.cpu_server.errors import ProtocolError, bad_request, service_unavailable, validation_error
 from pipegen.cpu_server.parse import SCHEDULER_INPUT_MARGIN, EntrySpec, parse_generate_request
-from pipegen.cpu_server.responses import WEIGHT_VERSION, build_output
+from pipegen.cpu_server.responses import WEIGHT_VERSION, build_output, finish_abort_waiting
 from pipegen.cpu_server.sampling_params import SamplingSpec
 
 log = logging.getLogger("pipegen.cpu_server")
@@ -64,8 +65,12 @@ class ReferenceServer:
         self.prompt_tokens = 0
         self.injected_503 = 0
         self.hung = 0
+        self.hung_aborted = 0  # hung requests released by /abort_request
+        self.hung_disconnected = 0  # hung requests whose client closed the connection first
+        self.hung_rids: dict[str, asyncio.Event] = {}
         self.client_disconnects = 0
         self.aborted_via_endpoint = 0
+        self.abort_requests = 0  # POST /abort_request calls, whether or not the rid was in flight
         self.handlers_in_flight = 0
         self.max_handlers_in_flight = 0
         self.last_log_tokens = 0
@@ -108,8 +113,7 @@ class ReferenceServer:
             self.injected_503 += 1
             return self.error_response(service_unavailable())
         if u < self.args.fail_rate + self.args.hang_rate:
-            self.hung += 1
-            await asyncio.Event().wait()  # never answers; cancelled when the client goes away
+            return await self._hang(raw)
         try:
             body = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError as exc:
@@ -167,6 +171,31 @@ class ReferenceServer:
             outs.append(build_output(spec, res, e2e_latency=e2e))
         self.count_status(200)
         return self.json_response(outs[0] if parsed.is_single else outs)
+
+    async def _hang(self, raw: bytes) -> web.Response:
+        """A request the scheduler accepted and never works on (SGLang has shipped such hangs while /health
+        says 200): no answer until the client goes away, or until /abort_request names its rid, which
+        answers it as SGLang does an abort in the waiting queue (HTTP 200, finish type abort)."""
+        self.hung += 1
+        try:
+            body = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError:
+            body = {}
+        rid = body.get("rid") if isinstance(body, dict) else None
+        rid = rid if isinstance(rid, str) else uuid.uuid4().hex
+        released = asyncio.Event()
+        self.hung_rids[rid] = released
+        try:
+            await released.wait()
+        except asyncio.CancelledError:
+            self.hung_disconnected += 1  # the client went away first
+            raise
+        finally:
+            self.hung_rids.pop(rid, None)
+        self.count_status(200)
+        meta = {"id": rid, "finish_reason": finish_abort_waiting(), "weight_version": WEIGHT_VERSION,
+                "e2e_latency": 0.0, "completion_tokens": 0}
+        return self.json_response({"text": "", "output_ids": [], "meta_info": meta})
 
     # -- health and info -------------------------------------------------------------------------------
 
@@ -245,6 +274,13 @@ class ReferenceServer:
         }
         return self.json_response(info)
 
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's per-DP load list: ``num_reqs`` counts running + waiting, ``num_waiting_reqs`` the queue."""
+        s = self.engine.stats()
+        running, waiting = int(s.get("running", 0)), int(s.get("waiting", 0))
+        return self.json_response([{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
+                                    "num_tokens": 0}])
+
     async def v1_models(self, request: web.Request) -> web.Response:
         name = self.args.served_model_name or self.args.model_path
         data = [{"id": name, "object": "model", "created": int(self.started_at), "owned_by": "sglang",
@@ -263,6 +299,7 @@ class ReferenceServer:
                                              "be performed.)\n")
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        self.abort_requests += 1
         try:
             body = orjson.loads(await request.read() or b"{}")
         except orjson.JSONDecodeError:
@@ -280,6 +317,12 @@ class ReferenceServer:
         for r in targets:
             if not r.done:
                 self.engine.abort(r)
+        hung = list(self.hung_rids) if body.get("abort_all") else [
+            k for k in self.hung_rids if isinstance(rid, str) and rid in self.hung_rids and k.startswith(rid)]
+        for k in hung:
+            self.hung_rids[k].set()
+        self.hung_aborted += len(hung)
+        targets = targets + hung
         self.aborted_via_endpoint += len(targets)
         if targets:
             log.info("abort_request: aborted %d generation(s) for rid=%r abort_all=%s", len(targets), rid,
@@ -302,6 +345,10 @@ class ReferenceServer:
             "max_http_requests_in_flight": self.max_handlers_in_flight,
             "injected_503": self.injected_503,
             "hung": self.hung,
+            "hung_aborted": self.hung_aborted,
+            "hung_disconnected": self.hung_disconnected,
+            "hung_pending": len(self.hung_rids),
+            "abort_requests": self.abort_requests,
             "client_disconnects": self.client_disconnects,
             "aborted_via_endpoint": self.aborted_via_endpoint,
         }
@@ -334,6 +381,7 @@ def build_app(server: ReferenceServer) -> web.Application:
     app.router.add_get("/get_server_info", server.get_server_info)
     app.router.add_get("/server_info", server.get_server_info)
     app.router.add_get("/v1/models", server.v1_models)
+    app.router.add_get("/get_load", server.get_load)
     app.router.add_get("/flush_cache", server.flush_cache)
     app.router.add_post("/flush_cache", server.flush_cache)
     app.router.add_post("/abort_request", server.abort_request)

@@ -91,8 +91,10 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"n={rollout.n}: samples per prompt must be at least 1")
     if int(cfg.generation.save_batch_size) < 1:
         raise ValueError("generation.save_batch_size must be at least 1")
-    if int(cfg.actors.num_actors) < 1 or int(cfg.actors.concurrency) < 1:
-        raise ValueError("actors.num_actors and actors.concurrency must be at least 1")
+    concurrency = str(cfg.actors.concurrency).strip().lower()
+    if int(cfg.actors.num_actors) < 1 or (concurrency != "auto" and (not concurrency.isdigit() or int(concurrency) < 1)):
+        raise ValueError(f"actors.num_actors must be at least 1 and actors.concurrency 'auto' or at least 1 "
+                         f"(got {cfg.actors.num_actors}, {cfg.actors.concurrency})")
 
 
 def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:

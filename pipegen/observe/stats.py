@@ -229,6 +229,17 @@ def aggregate(roles: dict[str, dict[str, Any]], live_only_in_flight: bool = True
         out[f"errors/{k}"] = v
     out["errors/total"] = sum(errors.values())
     out["servers/out_of_rotation"] = len({u for a in actors.values() for u in a.get("servers_out_of_rotation") or []})
+    # the stall watchdog and the tail's hedging (summed over the actors' current processes)
+    for key in ("stalled", "aborts_sent", "hedges", "hedge_wins"):
+        out[f"requests/{key}"] = sum(int(_num(a.get(key))) for a in actors.values())
+    # the concurrency each server is driven at: units in flight the actors allow towards it (their
+    # latest line: a finished run shows what it ran at)
+    driven: dict[str, int] = {}
+    for a in actors.values():
+        for url, limit in (a.get("concurrency_by_server") or {}).items():
+            driven[url] = driven.get(url, 0) + int(_num(limit))
+    for url, limit in driven.items():
+        out[f"concurrency/{url}"] = limit
     writer = roles.get("writer")
     if writer:
         for key in ("duplicates", "torn_lines", "unknown_units", "buffered", "lines"):

@@ -274,6 +274,10 @@ def render(st: RunStatus) -> str:
     errors = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("errors/") and k != "errors/total"}
     if errors:
         out.append("  errors     " + ", ".join(f"{k}: {v}" for k, v in sorted(errors.items())))
+    if any(m.get(f"requests/{k}") for k in ("stalled", "aborts_sent", "hedges")):
+        out.append(f"  watchdog   stalled {m.get('requests/stalled', 0)} | aborted on servers "
+                   f"{m.get('requests/aborts_sent', 0)} | hedged {m.get('requests/hedges', 0)} "
+                   f"(won {m.get('requests/hedge_wins', 0)})")
     if any(k.startswith("writer/") for k in m):
         out.append(f"  writer     duplicates dropped {m.get('writer/duplicates', 0)} | torn lines skipped "
                    f"{m.get('writer/torn_lines', 0)} | buffered {m.get('writer/buffered', 0)} | "
@@ -311,7 +315,11 @@ def render(st: RunStatus) -> str:
         def answering(s: dict[str, Any]) -> str:
             return "" if s["answering"] is None else (" (answering)" if s["answering"] else " (not answering)")
 
-        out.append("  servers    " + ", ".join(f"{s['url']}{answering(s)}" for s in st.servers))
+        def driven(s: dict[str, Any]) -> str:
+            limit = m.get(f"concurrency/{s['url']}")
+            return "" if limit is None else f" driven at {limit} in flight"
+
+        out.append("  servers    " + ", ".join(f"{s['url']}{answering(s)}{driven(s)}" for s in st.servers))
     files = ", ".join(f"{f['file']} ({_size(f['bytes'])}, {_age(f['age_s'])})" for f in st.logs_files)
     out.append(f"  logs       {st.logs}/  {files}")
     out.append(f"  stats      {RunDir(Path(st.root)).stats}/  (tail -f one of them to watch)")

@@ -9,10 +9,13 @@ Owns:
     lengths vary; its logprob is a deterministic negative float. Because the hash is a fold over the context,
     re-sending ``prompt + partial output`` continues exactly the same trajectory (resume == uninterrupted), in
     any process, after any restart.
-  * ``FakeEngine`` - the ``Engine`` the server runs with the ``--engine`` above: per-token latency and a fixed
-    number of running slots (requests beyond ``--slots`` wait, FIFO), for occupancy benchmarks; aborts of waiting
-    and running requests with SGLang's finish shapes. Its flags: ``--slots``, ``--token-latency``,
-    ``--eos-prob``, ``--script``.
+  * ``FakeEngine`` - the ``Engine`` the server runs with the ``--engine`` above: a fixed number of running
+    slots (requests beyond ``--slots`` wait, FIFO) and aborts of waiting and running requests with SGLang's finish
+    shapes. Two timing models: ``--token-latency L`` (each request on its own clock, L seconds per token), or
+    the GPU-like ``--step-time BASE --step-time-per-request PER``: one decode loop steps every running request
+    together, each step taking ``BASE + PER * running`` seconds, so throughput rises with the batch and
+    flattens at the slots, as on a GPU (requests join the batch between steps). Its flags: ``--slots``,
+    ``--token-latency``, ``--step-time``, ``--step-time-per-request``, ``--eos-prob``, ``--script``.
   * ``--script FILE`` mode: a JSON list of assistant reply texts; the reply for a request is ``script[k]`` where
     k = number of assistant turns already in the prompt (``<|im_start|>assistant`` headers in the decoded prompt
     minus one), encoded with the model folder's tokenizer and ended with the EOS id - enough to script a
@@ -33,6 +36,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
@@ -146,6 +150,10 @@ class FakeEngine(Engine):
         parser.add_argument("--slots", type=int, default=None,
                             help="fake: max concurrently running requests (default --max-batch)")
         parser.add_argument("--token-latency", type=float, default=0.0, help="fake: seconds per generated token")
+        parser.add_argument("--step-time", type=float, default=0.0,
+                            help="fake: GPU-like batched decode, seconds per step at batch 1 (0 = off)")
+        parser.add_argument("--step-time-per-request", type=float, default=0.0,
+                            help="fake: GPU-like batched decode, extra seconds per step per running request")
         parser.add_argument("--eos-prob", type=float, default=0.02, help="fake: EOS chance per token")
         parser.add_argument("--script", default=None,
                             help="fake: JSON list of assistant replies (needs tokenizer.json)")
@@ -153,11 +161,13 @@ class FakeEngine(Engine):
     @classmethod
     def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> FakeEngine:
         return cls(facts, seed=args.seed, slots=args.slots or args.max_batch, token_latency=args.token_latency,
-                   eos_prob=args.eos_prob, script_path=args.script, context_length=args.context_length)
+                   eos_prob=args.eos_prob, script_path=args.script, context_length=args.context_length,
+                   step_time=args.step_time, step_time_per_request=args.step_time_per_request)
 
     def __init__(self, facts: ModelFacts, *, seed: int = 0, slots: int = 8, token_latency: float = 0.0,
                  eos_prob: float = 0.02, script_path: Optional[str] = None,
-                 context_length: Optional[int] = None) -> None:
+                 context_length: Optional[int] = None, step_time: float = 0.0,
+                 step_time_per_request: float = 0.0) -> None:
         self.facts = facts
         self.model = FakeModel(facts, seed=seed, eos_prob=eos_prob)
         self.vocab_size = facts.vocab_size
@@ -175,6 +185,13 @@ class FakeEngine(Engine):
         self._max_running = 0
         self._busy_slot_seconds = 0.0
         self._tokens = 0
+        self.step_time = max(0.0, step_time)
+        self.step_time_per_request = max(0.0, step_time_per_request)
+        self.batched = self.step_time > 0 or self.step_time_per_request > 0
+        self._queue: deque[EngineRequest] = deque()
+        self._wake: Optional[asyncio.Event] = None
+        self._loop_task: Optional[asyncio.Task] = None
+        self._steps = 0
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
@@ -196,19 +213,35 @@ class FakeEngine(Engine):
 
     async def start(self) -> None:
         self._sem = asyncio.Semaphore(self.max_running_requests)
+        if self.batched:
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._decode_loop())
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):
             task.cancel()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
 
     # -- requests ---------------------------------------------------------------------------------------
 
     def submit(self, req: EngineRequest) -> None:
         self._waiting += 1
+        if self.batched:
+            assert self._wake is not None, "start() not called"
+            self._queue.append(req)
+            self._wake.set()
+            return
         self._tasks[req] = asyncio.get_running_loop().create_task(self._run(req))
 
     def abort(self, req: EngineRequest) -> None:
         req.abort_requested = True
+        if self.batched:
+            if req.state == "waiting" and req in self._queue:
+                self._queue.remove(req)
+                self._waiting -= 1
+                req.finish(GenerationResult([], finish_abort_waiting(), aborted_in_queue=True))
+            return  # a running one is answered "Aborted" at the end of the current step
         task = self._tasks.get(req)
         if task is not None and req.state == "waiting":
             task.cancel()  # wakes it out of the slot queue; _run answers "Abort in waiting queue"
@@ -358,6 +391,47 @@ class FakeEngine(Engine):
                 return done
             i += 1
 
+    async def _decode_loop(self) -> None:
+        """GPU-like continuous batching: admit waiting requests up to the slots between steps, then one
+        step of ``step_time + step_time_per_request * running`` seconds gives every running request one token."""
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        running: list[tuple[EngineRequest, dict]] = []
+        next_t = loop.time()
+        while True:
+            while self._queue and len(running) < self.max_running_requests:
+                req = self._queue.popleft()
+                self._waiting -= 1
+                req.state = "running"
+                req.started = time.monotonic()
+                running.append((req, self._begin(req.spec)))
+            self._running = len(running)
+            self._max_running = max(self._max_running, self._running)
+            if not running:
+                self._wake.clear()
+                await self._wake.wait()
+                next_t = loop.time()
+                continue
+            dt = self.step_time + self.step_time_per_request * len(running)
+            next_t = max(next_t + dt, loop.time())  # deadline-based: timer jitter does not accumulate
+            await asyncio.sleep(next_t - loop.time())
+            self._busy_slot_seconds += dt * len(running)
+            self._steps += 1
+            still = []
+            for req, st in running:
+                if req.abort_requested:
+                    res: GenerationResult = st["res"]
+                    res.finish_reason = finish_abort()
+                    req.finish(res)
+                    continue
+                done = self._step(req.spec, st)
+                if done is None:
+                    still.append((req, st))
+                else:
+                    self._tokens += len(done.output_ids)
+                    req.finish(done)
+            running = still
+
     def stats(self) -> dict:
         return {
             "running": self._running,
@@ -366,4 +440,5 @@ class FakeEngine(Engine):
             "busy_slot_seconds": round(self._busy_slot_seconds, 6),
             "slots": self.max_running_requests,
             "engine_tokens_generated": self._tokens,
+            "decode_steps": self._steps,
         }

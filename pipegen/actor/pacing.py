@@ -1,0 +1,204 @@
+"""How hard and how long: the actor's concurrency per server, and each request's stall deadline.
+
+- `TokenClock`: what one server has shown - seconds per output token, as the ratio of sums of recent
+  request latencies over their output tokens (queue wait included, so a busy server earns longer
+  deadlines), and the recent latencies for the tail's hedging threshold.
+- `stall_deadline`: a request's deadline from what it asks for and what its server has shown:
+  `floor + margin * max_new_tokens * seconds_per_token`, doubled for each stall the request already had
+  (a deadline that was too short for a server slower than it looked corrects itself instead of cutting
+  the same long generation again). Before a server has answered anything, a slow prior stands in.
+- `ConcurrencyControl`: units in flight per actor. A fixed number when `actors.concurrency` is one;
+  with `auto` (the default) it reads each server's limits the way SGLang reports them
+  (`/get_server_info` `max_running_requests`), starts at that with a little headroom (split over the
+  node's actors, which share the servers), then follows `/get_load` once a second: grow while the
+  server's waiting queue is empty and its running batch has room, shrink when requests queue beyond a
+  few percent of the batch. Bounded by `actors.max_memory_mb` over a conservative per-unit size.
+
+Owns: these estimates and the controller's HTTP polling (read-only endpoints).
+Must never: abort or resend a request (client.py does), or hold a unit; it only answers numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+log = logging.getLogger("pipegen.client")
+
+DEFAULT_MAX_RUNNING = 256  # a server that reports no limit (an external server without /get_server_info)
+HEADROOM = 1.1  # in flight per server over its running slots: the next request is already queued when one ends
+MIN_OBSERVATIONS = 4  # answers before a server's own token time replaces the prior
+
+
+@dataclass
+class WatchdogLimits:
+    stall_floor_s: float = 30.0  # fixed part of every deadline: prefill, a short queue, the network
+    stall_margin: float = 3.0  # x the expected decode time (max_new_tokens x observed s/token)
+    prior_s_per_token: float = 0.1  # before a server answered anything: a slow GPU under a full batch
+    hedge: bool = True  # re-send the oldest requests to idle capacity when nothing else is left to run
+    hedge_factor: float = 1.0  # in the tail, a request older than the recent p90 latency may be hedged
+    hedge_min_s: float = 1.0
+
+
+class TokenClock:
+    """Recent (latency, output tokens) of one server's answers."""
+
+    def __init__(self, window: int = 512):
+        self.window: deque[tuple[float, int]] = deque(maxlen=window)
+        self.latency_sum = 0.0
+        self.token_sum = 0
+
+    def observe(self, latency_s: float, tokens: int) -> None:
+        if len(self.window) == self.window.maxlen:
+            old_lat, old_tok = self.window[0]
+            self.latency_sum -= old_lat
+            self.token_sum -= old_tok
+        tokens = max(1, tokens)
+        self.window.append((latency_s, tokens))
+        self.latency_sum += latency_s
+        self.token_sum += tokens
+
+    def seconds_per_token(self) -> float | None:
+        if len(self.window) < MIN_OBSERVATIONS or self.token_sum <= 0:
+            return None
+        return max(0.0, self.latency_sum) / self.token_sum
+
+    def latency_p90(self) -> float | None:
+        if len(self.window) < MIN_OBSERVATIONS:
+            return None
+        lat = sorted(x for x, _ in self.window)
+        return lat[min(len(lat) - 1, int(0.9 * len(lat)))]
+
+
+def stall_deadline(clock: TokenClock, max_new_tokens: int, limits: WatchdogLimits, stalls: int = 0) -> float:
+    """Seconds a request may take on this server before it counts as stalled."""
+    spt = clock.seconds_per_token()
+    if spt is None:
+        spt = limits.prior_s_per_token
+    return (limits.stall_floor_s + limits.stall_margin * max(1, max_new_tokens) * spt) * (2 ** stalls)
+
+
+def unit_memory_bytes(prompt_length: int, response_length: int) -> int:
+    """A conservative size of one unit in flight: Python ints and floats for every token id and log-prob
+    (about 100 bytes a token with the lists around them), the agent loop, the request and the record."""
+    return (prompt_length + response_length) * 100 + 64 * 1024
+
+
+@dataclass
+class ServerPace:
+    url: str
+    max_running: int = DEFAULT_MAX_RUNNING
+    limit: int = 1  # units this actor keeps in flight towards this server
+    running: int | None = None  # from /get_load (None: the server does not report it)
+    waiting: int | None = None
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Any:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        raw = await resp.read()
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status}")
+        return orjson.loads(raw)
+
+
+def parse_load(body: Any) -> tuple[int, int]:
+    """(running, waiting) from SGLang's /get_load: a list of per-DP dicts (or one dict), where `num_reqs`
+    counts running and waiting requests together."""
+    entries = body if isinstance(body, list) else [body]
+    reqs = waiting = 0
+    for e in entries:
+        if isinstance(e, dict):
+            reqs += int(e.get("num_reqs") or 0)
+            waiting += int(e.get("num_waiting_reqs") or 0)
+    return max(0, reqs - waiting), waiting
+
+
+class ConcurrencyControl:
+    """Units in flight for one actor: fixed, or following each server's limits and load."""
+
+    def __init__(self, urls: list[str], setting: Any, sharing: int, memory_cap_units: int,
+                 interval_s: float = 1.0):
+        self.auto = str(setting).strip().lower() == "auto"
+        self.fixed = None if self.auto else int(setting)
+        if self.fixed is not None and self.fixed < 1:
+            raise ValueError(f"actors.concurrency must be 'auto' or at least 1, got {setting}")
+        self.sharing = max(1, sharing)
+        self.memory_cap = max(1, memory_cap_units)
+        self.interval_s = interval_s
+        self.servers = [ServerPace(u.rstrip("/")) for u in urls]
+        self.changed = asyncio.Event()
+        self.adjustments = 0
+
+    def total(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        return max(1, min(self.memory_cap, sum(s.limit for s in self.servers)))
+
+    def by_server(self) -> dict[str, int]:
+        if self.fixed is not None:
+            return {}
+        return {s.url: s.limit for s in self.servers}
+
+    def _start_limit(self, s: ServerPace) -> int:
+        return max(1, math.ceil(s.max_running * HEADROOM / self.sharing))
+
+    async def discover(self, session: aiohttp.ClientSession) -> None:
+        """Read each server's running-request limit (SGLang's /get_server_info)."""
+        if not self.auto:
+            return
+        for s in self.servers:
+            try:
+                info = await _get_json(session, f"{s.url}/get_server_info", 30.0)
+                mrr = info.get("max_running_requests") if isinstance(info, dict) else None
+                if mrr:
+                    s.max_running = int(mrr)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                log.warning("no /get_server_info from %s (%s): assuming %d running requests", s.url, e,
+                            DEFAULT_MAX_RUNNING)
+            s.limit = self._start_limit(s)
+        log.info("concurrency auto: %s (memory bound %d units)",
+                 ", ".join(f"{s.url} max_running_requests={s.max_running} -> {s.limit}" for s in self.servers),
+                 self.memory_cap)
+        self.changed.set()
+
+    def adapt(self, s: ServerPace, running: int, waiting: int, in_flight_here: int, binding: bool) -> None:
+        """One control step for one server from its load."""
+        s.running, s.waiting = running, waiting
+        target_queue = max(2, math.ceil(0.05 * s.max_running))
+        old = s.limit
+        if waiting > target_queue:
+            s.limit = max(1, s.limit - max(1, (waiting - target_queue) // self.sharing))
+        elif waiting == 0 and running < s.max_running and binding:
+            s.limit = s.limit + max(1, (s.max_running - running) // self.sharing)
+        cap = max(1, 4 * s.max_running // self.sharing)  # never far past what the server can hold
+        s.limit = min(s.limit, cap)
+        if s.limit != old:
+            self.adjustments += 1
+            self.changed.set()
+
+    async def follow(self, session: aiohttp.ClientSession, in_flight_by_url, units_in_flight) -> None:
+        """Poll /get_load and adapt, until cancelled. A server without /get_load keeps its start limit."""
+        if not self.auto:
+            return
+        silent: set[str] = set()
+        while True:
+            await asyncio.sleep(self.interval_s)
+            binding = units_in_flight() >= self.total()
+            for s in self.servers:
+                if s.url in silent:
+                    continue
+                try:
+                    running, waiting = parse_load(await _get_json(session, f"{s.url}/get_load", 5.0))
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+                    if isinstance(e, ValueError) and "HTTP 404" in str(e):
+                        silent.add(s.url)
+                        log.info("%s has no /get_load: its concurrency stays at %d", s.url, s.limit)
+                    continue
+                self.adapt(s, running, waiting, in_flight_by_url(s.url), binding)

@@ -1,0 +1,69 @@
+"""Concurrency that sizes itself: the GPU-like fake engine reports its limits and load the way SGLang does,
+and the actor's controller follows them (grow while the queue is empty and the batch has room, shrink
+when requests queue)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from fake_servers import FakeServer
+
+
+def post(url: str, path: str, body: dict, timeout: float = 30) -> tuple[int, dict | None]:
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}{path}", data=orjson.dumps(body), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        raw = resp.read()
+        return resp.status, orjson.loads(raw) if raw else None
+
+
+def test_gpu_like_engine_reports_its_limits_and_load_and_aborts_like_sglang(tiny_model, tmp_path):
+    import concurrent.futures
+
+    # 4 slots, slow steps: 12 long requests = 4 running + 8 waiting
+    server = FakeServer("gpu", tmp_path, tiny_model, "--slots", "4", "--step-time", "0.05",
+                        "--step-time-per-request", "0.01", "--eos-prob", "0").wait_ready()
+    try:
+        info = orjson.loads(server.get("/get_server_info")[1])
+        assert info["max_running_requests"] == 4
+        body = {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 10}, "return_logprob": True}
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            futures = [pool.submit(post, server.url, "/generate", {**body, "rid": f"r{i}"}) for i in range(12)]
+            for _ in range(200):
+                load = orjson.loads(server.get("/get_load")[1])
+                if load[0]["num_reqs"] == 12 and load[0]["num_waiting_reqs"] < 11:  # admitted at a step's end
+                    break
+                asyncio.run(asyncio.sleep(0.02))
+            assert load == [{"dp_rank": 0, "num_reqs": 12, "num_waiting_reqs": 8, "num_tokens": 0}]
+            assert post(server.url, "/abort_request", {"rid": "r11"})[0] == 200  # the last one is still waiting
+            answers = {f"r{i}": f.result()[1] for i, f in enumerate(futures)}
+        assert answers["r11"]["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+        for i in range(11):
+            meta = answers[f"r{i}"]["meta_info"]
+            assert meta["finish_reason"] == {"type": "length", "length": 10}
+            assert len(answers[f"r{i}"]["output_ids"]) == len(meta["output_token_logprobs"]) == 10
+        stats = server.stats()
+        assert stats["max_batch_size"] == 4 and stats["running"] == 0 and stats["waiting"] == 0
+    finally:
+        server.stop()
+
+
+def test_controller_grows_to_fill_the_batch_and_shrinks_a_long_queue():
+    from pipegen.actor.pacing import ConcurrencyControl, parse_load
+
+    control = ConcurrencyControl(["http://s"], "auto", sharing=1, memory_cap_units=10_000)
+    s = control.servers[0]
+    s.max_running, s.limit = 100, 110
+    control.adapt(s, running=60, waiting=0, in_flight_here=110, binding=True)  # e.g. tool calls: batch not full
+    assert s.limit == 150
+    control.adapt(s, running=100, waiting=40, in_flight_here=150, binding=True)  # queue beyond 5% of the batch
+    assert s.limit == 115
+    control.adapt(s, running=60, waiting=0, in_flight_here=20, binding=False)  # the actor is not the limit
+    assert s.limit == 115
+    assert control.total() == 115
+    assert ConcurrencyControl(["http://s"], "auto", 1, memory_cap_units=50).total() <= 50  # memory bound
+    assert ConcurrencyControl(["http://s"], 32, 1, 10).total() == 32  # a fixed number stays fixed
+    assert parse_load([{"num_reqs": 10, "num_waiting_reqs": 3}, {"num_reqs": 5, "num_waiting_reqs": 0}]) == (12, 3)
