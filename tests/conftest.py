@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,23 @@ def load_trajectories(path: Path):
     from verl import DataProto
 
     return DataProto.load_from_disk(str(path))
+
+
+# The SGLang server-environment resolve (test_gpu_install) spends ~3 minutes waiting on the package index:
+# started when that test is collected, so the wait overlaps the rest of the suite.
+SERVER_RESOLVE = pytest.StashKey()
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: never started for a run that will not check it
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.name == "test_sglang_server_requirements_resolve_against_the_index" and not any(
+                m.name == "skipif" and m.args and m.args[0] for m in item.iter_markers()):
+            config.stash[SERVER_RESOLVE] = item.module.ServerResolve()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    job = config.stash.get(SERVER_RESOLVE, None)
+    if job is not None and job.proc.poll() is None:  # the run was interrupted before the test collected it
+        job.proc.kill()
+        shutil.rmtree(job.dir, ignore_errors=True)

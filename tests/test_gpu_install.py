@@ -8,15 +8,17 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, SERVER_RESOLVE
 
 SERVER_REQUIREMENTS = REPO / "requirements" / "sglang-server.txt"
 
@@ -90,31 +92,53 @@ PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(5, 36)] + [
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
 
 
-@pytest.mark.slow  # pip resolves ~200 packages against PyPI, reading each wheel's metadata by HTTP range requests (~4 min)
+class ServerResolve:
+    """pip's own resolver, in dry-run/report mode, for a Python 3.12 Linux GPU machine, run in the background.
+    `fast-deps` reads each wheel's metadata with HTTP range requests, so no CUDA wheel is downloaded (the
+    index here serves no PEP 658 metadata files). It waits on the network for ~3 minutes, so conftest starts
+    it when the test is collected and the wait overlaps the rest of the suite; the test collects it."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="pipegen-sglang-resolve-"))
+        self.report = self.dir / "report.json"
+        self.target = self.dir / "never-written"
+        self.cache = self.dir / "pip-cache"
+        cmd = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
+               "--use-feature=fast-deps", "--report", str(self.report), "--target", str(self.target),
+               "--index-url", "https://pypi.org/simple", "--only-binary=:all:", "--implementation", "cp",
+               "--python-version", "3.12", *[a for p in PLATFORMS for a in ("--platform", p)],
+               "--cache-dir", str(self.cache), "-r", str(SERVER_REQUIREMENTS)]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self, timeout_s: float) -> tuple[int, str, float]:
+        try:
+            _, err = self.proc.communicate(timeout=timeout_s)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        return self.proc.returncode, err, time.monotonic() - self.started
+
+
+@pytest.mark.slow  # pip resolves ~200 packages against PyPI (~3 min of network waits, overlapped: see ServerResolve)
 @pytest.mark.timeout(1500)  # network-bound and sequential in pip: the suite's 300 s default is too short for it
 @pytest.mark.skipif(not pypi_reachable(), reason="needs the package index (pypi.org) to resolve the SGLang server's pins")
-def test_sglang_server_requirements_resolve_against_the_index(tmp_path: Path) -> None:
-    """pip's own resolver, in dry-run/report mode, for a Python 3.12 Linux GPU machine: the server
-    environment's pins resolve. `fast-deps` reads each wheel's metadata with HTTP range requests, so no
-    CUDA wheel is downloaded (the index here serves no PEP 658 metadata files)."""
-    report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
-           "--use-feature=fast-deps", "--report", str(report), "--target", str(tmp_path / "never-written"),
-           "--index-url", "https://pypi.org/simple", "--only-binary=:all:", "--implementation", "cp",
-           "--python-version", "3.12", *[a for p in PLATFORMS for a in ("--platform", p)],
-           "--cache-dir", str(tmp_path / "pip-cache"), "-r", str(SERVER_REQUIREMENTS)]
-    started = time.monotonic()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    took = time.monotonic() - started
-    assert result.returncode == 0, result.stderr[-4000:]
-    installs = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
-    print(f"resolved {len(installs)} packages in {took:.0f}s: sglang {installs.get('sglang')}, "
-          f"torch {installs.get('torch')}, transformers {installs.get('transformers')}")
-    assert installs["sglang"] == "0.5.12"
-    assert "torch" in installs and "transformers" in installs
-    assert not (tmp_path / "never-written").exists()
-    cache = sum(f.stat().st_size for f in (tmp_path / "pip-cache").rglob("*") if f.is_file())
-    assert cache < 200 << 20, f"pip downloaded {cache >> 20} MiB: CUDA wheels were fetched whole"
+def test_sglang_server_requirements_resolve_against_the_index(request: pytest.FixtureRequest) -> None:
+    job = request.config.stash.get(SERVER_RESOLVE, None) or ServerResolve()
+    try:
+        returncode, err, took = job.result(timeout_s=1200)
+        assert returncode == 0, err[-4000:]
+        installs = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+                    for i in json.loads(job.report.read_text())["install"]}
+        print(f"resolved {len(installs)} packages in {took:.0f}s: sglang {installs.get('sglang')}, "
+              f"torch {installs.get('torch')}, transformers {installs.get('transformers')}")
+        assert installs["sglang"] == "0.5.12"
+        assert "torch" in installs and "transformers" in installs
+        assert not job.target.exists()
+        cache = sum(f.stat().st_size for f in job.cache.rglob("*") if f.is_file())
+        assert cache < 200 << 20, f"pip downloaded {cache >> 20} MiB: CUDA wheels were fetched whole"
+    finally:
+        shutil.rmtree(job.dir, ignore_errors=True)
 
 
 def test_sglang_servers_run_with_the_server_environments_python(tmp_path: Path) -> None:

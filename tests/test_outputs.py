@@ -3,7 +3,6 @@ of the single merged trajectories.pkl, in order, once each."""
 
 from __future__ import annotations
 
-import pickle
 import shutil
 
 import numpy as np
@@ -120,7 +119,7 @@ def test_merge_sorts_batches_committed_out_of_order(tmp_path):
     from pipegen.export.writers import export_plan
     from pipegen.run.atomic import atomic_write_bytes
     from pipegen.run.checkpoint import Checkpoint
-    from pipegen.writer.batches import BatchBuilder, to_storage
+    from pipegen.writer.batches import BatchBuilder, encode_batch
     from pipegen.writer.merge import MergePlan, output_meta, save_dataproto, write_shards
 
     cfg, run = c.prepare_run(tmp_path / "run", "n=2", "max_samples=8", "max_response_length=16")
@@ -128,8 +127,8 @@ def test_merge_sorts_batches_committed_out_of_order(tmp_path):
     builder = BatchBuilder(cfg, load_tokenizer(cfg))
     ckpt = Checkpoint()
     for number, chunk in enumerate([records[1::3], records[0::3], records[2::3]]):  # interleaved, out of order
-        batch = to_storage(asyncio.run(builder.build(chunk)), True)
-        atomic_write_bytes(run.batch_file(number), pickle.dumps(batch))
+        batch = asyncio.run(builder.build(chunk))
+        atomic_write_bytes(run.batch_file(number), b"".join(bytes(c) for c in encode_batch(batch, True)))
         ckpt.batches.add(len(batch), len(batch))
     plan = MergePlan.scan([run.batch_file(i) for i in ckpt.batches.numbers()], output_meta(cfg))
     with open(run.trajectories, "wb") as f:

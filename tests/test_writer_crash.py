@@ -119,6 +119,10 @@ def _files(root: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != ".writer.lock" and "stats" not in p.parts}
 
 
+def _has_a_line(path) -> bool:
+    return path.exists() and path.stat().st_size > 0
+
+
 def test_second_writer_is_refused_and_changes_nothing(tmp_path, tiny_model):
     out = tmp_path / "run"
     result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.run_writer=false")
@@ -128,7 +132,7 @@ def test_second_writer_is_refused_and_changes_nothing(tmp_path, tiny_model):
     first = _writer(out)
     try:
         deadline = time.time() + 60
-        while not (out / "streams" / "stats" / "writer.jsonl").exists():
+        while not _has_a_line(out / "streams" / "stats" / "writer.jsonl"):  # past its start-up and resume log
             assert first.poll() is None and time.time() < deadline, "first writer died"
             time.sleep(0.1)
         assert (out / ".writer.lock").read_text().strip() == str(first.pid)

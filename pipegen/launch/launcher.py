@@ -17,121 +17,18 @@ import time
 import uuid
 from pathlib import Path
 
-import orjson
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from pipegen.launch.supervise import Role, Supervisor
 from pipegen.observe.logs import setup_logging
 from pipegen.run.checkpoint import failure_reason
-from pipegen.run.config import (CONF_DIR, check_types, compose, describe_config_error, help_text, resolved,
-                                save_run_config)
-from pipegen.run.fingerprint import OVERRIDE_KEY, compute_fingerprint, has_output, mismatch_message, save_fingerprint
+from pipegen.launch.prepare import build_manifest, fail, prepare_run, print_help, resolve_inputs, validate
+from pipegen.run.config import check_types, compose, describe_config_error, resolved
 from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
 from pipegen.writer.commit import EXIT_FAILED_UNITS, EXIT_LOCKED
 
 log = logging.getLogger("pipegen.launch")
-
-USAGE = """\
-usage: python -m pipegen.launch output_dir=DIR [key=value ...]     (or ./launch.sh output_dir=DIR ...)
-
-Generates trajectories for every (prompt, sample) of a verl-format parquet dataset and writes
-DIR/trajectories.pkl (a verl DataProto). Re-running the same command resumes an interrupted run.
-
-Common overrides:
-  model_path=PATH|smollm2-135m    model folder (default: the embedded SmolLM2-135M-Instruct)
-  train_files=PATH|demo           verl parquet file(s) (default: pipegen's 96 demo arithmetic problems)
-  n=4  max_samples=-1              samples per prompt; prompts to use (-1 = all)
-  temperature=0.7 max_response_length=512 max_prompt_length=1024
-  llm=sglang llm.tp=2              SGLang servers on this node's GPUs (needs the sglang extra)
-  llm=external 'llm.urls=[http://127.0.0.1:30000]'
-  actors.num_actors=2 actors.concurrency=64
-  generation.save_batch_size=256 generation.show_progress=false
-  actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent
-  actor_rollout_ref.rollout.multi_turn.tool_config_path=conf/tools/calculator.yaml
-  'trainer.logger=[console,wandb]'  log metrics (and upload the artifact) with verl's Tracking
-
-pipegen's keys, with their current values (overrides given with --help are applied):
-"""
-
-
-def print_help(overrides: list[str]) -> None:
-    print(USAGE)
-    try:
-        cfg = compose([o for o in overrides if o not in ("--help", "-h")] + ["output_dir=DIR"])
-        print(help_text(cfg))
-        print(f"\nComments in {CONF_DIR}/pipegen.yaml explain pipegen's keys.")
-    except Exception as e:  # help must print even when an override is broken
-        print(f"(could not compose the config: {describe_config_error(e)})")
-
-
-def fail(message: str) -> int:
-    print(f"pipegen: error: {message}", file=sys.stderr)
-    return 2
-
-
-def resolve_inputs(cfg: DictConfig) -> None:
-    """Short names -> real paths, so every child reads concrete paths from the saved config."""
-    from pipegen.data import resolve_train_files
-    from pipegen.models import resolve_model_path
-
-    with open_dict(cfg):
-        model = resolve_model_path(str(cfg.actor_rollout_ref.model.path))
-        cfg.model_path = model
-        cfg.actor_rollout_ref.model.path = model
-        files = cfg.data.train_files
-        resolved = resolve_train_files(files if isinstance(files, str) else list(files))
-        cfg.train_files = resolved[0] if len(resolved) == 1 else resolved
-        cfg.data.train_files = cfg.train_files
-
-
-def validate(cfg: DictConfig) -> None:
-    rollout = cfg.actor_rollout_ref.rollout
-    if int(rollout.n) < 1:
-        raise ValueError(f"n={rollout.n}: samples per prompt must be at least 1")
-    if int(cfg.generation.save_batch_size) < 1:
-        raise ValueError("generation.save_batch_size must be at least 1")
-    concurrency = str(cfg.actors.concurrency).strip().lower()
-    if int(cfg.actors.num_actors) < 1 or (concurrency != "auto" and (not concurrency.isdigit() or int(concurrency) < 1)):
-        raise ValueError(f"actors.num_actors must be at least 1 and actors.concurrency 'auto' or at least 1 "
-                         f"(got {cfg.actors.num_actors}, {cfg.actors.concurrency})")
-
-
-def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
-    """Save config + fingerprint for a new run, or check them for a resumed one. Returns an error."""
-    current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
-    if run.fingerprint_file.exists():
-        problem = mismatch_message(orjson.loads(run.fingerprint_file.read_bytes()), current, run.root)
-        if problem and not has_output(run):
-            # nothing generated yet (an earlier launch was refused or stopped early): the new
-            # settings replace the old ones, and the unit manifest is read again from them
-            log.info("%s holds no generated data yet: using this launch's settings", run.root)
-            run.units_file.unlink(missing_ok=True)
-        elif problem and not cfg.get(OVERRIDE_KEY):
-            return problem
-        elif problem:
-            log.warning("%s=true: continuing despite: %s", OVERRIDE_KEY, problem)
-    run.root.mkdir(parents=True, exist_ok=True)
-    run.logs.mkdir(parents=True, exist_ok=True)
-    save_run_config(run, cfg)
-    save_fingerprint(run.fingerprint_file, current)
-    return None
-
-
-def build_manifest(cfg: DictConfig, run: RunDir) -> int:
-    """Load the dataset once through verl, check it, and record its unit indices."""
-    from pipegen.actor.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
-
-    check_files(cfg)  # seconds before verl is imported
-    tokenizer = load_tokenizer(cfg)
-    dataset = load_dataset(cfg, tokenizer)
-    indices = dataset_indices(dataset)
-    if not indices:
-        raise ValueError("train_files: the dataset has no rows (after max_samples / filtering)")
-    check_prompt_lengths(cfg, dataset, tokenizer)
-    run.write_manifest(indices)
-    return len(indices)
-
 
 class Launcher:
     def __init__(self, cfg: DictConfig, run: RunDir):
@@ -351,6 +248,11 @@ def report(run: RunDir, n: int) -> int:
         if scores is not None:
             print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
                   f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
+        finish = {k.split("/", 1)[1]: int(v) for k, v in snap.metrics.items() if k.startswith("finish_reason/")}
+        cut, seen = finish.get("length", 0), sum(finish.values())
+        if seen and cut >= 0.25 * seen:  # the default limit fits the demo's short answers, not real tasks
+            print(f"  note:         {cut} of {seen} responses stopped at the response limit: raise "
+                  f"max_response_length if they were cut short")
         if snap.merged:
             print(f"  trajectories: {run.merged_output() or run.trajectories}")
             print(f"  artifact:     {run.artifact}")

@@ -31,6 +31,7 @@ from pipegen.observe.stats import aggregate, human_rate, latest_stats, line_aliv
 class Snapshot:
     total: int = 0
     committed: int = 0
+    buffered: int = 0  # in a shard and read by the writer, not yet in a batch file (durable all the same)
     batches: int = 0
     failed: int = 0
     in_flight: int = 0
@@ -44,12 +45,18 @@ class Snapshot:
     tokens_per_s: float | None = None  # set by whoever measures it over time (the launcher's tracker)
 
     @property
+    def done(self) -> int:
+        """Samples on disk: committed to batch files, or in a shard the writer has read. Batch files fill
+        to generation.save_batch_size before they are written, so committed alone moves in big steps."""
+        return self.committed + self.buffered
+
+    @property
     def pending(self) -> int:
-        return max(0, self.total - self.committed - self.failed)
+        return max(0, self.total - self.done - self.failed)
 
     @property
     def fraction(self) -> float:
-        return self.committed / self.total if self.total else 0.0
+        return self.done / self.total if self.total else 0.0
 
     def postfix(self) -> str:
         text = (f"Saved: {self.batches} batches | Pending: {self.pending} | In-flight: {self.in_flight} | "
@@ -85,11 +92,12 @@ def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
         snap.failed = max(snap.failed, int(writer.get("failed") or 0))
         snap.committed = max(snap.committed, int(writer.get("committed") or 0))
         snap.batches = max(snap.batches, int(writer.get("batches") or 0))
+        snap.buffered = int(writer.get("buffered") or 0)
     return snap
 
 
 class ProgressBar:
-    """The launcher's tqdm bar: samples committed out of all (prompt, sample) units of the run."""
+    """The launcher's tqdm bar: samples on disk (Snapshot.done) out of all (prompt, sample) units of the run."""
 
     def __init__(self, total: int, initial: int = 0, file: IO[str] | None = None):
         from tqdm import tqdm
@@ -102,10 +110,10 @@ class ProgressBar:
     def show(self, snap: Snapshot) -> None:
         if snap.total and snap.total != self.bar.total:
             self.bar.total = snap.total
-        delta = snap.committed - self.bar.n
+        delta = snap.done - self.bar.n
         self.bar.set_postfix_str(snap.postfix(), refresh=False)
         if self.bar.n == self.initial:
-            # nothing committed yet (servers and roles starting): keep that wait out of the rate,
+            # nothing done yet (servers and roles starting): keep that wait out of the rate,
             # which tqdm measures from the previous print; elapsed still counts from the start
             self.bar.last_print_t = self.bar._time()
         if delta > 0:

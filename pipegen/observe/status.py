@@ -192,6 +192,7 @@ def gather(run: RunDir) -> RunStatus:
     progress = {
         "total": snap.total,
         "committed": snap.committed,
+        "buffered": snap.buffered,
         "batches": snap.batches,
         "pending": snap.pending,
         "in_flight": snap.in_flight,
@@ -245,8 +246,9 @@ def render(st: RunStatus) -> str:
     p, m, r = st.progress, st.metrics, st.rates
     pct = 100.0 * p["committed"] / p["total"] if p["total"] else 0.0
     out = [f"pipegen run {st.root}: {st.state.upper()}", f"  {st.hint}"]
+    buffered = f" + {p['buffered']} in shards, not yet batched" if p.get("buffered") else ""
     out.append(f"  progress   {p['committed']}/{p['total']} samples committed ({pct:.1f}%) in {p['batches']} batches"
-               f" | pending {p['pending']} | in flight {p['in_flight']} | failed {p['failed']}")
+               f"{buffered} | pending {p['pending']} | in flight {p['in_flight']} | failed {p['failed']}")
     if r or "latency/p50_s" in m:
         parts = []
         if r:

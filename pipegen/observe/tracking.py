@@ -107,7 +107,7 @@ class RunTracker:
         self.rates = Rates()
         self.stats = StatsAppender(run.stats, stats_role) if stats_role else None
         self.last_metrics: dict[str, Any] = {}
-        self._committed0: int | None = None
+        self._done0: int | None = None
         if self.backends:
             try:
                 self.tracking = make_tracking(cfg, run, self.backends)
@@ -124,6 +124,7 @@ class RunTracker:
         now = time.time()
         m: dict[str, Any] = {
             "progress/committed": snap.committed,
+            "progress/done": snap.done,
             "progress/total": snap.total,
             "progress/fraction": snap.fraction,
             "progress/batches": snap.batches,
@@ -134,7 +135,7 @@ class RunTracker:
             "time/elapsed_s": now - self.started,
         }
         m.update(snap.metrics)
-        units = self.rates.observe("committed", now, snap.committed)
+        units = self.rates.observe("done", now, snap.done)
         tokens = None
         for role, line in snap.roles.items():
             if not role.startswith("actor_") or line.get("output_tokens") is None:
@@ -147,11 +148,11 @@ class RunTracker:
             m["throughput/units_per_s"] = units
         if tokens is not None:
             m["throughput/output_tokens_per_s"] = tokens
-        if self._committed0 is None:
-            self._committed0 = snap.committed
+        if self._done0 is None:
+            self._done0 = snap.done
         elapsed = now - self.started
         if elapsed > 0:
-            m["throughput/units_per_s_launch_avg"] = max(0, snap.committed - self._committed0) / elapsed
+            m["throughput/units_per_s_launch_avg"] = max(0, snap.done - self._done0) / elapsed
         snap.tokens_per_s = tokens
         return m
 
