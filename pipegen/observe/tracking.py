@@ -37,7 +37,7 @@ from pipegen.observe.stats import Rates, StatsAppender, flatten_numbers
 log = logging.getLogger("pipegen.tracking")
 
 DEFAULT_INTERVAL_S = 10.0
-CONSOLE_KEYS = ("progress/committed", "progress/total", "progress/failed", "progress/in_flight",
+CONSOLE_KEYS = ("progress/done", "progress/committed", "progress/total", "progress/failed", "progress/in_flight",
                 "throughput/units_per_s", "throughput/output_tokens_per_s", "latency/p50_s", "latency/p95_s",
                 "reward/mean", "errors/total")
 
