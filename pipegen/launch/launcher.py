@@ -339,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    # Python leaves SIGINT ignored when it starts ignored (a shell's background job, nohup): a launcher
+    # sent SIGINT must still stop every child and say how to resume.
+    signal.signal(signal.SIGINT, on_signal)
     started = time.monotonic()
     try:
         # Servers first: they take longest (SGLang ~100 s). Then the actors and the writer, which import
