@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import orjson
 
+from pipegen.run.layout import RunDir
+
 from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
 
 
@@ -20,9 +22,10 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     assert all("503" in info["reason"] for info in ckpt["failed"].values())
     assert ckpt["num_committed"] + len(failed) == 12 and not ckpt["complete"]
     assert not (out / "trajectories.pkl").exists()
-    failure_lines = [orjson.loads(l) for p in (out / "streams" / "failures").rglob("*.jsonl")
+    failure_lines = [orjson.loads(l) for p in RunDir(out).failures.rglob("*.jsonl")
                      for l in p.read_bytes().splitlines()]
     assert {f"{r['index']}:{r['sample']}" for r in failure_lines} == failed
+    assert {r["attempt"] for r in failure_lines} == {0}, "a unit's first try is attempt 0"
     # a failed unit is never in a batch, not even as an empty or zero-reward row
     from pipegen.writer.batches import from_storage, load_batch
 
@@ -40,6 +43,11 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     assert units == [(i, s) for i in range(6) for s in range(2)]
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
     assert ckpt["complete"] and ckpt["failed"] == {}
+    # each record says which try produced it: a retried unit is attempt 1, every other unit attempt 0
+    records = [orjson.loads(l) for p in RunDir(out).rollouts.rglob("*.jsonl") for l in p.read_bytes().splitlines()]
+    attempts = {f"{r['index']}:{r['sample']}": r["attempt"] for r in records}
+    assert len(records) == len(attempts) == 12
+    assert attempts == {unit: 1 if unit in failed else 0 for unit in attempts}
 
 
 def test_final_merge_false_keeps_batches_only(tmp_path, tiny_model):

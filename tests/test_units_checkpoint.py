@@ -60,3 +60,38 @@ def test_fully_read_sealed_shards_fold_into_a_per_actor_watermark(tmp_path):
     assert list(resumed.lines()) == []
     app.append(encode_record(99, 0, {}))
     assert scan_units(tmp_path, tailer.offsets, tailer.sealed) == {(99, 0)}
+
+
+def test_a_late_answer_of_a_superseded_attempt_is_a_duplicate_never_a_second_row(tmp_path, tiny_model):
+    """Unit (i, 0) arrives first from its retry (attempt 1) and later again from the try it superseded
+    (attempt 0, e.g. an actor that was presumed dead): the output keeps the first complete record, once,
+    and the writer counts the late one as a duplicate."""
+    import asyncio
+    import dataclasses
+
+    from pipegen.bench import common as c
+    from pipegen.writer.batches import from_storage, load_batch
+    from pipegen.writer.commit import Writer
+
+    cfg, run = c.prepare_run(tmp_path / "run", "n=2", "max_samples=4", "max_prompt_length=256",
+                             "max_response_length=16", "generation.final_merge=false")
+    records = c.RecordFactory(cfg).records(8, 16, seed=1)
+    first = records[0]
+    retry = dataclasses.replace(first, attempt=1, trajectories=[{**first.trajectories[0], "response_ids": [7] * 16}])
+    c.write_records(run.rollouts, [retry, *records[1:], first])
+
+    async def drain() -> Writer:
+        writer = Writer(cfg, run)
+        try:
+            assert await asyncio.wait_for(writer.main(), 60) == 0
+        finally:
+            writer.committer.close()
+        return writer
+
+    writer = asyncio.run(drain())
+    assert writer.duplicates == 1
+    data = from_storage(load_batch(run.batch_files_on_disk()[0]))
+    units = list(zip(data.non_tensor_batch["index"].tolist(), data.non_tensor_batch["sample"].tolist()))
+    assert sorted(units) == sorted(set(units)) and len(units) == 8
+    row = units.index((first.index, first.sample))
+    assert data.batch["responses"][row].tolist() == [7] * 16  # the retry's answer, the first to arrive

@@ -32,7 +32,7 @@ from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.records import FailureRecord, RolloutRecord
-from pipegen.run.streams import ShardAppender, scan_units
+from pipegen.run.streams import ShardAppender, count_units, scan_units
 
 log = logging.getLogger("pipegen.actor")
 
@@ -95,21 +95,26 @@ class Actor:
         self.counters = ActorCounters()
         self.clock = StartupClock()  # start-up phases, in every stats line (pipegen.status shows them)
         self.control = None  # pacing.ConcurrencyControl, once main() started
+        # a unit's attempt number = its tries that ended in a FailureRecord before (any launch, any actor)
+        self.failed_tries = count_units(run.failures)
 
     async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender) -> None:
         runner = self.runner
+        index = runner.indices[pos]
+        attempt = self.failed_tries.get((index, sample), 0)
         self.counters.in_flight += 1
         try:
             record = await runner.run(pool, pos, sample)
+            record.attempt = attempt
             line = record.to_line()
         except Exception as e:  # any failure of this unit is recorded, never turned into a sample
-            index = runner.indices[pos]
             reason = f"{type(e).__name__}: {e}"
             self.counters.count_failure(type(e).__name__)
             log.warning("unit (%d, %d) failed: %s", index, sample, reason)
             failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
                                           seed=runner.seed(index, sample), agent_name=runner.agent_name(pos),
-                                          reason=reason).to_line())
+                                          reason=reason, attempt=attempt).to_line())
+            self.failed_tries[(index, sample)] = attempt + 1
             return
         finally:
             self.counters.in_flight -= 1

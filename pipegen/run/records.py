@@ -7,8 +7,11 @@ every unit that gave up becomes one `FailureRecord`; each is one JSON line in an
 - `UnitKeys` turns `(index, sample)` into one integer `index * n + sample` (so sets of units compress
   into ranges in the checkpoint) and back, and names a unit as the text `"index:sample"` where a human
   reads it (the checkpoint's failed units, status, logs).
-- `attempt` counts the tries of one unit; a reader keeps the first complete record of a unit and
-  drops any later one as a duplicate, whatever its attempt.
+- `attempt` numbers a unit's tries from 0: how many earlier tries of it ended in a FailureRecord (a
+  unit retried by a later launch carries 1, 2, ...). Requests re-sent inside one try (5xx retries,
+  stall resends, hedges) are counted in the actor's stats, not here. A reader keeps the first complete
+  record of a unit and drops any later one as a duplicate, whatever its attempt: the late answer of a
+  superseded try never becomes a second row.
 - `unit_seed` and `prompt_uid` derive the per-unit sampling seed and the prompt's uid, so a rerun of
   the same setup reproduces both.
 

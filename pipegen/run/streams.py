@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -160,10 +161,16 @@ class ShardTailer:
 
 def scan_units(topic_dir: Path, offsets: dict[str, int], sealed: dict[str, int] | None = None) -> set[tuple[int, int]]:
     """(index, sample) of every complete line past the given offsets (resume: work already done)."""
-    tailer = ShardTailer(Path(topic_dir), dict(offsets), dict(sealed or {}))
-    found: set[tuple[int, int]] = set()
+    return set(count_units(topic_dir, offsets, sealed))
+
+
+def count_units(topic_dir: Path, offsets: dict[str, int] | None = None,
+                sealed: dict[str, int] | None = None) -> Counter[tuple[int, int]]:
+    """How many complete lines past the given offsets (default: all of them) name each (index, sample)."""
+    tailer = ShardTailer(Path(topic_dir), dict(offsets or {}), dict(sealed or {}))
+    found: Counter[tuple[int, int]] = Counter()
     for _, _, line in tailer.lines():
         head = read_head(line)
         if head is not None:
-            found.add(head)
+            found[head] += 1
     return found
