@@ -112,6 +112,7 @@ def test_status_live_run_with_killed_writer_then_finished(tmp_path, tiny_model):
         assert any(s["answering"] for s in st.servers)
         text = status_cli(out).stdout
         assert "RUNNING" in text and f"pid {actor.pid} alive" in text and f"held by pid {st.writer_lock.pid}" in text
+        assert actor.cpu_busy is not None and 0 <= actor.cpu_busy <= 1.5 and "% busy" in text
         assert str(out / "logs") in text
 
         # kill the writer: status names its pid as not running while the actors go on
@@ -260,3 +261,18 @@ def test_status_survives_partial_stats_lines(tmp_path, garbage):
     stats.mkdir()
     (stats / "actor_0.jsonl").write_bytes(b'{"time": 1.0, "pid": 1, "completed": 3}\n' + garbage)
     assert latest_stats(stats)["actor_0"]["completed"] == 3
+
+
+def test_status_names_an_actor_that_is_cpu_bound_and_the_fix():
+    """An actor whose event loop is near 100% of its core is the run's limit: status says so and names
+    the key; a busy-but-keeping-up actor, or one that finished, gets no note."""
+    from pipegen.observe.status import LockStatus, RoleStatus, RunStatus
+
+    def text(busy: float, final: bool = False) -> str:
+        actor = RoleStatus("actor_0", pid=1, alive=True, stats_age_s=1.0, final=final, cpu_busy=busy)
+        progress = {"total": 8, "committed": 2, "batches": 0, "pending": 6, "in_flight": 2, "failed": 0}
+        return render(RunStatus("/r", "running", "live", progress, {}, {}, [actor], LockStatus("/r/lock"), {}, "/r/logs"))
+
+    assert "actor_0 near 100% CPU" in text(0.97) and "actors.num_actors" in text(0.97)
+    assert "CPU 97% busy" in text(0.97)
+    assert "near 100% CPU" not in text(0.40) and "near 100% CPU" not in text(0.97, final=True)

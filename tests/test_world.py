@@ -69,3 +69,17 @@ def test_sglang_command_line():
     assert "--enable-deterministic-inference" not in argv
     argv, _ = sglang_server_command(p.servers[0], "/m", {"tp": 2, "deterministic_inference": True}, 0)
     assert "--enable-deterministic-inference" in argv
+
+
+@pytest.mark.parametrize("llm,gpus,cpus,expected", [
+    ({"kind": "sglang", "tp": 1}, 8, 64, 8),  # one actor per GPU server
+    ({"kind": "sglang", "tp": 2}, 8, 64, 4),
+    ({"kind": "sglang", "tp": 1}, 8, 8, 4),  # at most half the cores: the servers need the rest
+    ({"kind": "external", "urls": ["http://a:1", "http://b:1"]}, 0, 2, 1),
+    ({"kind": "external", "urls": ["http://a:1", "http://b:1"]}, 0, 16, 2),
+    ({"kind": "cpu", "num_servers": 2}, 0, 64, 1),  # a CPU server serves a few units/s: one actor keeps up
+])
+def test_auto_actor_count_follows_the_servers_and_the_cores(llm, gpus, cpus, expected):
+    p = plan_world(llm, "auto", {}, count_devices=lambda: gpus, pick_port=lambda host: next(ports), cpus=cpus)
+    assert p.num_actors == expected
+    assert plan_world(llm, 3, {}, count_devices=lambda: gpus, pick_port=lambda host: next(ports), cpus=cpus).num_actors == 3

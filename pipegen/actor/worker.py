@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
@@ -97,6 +98,7 @@ class Actor:
         self.control = None  # pacing.ConcurrencyControl, once main() started
         # a unit's attempt number = its tries that ended in a FailureRecord before (any launch, any actor)
         self.failed_tries = count_units(run.failures)
+        self._busy_since = (time.monotonic(), time.process_time())  # for cpu_busy in the stats lines
 
     async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender) -> None:
         runner = self.runner
@@ -156,7 +158,7 @@ class Actor:
             # then read the limits of those that answer (a late one starts at the default; /get_load adapts it)
             await wait_for_first_server(session, pool, self.clock)
             control = ConcurrencyControl(
-                list(self.launch.servers), actors_cfg.concurrency, sharing=int(actors_cfg.num_actors),
+                list(self.launch.servers), actors_cfg.concurrency, sharing=self.num_actors,
                 memory_cap_units=int(actors_cfg.max_memory_mb) * 2**20 // unit_memory_bytes(
                     self.runner.prompt_length, self.runner.response_length))
             await control.discover(session)
@@ -203,6 +205,13 @@ class Actor:
             await asyncio.sleep(float(self.cfg.actors.stats_interval_s))
             self._write_stats(pool, stats, total)
 
+    def cpu_busy(self) -> float:
+        """Share of the wall clock this process spent on CPU since the last stats line: near 1.0, the
+        actor's event loop (one core) is what limits the run, and more actors would go faster."""
+        wall, cpu = time.monotonic(), time.process_time()
+        (wall0, cpu0), self._busy_since = self._busy_since, (wall, cpu)
+        return round((cpu - cpu0) / max(wall - wall0, 1e-9), 3)
+
     def _write_stats(self, pool, stats: StatsAppender, total: int, final: bool = False) -> None:
         c = self.counters
         lat = sorted(pool.latencies)
@@ -237,9 +246,22 @@ class Actor:
                 "server_load": ({s.url: {"running": s.running, "waiting": s.waiting} for s in self.control.servers}
                                 if self.control and self.control.auto else {}),
                 "requests_by_server": {s.url: s.requests for s in pool.servers},
+                "cpu_busy": self.cpu_busy(),
                 **self.clock.as_stats(),
             }
         )
+
+
+def world_actor_count(arg: str | None, run: RunDir, cfg: DictConfig) -> int:
+    """Actors in the whole run: the launcher's argument, else what it wrote in the launch record (an
+    actor restarted by hand), else a fixed `actors.num_actors` (a record from an older pipegen)."""
+    if arg:
+        return int(arg)
+    recorded = run.read_launch().num_actors
+    if recorded:
+        return recorded
+    setting = str(cfg.actors.num_actors)
+    return int(setting) if setting.isdigit() else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     import_then_wait_for_manifest(run)  # the launcher may still be reading the dataset
-    actor = Actor(cfg, run, rank, int(num_actors_arg or cfg.actors.num_actors))
+    actor = Actor(cfg, run, rank, world_actor_count(num_actors_arg, run, cfg))
     actor.clock.mark("ready")
     log.info("actor %d ready %.1fs after its process started (pid %d)", rank, actor.clock.since("ready"), os.getpid())
     return uvloop.run(actor.main())

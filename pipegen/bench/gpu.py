@@ -130,7 +130,9 @@ def run_pipegen(root: Path, url: str, model: str, overrides: list[str], timeout_
     first = min(float(line["startup/first_request"]) for name, line in roles.items()
                 if name.startswith("actor_") and line.get("startup/first_request"))
     phases = startup_phases(roles, run.read_launch().started)
-    return PipegenRun(root, tokens, first, last, wall, int(cfg.actors.num_actors) * int(cfg.actors.concurrency),
+    # what the actors drove (auto concurrency and actor count by default): their last stats lines say
+    in_flight = sum(int(line.get("concurrency") or 0) for name, line in roles.items() if name.startswith("actor_"))
+    return PipegenRun(root, tokens, first, last, wall, max(1, in_flight),
                       phases.render() if phases else "no start-up phases")
 
 

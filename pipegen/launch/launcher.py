@@ -328,11 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     from pipegen.launch.world import PlanError, current_plan
 
     try:
-        plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), int(cfg.actors.num_actors))
+        plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), cfg.actors.num_actors)
     except PlanError as e:
         return fail(str(e))
     run.write_launch(LaunchRecord(launch=uuid.uuid4().hex, run_key=run.run_key(), servers=plan.urls,
-                                  node_rank=plan.node.rank))
+                                  node_rank=plan.node.rank, num_actors=plan.num_actors * plan.node.world_size))
     launcher = Launcher(cfg, run)
 
     def on_signal(signum, _frame):

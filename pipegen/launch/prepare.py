@@ -13,7 +13,7 @@ import os
 import sys
 
 import orjson
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipegen.run.config import CONF_DIR, compose, describe_config_error, help_text, save_run_config
 from pipegen.run.fingerprint import OVERRIDE_KEY, compute_fingerprint, has_output, mismatch_message, save_fingerprint
@@ -85,10 +85,10 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"n={rollout.n}: samples per prompt must be at least 1")
     if int(cfg.generation.save_batch_size) < 1:
         raise ValueError("generation.save_batch_size must be at least 1")
-    concurrency = str(cfg.actors.concurrency).strip().lower()
-    if int(cfg.actors.num_actors) < 1 or (concurrency != "auto" and (not concurrency.isdigit() or int(concurrency) < 1)):
-        raise ValueError(f"actors.num_actors must be at least 1 and actors.concurrency 'auto' or at least 1 "
-                         f"(got {cfg.actors.num_actors}, {cfg.actors.concurrency})")
+    for key in ("actors.num_actors", "actors.concurrency"):
+        value = str(OmegaConf.select(cfg, key)).strip().lower()
+        if value != "auto" and (not value.isdigit() or int(value) < 1):
+            raise ValueError(f"{key}={value}: use auto or a whole number of at least 1")
 
 
 def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:

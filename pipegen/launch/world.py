@@ -1,8 +1,8 @@
 """The world plan: which servers and actors this node runs, as a pure function of config + environment.
 
 Owns: splitting visible GPUs into SGLang tensor-parallel groups, picking ports, deciding how many
-actors this node runs and whether it runs the writer (rank 0 only), from WORLD_SIZE/RANK/MASTER_ADDR
-or Slurm's variables.
+actors this node runs (`actors.num_actors=auto`: from its servers and cores) and whether it runs the
+writer (rank 0 only), from WORLD_SIZE/RANK/MASTER_ADDR or Slurm's variables.
 Must never: start processes or touch the filesystem; port probing is passed in as a function so tests
 stay pure.
 """
@@ -74,15 +74,39 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# One actor process (a single-threaded event loop) spends about 2 ms of CPU per unit, so it sustains
+# roughly 500 units/s (`python -m pipegen.bench --only e2e`: the actor's rate against an instant server). The
+# fastest server measured, SGLang on one H100 with SmolLM2-135M and 256-token responses, asks for
+# about 270 units/s (50.8k output tok/s): one actor per GPU server keeps every actor around half busy
+# even there, and larger models ask far less. A CPU reference server serves a few units per second.
+# Half the cores stay for the servers' own tokenizer and scheduler processes.
+def actor_count(setting: int | str, kind: str, servers: int, cpus: int) -> int:
+    """Actor processes for this node: a number as given, or `auto` (see above)."""
+    if str(setting).strip().lower() != "auto":
+        return int(setting)
+    if kind == "cpu":
+        return 1
+    return max(1, min(servers, cpus // 2))
+
+
 def plan_world(
     llm: Mapping,
-    num_actors: int,
+    num_actors: int | str,
     env: Mapping[str, str],
     count_devices: Callable[[], int] = lambda: 0,
     pick_port: Callable[[str], int] = free_port,
+    cpus: int | None = None,
 ) -> WorldPlan:
+    plan = _place_servers(llm, env, count_devices, pick_port)
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    plan.num_actors = actor_count(num_actors, llm["kind"], len(plan.urls), cpus)
+    return plan
+
+
+def _place_servers(llm: Mapping, env: Mapping[str, str], count_devices: Callable[[], int],
+                   pick_port: Callable[[str], int]) -> WorldPlan:
     node = node_info(env)
-    plan = WorldPlan(node=node, num_actors=int(num_actors), runs_writer=node.rank == 0)
+    plan = WorldPlan(node=node, runs_writer=node.rank == 0)
     kind = llm["kind"]
     if kind == "external":
         urls = list(llm.get("urls") or [])
@@ -111,7 +135,7 @@ def plan_world(
     raise PlanError(f"llm.kind={kind!r} is unknown; choose llm=cpu, llm=sglang or llm=external")
 
 
-def current_plan(llm: Mapping, num_actors: int) -> WorldPlan:
+def current_plan(llm: Mapping, num_actors: int | str) -> WorldPlan:
     """The plan for this process's real environment."""
 
     def count_devices() -> int:

@@ -32,6 +32,9 @@ from pipegen.observe.stats import (aggregate, across_processes, history_rates, h
                                    stats_history)
 
 
+CPU_BOUND = 0.85  # an actor busier than this on its one core is the run's bottleneck
+
+
 @dataclass
 class RoleStatus:
     name: str
@@ -42,6 +45,7 @@ class RoleStatus:
     final: bool = False
     log: str | None = None
     log_age_s: float | None = None
+    cpu_busy: float | None = None  # an actor's CPU time / wall time over its last stats interval
 
 
 @dataclass
@@ -163,6 +167,7 @@ def gather(run: RunDir) -> RunStatus:
             rs.alive = line_alive(line)
             rs.stats_age_s = now - float(line.get("time") or now)
             rs.final = bool(line.get("final"))
+            rs.cpu_busy = line.get("cpu_busy")
         entry = log_by_role.get(name)
         if entry is not None:
             rs.log = str(run.logs / entry["file"])
@@ -298,8 +303,13 @@ def render(st: RunStatus) -> str:
             life = f"pid {role.pid} {'alive' if role.alive else 'not running'}"
             if not role.alive and (role.final or st.state == "finished"):
                 life = f"pid {role.pid} exited (done)"
-        out.append(f"    {role.name:<10} {life:<28} last stats {_age(role.stats_age_s)}"
+        busy = f", CPU {role.cpu_busy:.0%} busy" if role.cpu_busy is not None else ""
+        out.append(f"    {role.name:<10} {life:<28} last stats {_age(role.stats_age_s)}{busy}"
                    + (f", log {_age(role.log_age_s)}" if role.log else ""))
+    bound = [r.name for r in st.roles if r.alive and not r.final and (r.cpu_busy or 0) >= CPU_BOUND]
+    if bound:
+        out.append(f"  note       {', '.join(bound)} near 100% CPU: one actor process is what limits this run; "
+                   f"more actors go faster (actors.num_actors=N on the next launch)")
     lock = st.writer_lock
     if lock.held:
         out.append(f"  writer lock  held by pid {lock.pid}")

@@ -68,7 +68,7 @@ def save_run_config(run: RunDir, cfg: DictConfig) -> None:
 
 HELP = "python -m pipegen.launch --help"
 # keys the launcher and every child read as numbers: a wrong type is said here, naming the key
-INTEGER_KEYS = ("n", "max_samples", "seed", "max_prompt_length", "max_response_length", "actors.num_actors",
+INTEGER_KEYS = ("n", "max_samples", "seed", "max_prompt_length", "max_response_length",
                 "actors.shard_max_bytes", "generation.save_batch_size",
                 "generation.max_attempts", "generation.restart_limit")
 FLOAT_KEYS = ("temperature", "actors.stats_interval_s", "actors.fsync_interval_s", "generation.pull_timeout",

@@ -239,6 +239,7 @@ class LaunchRecord:
     servers: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
     node_rank: int = 0
+    num_actors: int = 0  # actor processes in the whole run (0: a record from before pipegen wrote it)
 
 
 def output_dir_from_args(args: list[str]) -> Path:
