@@ -17,7 +17,8 @@ from typing import Optional
 import uvloop
 
 from pipegen.cpu_server.engine import load_engine_class
-from pipegen.cpu_server.server import CRASH_EXIT_CODE, serve
+from pipegen.cpu_server.lifecycle import serve
+from pipegen.cpu_server.server import CRASH_EXIT_CODE
 from pipegen.observe.logs import watch_parent
 
 PROG = "python -m pipegen.cpu_server"

@@ -4,10 +4,8 @@ Owns: ``POST|PUT /generate`` (single, batch, ``n > 1``; the in-flight duplicate-
 and ``GET /health_generate`` (503 with an empty body until the engine is loaded), ``GET /get_model_info`` and
 ``/model_info`` (answer during startup too), ``GET /get_server_info``, ``GET /v1/models``,
 ``GET|POST /flush_cache``, ``POST /abort_request`` (rid prefix semantics), ``GET /get_load`` (SGLang's
-per-DP running/waiting counts), pipegen's ``GET /pipegen_stats``
-(JSON counters for tests and benchmarks), and ``serve`` - the process life: bind the port first and load the
-model after, so liveness is visible early; stop on SIGTERM/SIGINT. A client disconnect aborts its request; the
-fault knobs (``--fail-rate``, ``--hang-rate``, ``--crash-after``) inject SGLang-shaped failures.
+per-DP running/waiting counts) and pipegen's ``GET /pipegen_stats`` (JSON counters for tests and
+benchmarks); lifecycle.py runs it as a process. A client disconnect aborts its request; the fault knobs (``--fail-rate``, ``--hang-rate``, ``--crash-after``) inject SGLang-shaped failures.
 It always behaves as ``--skip-tokenizer-init``: token ids in, token ids + logprobs out, no ``text``.
 Must never: bind anything but the given host (loopback by default), do model work on the event loop, answer a
 request it did not validate, re-tokenize, or know an engine's constructor (engines build themselves from the
@@ -22,16 +20,14 @@ import asyncio
 import logging
 import os
 import random
-import signal
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Optional
 
 import orjson
 from aiohttp import web
 
-from pipegen.cpu_server.engine import HEALTH_CHECK_PREFIX, Engine, EngineRequest, ModelFacts, read_model_facts
+from pipegen.cpu_server.engine import HEALTH_CHECK_PREFIX, Engine, EngineRequest, ModelFacts
 from pipegen.cpu_server.errors import ProtocolError, bad_request, service_unavailable, validation_error
 from pipegen.cpu_server.parse import SCHEDULER_INPUT_MARGIN, EntrySpec, parse_generate_request
 from pipegen.cpu_server.responses import WEIGHT_VERSION, build_output, finish_abort_waiting
@@ -387,56 +383,3 @@ def build_app(server: ReferenceServer) -> web.Application:
     app.router.add_post("/abort_request", server.abort_request)
     app.router.add_get("/pipegen_stats", server.pipegen_stats)
     return app
-
-
-async def serve(args: argparse.Namespace) -> int:
-    """Bind, then load, then serve until SIGTERM/SIGINT. Returns the exit code."""
-    if args.model_path and not Path(args.model_path).is_dir():
-        from pipegen.models import resolve_model_path
-
-        args.model_path = resolve_model_path(args.model_path)
-    facts = read_model_facts(args.model_path)
-    engine = args.engine_class.from_args(facts, args)
-    server = ReferenceServer(args, engine, facts)
-    app = build_app(server)
-    runner = web.AppRunner(app, handler_cancellation=True,
-                           access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None)
-    await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port, reuse_address=True)
-    await site.start()
-    sockets = getattr(getattr(site, "_server", None), "sockets", None) or []
-    server.port = sockets[0].getsockname()[1] if sockets else args.port
-    log.info("pipegen reference server listening on http://%s:%d (engine=%s, model=%s, context=%d)",
-             args.host, server.port, engine.name, args.model_path or "-", engine.context_length)
-    if args.port_file:
-        tmp = f"{args.port_file}.tmp{os.getpid()}"
-        Path(tmp).write_text(str(server.port))
-        os.replace(tmp, args.port_file)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
-    if args.startup_delay > 0:
-        await asyncio.sleep(args.startup_delay)
-    t0 = time.monotonic()
-    try:
-        await asyncio.to_thread(engine.load)
-    except Exception:
-        log.exception("model load failed: %s", args.model_path)
-        await runner.cleanup()
-        return 1
-    await engine.start()
-    server.ready.set()
-    log.info("engine %s loaded in %.2f s; The server is fired up and ready to roll!", engine.name,
-             time.monotonic() - t0)
-    stats_task = loop.create_task(server.log_stats_periodically(args.stats_interval)) \
-        if args.stats_interval > 0 else None
-    await stop.wait()
-    log.info("shutting down")
-    if stats_task:
-        stats_task.cancel()
-    await engine.close()
-    await runner.cleanup()
-    return 0
