@@ -276,3 +276,19 @@ def test_status_names_an_actor_that_is_cpu_bound_and_the_fix():
     assert "actor_0 near 100% CPU" in text(0.97) and "actors.num_actors" in text(0.97)
     assert "CPU 97% busy" in text(0.97)
     assert "near 100% CPU" not in text(0.40) and "near 100% CPU" not in text(0.97, final=True)
+
+
+def test_a_cpu_bound_actor_warns_once_with_the_fix(caplog):
+    """Two stats intervals near 100% CPU while units still wait to start: one warning naming the key;
+    a single busy interval, or busy in the tail (nothing left to start), says nothing."""
+    from pipegen.actor.worker import Actor
+
+    actor = Actor.__new__(Actor)
+    actor.rank, actor.num_actors, actor._busy_intervals = 0, 1, 0
+    with caplog.at_level("WARNING", logger="pipegen.actor"):
+        for busy, draining in ((0.97, False), (0.30, False), (0.97, False), (0.99, True), (0.97, False)):
+            actor.warn_if_cpu_bound(busy, draining)
+        assert not caplog.records
+        for _ in range(4):
+            actor.warn_if_cpu_bound(0.95, False)
+    assert len(caplog.records) == 1 and "actors.num_actors=2" in caplog.records[0].getMessage()

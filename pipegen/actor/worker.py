@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from pipegen.actor.rollout import UnitRunner
 from pipegen.actor.startup import StartupClock, import_then_wait_for_manifest, wait_for_first_server
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
-from pipegen.observe.stats import StatsAppender, percentile
+from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
@@ -99,6 +99,7 @@ class Actor:
         # a unit's attempt number = its tries that ended in a FailureRecord before (any launch, any actor)
         self.failed_tries = count_units(run.failures)
         self._busy_since = (time.monotonic(), time.process_time())  # for cpu_busy in the stats lines
+        self._busy_intervals = 0  # consecutive stats intervals spent CPU-bound while units wait to start
 
     async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender) -> None:
         runner = self.runner
@@ -212,8 +213,19 @@ class Actor:
         (wall0, cpu0), self._busy_since = self._busy_since, (wall, cpu)
         return round((cpu - cpu0) / max(wall - wall0, 1e-9), 3)
 
+    def warn_if_cpu_bound(self, busy: float, draining: bool) -> None:
+        """Once per process: the actor's one core, not the servers, has set the pace for two intervals."""
+        self._busy_intervals = self._busy_intervals + 1 if busy >= CPU_BOUND and not draining else 0
+        if self._busy_intervals == 2:
+            log.warning("actor %d is %.0f%% busy on its CPU core: it, not the servers, limits this run; more "
+                        "actors go faster (actors.num_actors=%d on the next launch)", self.rank, 100 * busy,
+                        2 * self.num_actors)
+
     def _write_stats(self, pool, stats: StatsAppender, total: int, final: bool = False) -> None:
         c = self.counters
+        busy = self.cpu_busy()
+        if not final:
+            self.warn_if_cpu_bound(busy, pool.draining)
         lat = sorted(pool.latencies)
         recent = lambda xs: xs[-10000:]  # noqa: E731  (bounded memory and work per line)
         c.turns, c.response_lengths, c.rewards = recent(c.turns), recent(c.response_lengths), recent(c.rewards)
@@ -246,7 +258,7 @@ class Actor:
                 "server_load": ({s.url: {"running": s.running, "waiting": s.waiting} for s in self.control.servers}
                                 if self.control and self.control.auto else {}),
                 "requests_by_server": {s.url: s.requests for s in pool.servers},
-                "cpu_busy": self.cpu_busy(),
+                "cpu_busy": busy,
                 **self.clock.as_stats(),
             }
         )

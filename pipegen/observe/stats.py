@@ -29,6 +29,7 @@ HOST = socket.gethostname()
 # Cumulative counters that get a `<name>_per_s` companion (the rate since this process's previous line).
 RATE_COUNTERS = ("completed", "output_tokens", "requests", "committed", "lines")
 RATE_WINDOW_S = 60.0  # "recent" rates are measured over about this much of the newest history
+CPU_BOUND = 0.85  # an actor busier than this on its one core (cpu_busy) is what limits the run
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:

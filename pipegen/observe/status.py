@@ -28,11 +28,8 @@ from pipegen.run.checkpoint import failure_reason
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.observe.progress import snapshot
 from pipegen.observe.startup import startup_phases
-from pipegen.observe.stats import (aggregate, across_processes, history_rates, human_rate, line_alive, pid_alive,
+from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive, pid_alive,
                                    stats_history)
-
-
-CPU_BOUND = 0.85  # an actor busier than this on its one core is the run's bottleneck
 
 
 @dataclass
