@@ -71,10 +71,16 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]
     total = run.total_units(spec.n)
     arrivals: list[float] = []
 
+    rollouts = run.rollouts
+
     class TimedAppender(worker.ShardAppender):
+        def __init__(self, topic_dir: Path, *args) -> None:
+            super().__init__(topic_dir, *args)
+            self.timed = topic_dir == rollouts  # decided once: a path comparison per line costs the actor ~2%
+
         def append(self, line: bytes) -> None:
             super().append(line)
-            if self.dir.parent == run.rollouts:
+            if self.timed:
                 arrivals.append(time.perf_counter())
 
     actor = worker.Actor(cfg, run, 0, 1)
