@@ -14,7 +14,9 @@ fake engine, no latency).
   then tail read).
 - full mode adds the real launcher (`python -m pipegen.launch ... llm=external`, writer included), with
   line arrival seen by polling the shard files every 20 ms.
-pipegen and raw runs alternate (A B B A) so both see the same load.
+pipegen and raw runs alternate (A B B A) so both see the same load. Beside the rates, the row gives CPU
+per unit of each client (this process) and of the server (from /proc): the ratio is a race for the same
+cores, and these say who used them.
 
 Owns: this scenario's run shapes, the actor/launcher/Ray runs it times, and its rows in the table.
 """
@@ -61,8 +63,9 @@ def steady_rate(times: list[float]) -> float:
 # the three clients
 
 
-def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]:
-    """The real actor in this process; returns the arrival time of every appended rollout line."""
+def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object, float]:
+    """The real actor in this process: the arrival time of every appended rollout line, the run, and the
+    process CPU seconds per unit between the first and the last line (start-up excluded)."""
     import uvloop
 
     import pipegen.actor.worker as worker
@@ -70,7 +73,7 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]
     cfg, run = c.prepare_run(root, *spec.overrides(), servers=[url])
     total = run.total_units(spec.n)
     arrivals: list[float] = []
-
+    cpu: list[float] = []
     rollouts = run.rollouts
 
     class TimedAppender(worker.ShardAppender):
@@ -82,6 +85,7 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]
             super().append(line)
             if self.timed:
                 arrivals.append(time.perf_counter())
+                cpu.append(time.process_time())
 
     actor = worker.Actor(cfg, run, 0, 1)
     original = worker.ShardAppender
@@ -92,7 +96,7 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]
         worker.ShardAppender = original
     if len(arrivals) != total:
         raise RuntimeError(f"the actor wrote {len(arrivals)} of {total} units; see {run.root}")
-    return arrivals, run
+    return arrivals, run, (cpu[-1] - cpu[0]) / (len(cpu) - 1)
 
 
 def raw_bodies(run) -> list[dict]:
@@ -114,6 +118,16 @@ def raw_bodies(run) -> list[dict]:
 
 def run_raw(url: str, bodies: list[dict], concurrency: int) -> list[float]:
     return [t for t, _ in c.post_all(url, bodies, concurrency)]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc (0.0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def run_ray_queue(records: list[dict]) -> float:
@@ -207,17 +221,24 @@ class ActorFigures:
 def actor_vs_raw(res: c.ScenarioResult, server, tmp: Path, spec: RunSpec, reps: int, label: str) -> ActorFigures:
     rates: dict[str, list[float]] = {"pipegen": [], "raw": []}
     tokens: dict[str, list[float]] = {"pipegen": [], "raw": []}
+    client_cpu: dict[str, list[float]] = {"pipegen": [], "raw": []}  # seconds per unit, this process
+    server_cpu: list[float] = []  # seconds per request, the server process
     bodies, first_run = None, None
     order = (["pipegen", "raw", "raw", "pipegen"] * ((reps + 1) // 2))[: 2 * reps]  # starts with pipegen
     for i, kind in enumerate(order):
         before = c.server_stats(server.url)["tokens_generated"]
+        server_before = process_cpu_s(server.proc.pid)
         if kind == "pipegen":
-            arrivals, run = run_actor(tmp / f"run{spec.response_tokens}_{i}", server.url, spec)
+            arrivals, run, cpu = run_actor(tmp / f"run{spec.response_tokens}_{i}", server.url, spec)
             rates[kind].append(steady_rate(arrivals))
+            client_cpu[kind].append(cpu)
             if bodies is None:
                 bodies, first_run = raw_bodies(run), run
         else:
+            started = time.process_time()
             rates[kind].append(steady_rate(run_raw(server.url, bodies, spec.concurrency)))
+            client_cpu[kind].append((time.process_time() - started) / len(bodies))
+        server_cpu.append((process_cpu_s(server.proc.pid) - server_before) / len(bodies))
         tokens[kind].append(c.server_stats(server.url)["tokens_generated"] - before)
     pairs = list(zip(rates["pipegen"], rates["raw"]))
     res.add(c.Row(
@@ -226,7 +247,10 @@ def actor_vs_raw(res: c.ScenarioResult, server, tmp: Path, spec: RunSpec, reps: 
         raw=(f"actor {c.fmt_rate(c.median(rates['pipegen']), ' samples/s')}, raw "
              f"{c.fmt_rate(c.median(rates['raw']), ' req/s')}; {len(bodies)} units, concurrency {spec.concurrency}, "
              f"scoring {'on' if spec.scoring else 'off'}, server tokens per run {c.median(tokens['pipegen']):,.0f} "
-             f"vs {c.median(tokens['raw']):,.0f}; {len(pairs)} pairs"),
+             f"vs {c.median(tokens['raw']):,.0f}; {len(pairs)} pairs; CPU per unit: actor "
+             f"{c.median(client_cpu['pipegen']) * 1e3:.2f} ms, raw loop {c.median(client_cpu['raw']) * 1e3:.2f} ms, "
+             f"server {c.median(server_cpu) * 1e3:.2f} ms (a client above the server's figure is the bottleneck "
+             f"even on idle cores; on busy ones the figures add up)"),
     ))
     return ActorFigures(rates["pipegen"], rates["raw"], bodies, first_run)
 
