@@ -28,7 +28,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import orjson
@@ -43,6 +43,7 @@ log = logging.getLogger("pipegen.client")
 STICKY_CACHE_SIZE = 10000
 MAX_COPIES = 3  # a request and its hedges in flight at once (the tail only)
 RETRYABLE_4XX = (408, 429)  # request timeout / too many requests (routers): transient, not a client bug
+NO_TIMEOUT = aiohttp.ClientTimeout()  # no total, no socket timeouts (the session default would be 300 s)
 
 
 class RetriesExhausted(Exception):
@@ -94,6 +95,8 @@ class ServerPool:
         self.units_in_flight = lambda: 0
         self._clock_all = TokenClock(window=1024)
         self._superseded: set[str] = set()  # rids being aborted by this client (their abort answer is no failure)
+        self._json_headers = {"Content-Type": "application/json"}
+        self.on_first_request: Callable[[], None] | None = None  # called as the first /generate is sent
 
     # ---- routing ----
     def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:
@@ -317,6 +320,8 @@ class ServerPool:
 
     def _start(self, server: ServerState, body: dict[str, Any]) -> asyncio.Task:
         """Count the request against its server now (the next pick sees it), then send it in a task."""
+        if not self.requests_sent and self.on_first_request is not None:
+            self.on_first_request()
         server.in_flight += 1
         server.requests += 1
         self.requests_sent += 1
@@ -330,8 +335,10 @@ class ServerPool:
             async with self.session.post(
                 f"{server.url}/generate",
                 data=orjson.dumps(body),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=self.limits.request_timeout_s),
+                headers=self._json_headers,
+                # no aiohttp timer: _watched bounds every attempt (stall deadline <= llm.request_timeout_s)
+                # and cancels it, so a second timer per request would only cost time
+                timeout=NO_TIMEOUT,
             ) as resp:
                 raw = await resp.read()
                 status = resp.status

@@ -133,7 +133,7 @@ class ConcurrencyControl:
         self.memory_cap = max(1, memory_cap_units)
         self.interval_s = interval_s
         self.servers = [ServerPace(u.rstrip("/")) for u in urls]
-        self.changed = asyncio.Event()
+        self.changed = asyncio.Event()  # set when a limit changes (the actor also sets it when a unit ends)
         self.adjustments = 0
 
     def total(self) -> int:

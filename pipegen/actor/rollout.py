@@ -3,11 +3,11 @@
 `UnitRunner` is built once per actor process: it loads the tokenizer, the dataset (verl's
 RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
-with pipegen's HTTP server manager (client.py), checks what the loop returned, scores it, and packs
+with pipegen's HTTP server manager (client.py; loop_cache.py builds the loop), checks what the loop returned, scores it, and packs
 it into a `RolloutRecord` (records.py).
 
-Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), building verl agent loops, checking
-their output before it reaches a shard.
+Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), checking the agent loops'
+output before it reaches a shard.
 Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record
 (it raises; the worker writes a FailureRecord), or write files (the worker owns the shards).
 """
@@ -22,7 +22,9 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from pipegen.actor.client import UnitServerManager
 from pipegen.actor.dataset import dataset_indices, load_dataset, load_tokenizer
+from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
@@ -98,7 +100,7 @@ def check_trajectories(result: Any, prompt_length: int, response_length: int) ->
         if len(out.response_mask) != len(out.response_ids):
             raise InvalidTrajectory(f"{where}: response_mask has {len(out.response_mask)} entries for "
                                     f"{len(out.response_ids)} response tokens")
-        if any(m not in (0, 1) for m in out.response_mask):
+        if not set(out.response_mask) <= {0, 1}:  # a set: a generator over every token costs 20 us a unit
             raise InvalidTrajectory(f"{where}: response_mask holds values other than 0 and 1")
         if out.response_logprobs is not None and len(out.response_logprobs) != len(out.response_ids):
             raise InvalidTrajectory(f"{where}: {len(out.response_logprobs)} logprobs for "
@@ -114,124 +116,6 @@ def trajectory_json(output) -> dict[str, Any]:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
         data["response_logprobs"] = np.asarray(data["response_logprobs"], dtype=np.float32)
     return data
-
-
-class PromptTokens:
-    """The chat-template tokenisation of each prompt, done once for its n samples.
-
-    verl's agent loops tokenise their initial messages through the loop's Continuous Token builder
-    (`build_initial_tokens`, in an executor thread). The n samples of a prompt ask for the very same ids,
-    so each loop's builder is wrapped: text-only calls with the same messages and tools are answered from
-    here (the first caller computes them while the others of that prompt wait for it); everything else,
-    multimodal prompts included, goes to verl's builder unchanged."""
-
-    def __init__(self, max_prompts: int = 4096):
-        import threading
-        from collections import OrderedDict
-
-        self._ids: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
-        self._key_locks: dict[bytes, Any] = {}
-        self.max_prompts = max_prompts
-        self.hits = self.misses = 0
-
-    def wrap(self, builder: Any) -> Any:
-        return _CachingBuilder(builder, self)
-
-    def get(self, builder: Any, messages: list, tools: Any) -> list[int]:
-        import threading
-
-        import orjson
-
-        key = orjson.dumps([type(builder).__name__, messages, tools], default=str,
-                           option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_SORT_KEYS)
-        with self._lock:
-            key_lock = self._key_locks.setdefault(key, threading.Lock())
-        with key_lock:
-            with self._lock:
-                ids = self._ids.get(key)
-                if ids is not None:
-                    self._ids.move_to_end(key)
-                    self.hits += 1
-                    return list(ids)
-            ids = tuple(builder.build_initial_tokens(messages, tools=tools))
-            with self._lock:
-                self.misses += 1
-                self._ids[key] = ids
-                while len(self._ids) > self.max_prompts:
-                    old, _ = self._ids.popitem(last=False)
-                    self._key_locks.pop(old, None)
-            return list(ids)
-
-
-class _CachingBuilder:
-    """verl's Continuous Token builder with `build_initial_tokens` answered by PromptTokens for text."""
-
-    def __init__(self, builder: Any, cache: PromptTokens):
-        self._builder = builder
-        self._cache = cache
-
-    def build_initial_tokens(self, messages, *, tools=None, images=None, videos=None, audios=None,
-                             mm_inputs_out=None) -> list[int]:
-        if images or videos or audios:
-            return self._builder.build_initial_tokens(messages, tools=tools, images=images, videos=videos,
-                                                      audios=audios, mm_inputs_out=mm_inputs_out)
-        return self._cache.get(self._builder, messages, tools)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._builder, name)
-
-
-def share_text_token_builders() -> None:
-    """Build verl's text Continuous Token builder once per actor instead of once per agent loop.
-
-    `AgentLoopBase.__init__` calls `create_continuous_token_builder(tokenizer, ...)` for every loop, i.e.
-    for every unit; a text builder only holds the tokenizer and a few token ids it encodes at
-    construction (a tokenizer call per unit). With the same tokenizer, model type and chat-template
-    arguments the builders are interchangeable, so the one in verl's agent-loop module is wrapped to
-    return one shared builder for text loops (a processor, i.e. a multimodal loop, always gets its own)."""
-    from verl.experimental.agent_loop import agent_loop as verl_agent_loop
-
-    create = verl_agent_loop.create_continuous_token_builder
-    if getattr(create, "pipegen_shared", False):
-        return
-    import orjson
-
-    shared: dict[tuple, Any] = {}
-
-    def create_shared(tokenizer, *args, processor=None, **kwargs):
-        if processor is not None or args:
-            return create(tokenizer, *args, processor=processor, **kwargs)
-        key = (id(tokenizer), orjson.dumps(kwargs, default=str, option=orjson.OPT_SORT_KEYS))
-        if key not in shared:
-            shared[key] = create(tokenizer, processor=None, **kwargs)
-        return shared[key]
-
-    create_shared.pipegen_shared = True
-    verl_agent_loop.create_continuous_token_builder = create_shared
-
-
-class InlineExecutorLoop:
-    """The event loop as verl's single-turn loop sees it (`agent.loop`), with `run_in_executor(None, fn)`
-    run inline. Its two executor calls per unit are the prompt tokens (a lookup in PromptTokens after the
-    first sample of a prompt) and `merge_assistant_tokens` (a list concatenation): a thread hop costs more
-    than either, and on the GIL a thread does not make Python work parallel anyway."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
-
-    def run_in_executor(self, executor, fn, *args):
-        if executor is not None:
-            return self._loop.run_in_executor(executor, fn, *args)
-        future = self._loop.create_future()
-        try:
-            future.set_result(fn(*args))
-        except Exception as e:  # noqa: BLE001  (handed to the awaiting coroutine, as the executor would)
-            future.set_exception(e)
-        return future
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._loop, name)
 
 
 class UnitRunner:
@@ -273,11 +157,15 @@ class UnitRunner:
         )
         # verl adds YAML-registered loops only inside AgentLoopWorker.__init__; do the same here.
         register_agent_loops(rollout.agent.agent_loop_config_path)
-        share_text_token_builders()
         self.registry = verl_agent_loop._agent_loop_registry
-        self.DictConfigWrap = verl_agent_loop.DictConfigWrap
-        self.ToolListWrap = verl_agent_loop.ToolListWrap
-        self.dataset_cls = get_dataset_class(cfg.data)
+        self.loops = AgentLoops(self.registry, dict(
+            trainer_config=verl_agent_loop.DictConfigWrap(cfg),  # verl only reads through these wrappers
+            tokenizer=self.tokenizer,
+            processor=None,
+            hf_model_type=self.hf_model_type,
+            dataset_cls=get_dataset_class(cfg.data),
+            data_config=verl_agent_loop.DictConfigWrap(cfg.data),
+        ), verl_agent_loop.ToolListWrap, self.tools)
         self.default_agent = rollout.agent.default_agent_loop
         self.sampling_params = dict(
             temperature=rollout.temperature,
@@ -288,13 +176,10 @@ class UnitRunner:
         )
         self.scorer = Scorer(self.tokenizer) if cfg.actors.scoring else None
         self._rows: dict[int, dict[str, Any]] = {}
-        self._factories: dict[str, Any] = {}
-        self.prompt_tokens = PromptTokens()
+        self._uids: dict[int, str] = {}
         # read once: a DictConfig lookup costs tens of microseconds, and these are read per unit
         self._base_seed = int(cfg.seed)
         self._per_unit_seed = bool(cfg.actors.per_unit_seed)
-        self._cfg_wrap = self.DictConfigWrap(cfg)  # verl only reads through these wrappers
-        self._data_wrap = self.DictConfigWrap(cfg.data)
 
     def row(self, pos: int) -> dict[str, Any]:
         if pos not in self._rows:
@@ -307,62 +192,26 @@ class UnitRunner:
     def agent_name(self, pos: int) -> str:
         return self.row(pos).get("agent_name") or self.default_agent
 
-    def _loop_factory(self, agent_name: str):
-        """A callable building one agent loop, resolved once per name.
-
-        verl builds every loop with `hydra.utils.instantiate(registry[name], **kw)`, which merges the
-        arguments into an OmegaConf node each time (about 10 ms per unit, the actor's largest cost).
-        For a plain `{_target_, **extra}` entry that is the same as calling the class with the entry's
-        keys plus kw, so do that; anything using Hydra's special keys or nested targets still goes
-        through instantiate."""
-        factory = self._factories.get(agent_name)
-        if factory is None:
-            import hydra
-
-            entry = self.registry[agent_name]
-            keys = list(entry.keys())
-            special = any(str(k).startswith("_") and k != "_target_" for k in keys)
-            nested = any(isinstance(v, (dict, list)) or OmegaConf.is_config(v)
-                         for k, v in entry.items() if k != "_target_")
-            if special or nested:
-                factory = lambda **kw: hydra.utils.instantiate(entry, **kw)  # noqa: E731
-            else:
-                cls = hydra.utils.get_class(entry["_target_"])
-                extra = {k: entry[k] for k in keys if k != "_target_"}
-                factory = lambda **kw: cls(**{**extra, **kw})  # noqa: E731
-            self._factories[agent_name] = factory
-        return factory
+    def uid(self, index: int) -> str:
+        uid = self._uids.get(index)
+        if uid is None:  # a uuid5 per unit costs more than the rest of the unit's bookkeeping
+            uid = self._uids[index] = prompt_uid(self.launch.run_key, index)
+        return uid
 
     async def run(self, pool, pos: int, sample: int) -> RolloutRecord:
         """Run the unit's agent loop against the server pool; raises on any failure of the unit."""
-        from pipegen.actor.client import UnitServerManager
-
         index = self.indices[pos]
         row = self.row(pos)
         seed = self.seed(index, sample)
         agent_name = self.agent_name(pos)
-        uid = prompt_uid(self.launch.run_key, index)
+        uid = self.uid(index)
         priority = self.keys.priority(pos, sample)
         kwargs = {k: v for k, v in row.items() if k not in ("agent_name", "__do_sample__")}
         kwargs.update(uid=uid, priority=priority)
         if agent_name not in self.registry:
             raise ValueError(f"agent loop '{agent_name}' is not registered; known: {sorted(self.registry)} "
                              "(register yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
-        agent = self._loop_factory(agent_name)(
-            trainer_config=self._cfg_wrap,
-            server_manager=UnitServerManager(pool, sticky_key=index, sampling_seed=seed),
-            tokenizer=self.tokenizer,
-            processor=None,
-            hf_model_type=self.hf_model_type,
-            dataset_cls=self.dataset_cls,
-            data_config=self._data_wrap,
-            tools=self.ToolListWrap(self.tools),
-        )
-        builder = getattr(agent, "continuous_token_builder", None)
-        if builder is not None:
-            agent.continuous_token_builder = self.prompt_tokens.wrap(builder)
-            if type(agent).__name__ == "SingleTurnAgentLoop" and getattr(agent, "processor", None) is None:
-                agent.loop = InlineExecutorLoop(agent.loop)
+        agent = self.loops.build(agent_name, UnitServerManager(pool, sticky_key=index, sampling_seed=seed))
         result = await agent.run(dict(self.sampling_params), **kwargs)
         outputs = check_trajectories(result, self.prompt_length, self.response_length)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score

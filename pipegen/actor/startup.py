@@ -70,18 +70,6 @@ class StartupClock:
                 "startup/server_answered_first_poll": self.server_answered_first_poll,
                 **{f"startup/{phase}": self.times.get(phase) for phase in ACTOR_PHASES}}
 
-    def trace_config(self):
-        """An aiohttp TraceConfig that marks `first_request` when the first /generate request starts."""
-        import aiohttp
-
-        async def on_request_start(_session, _ctx, params) -> None:
-            if "first_request" not in self.times and params.url.path.endswith("/generate"):
-                self.mark("first_request")
-
-        trace = aiohttp.TraceConfig()
-        trace.on_request_start.append(on_request_start)
-        return trace
-
     def unit_written(self) -> None:
         if "first_unit" not in self.times:
             self.mark("first_unit")

@@ -14,7 +14,9 @@ fake engine, no latency).
   then tail read).
 - full mode adds the real launcher (`python -m pipegen.launch ... llm=external`, writer included), with
   line arrival seen by polling the shard files every 20 ms.
-pipegen and raw runs alternate (A B B A) so both see the same load.
+pipegen and raw runs alternate (A B B A) so both see the same load. Beside the rates, the row gives CPU
+per unit of each client (this process) and of the server (from /proc): the ratio is a race for the same
+cores, and these say who used them.
 
 Owns: this scenario's run shapes, the actor/launcher/Ray runs it times, and its rows in the table.
 """
@@ -61,8 +63,9 @@ def steady_rate(times: list[float]) -> float:
 # the three clients
 
 
-def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]:
-    """The real actor in this process; returns the arrival time of every appended rollout line."""
+def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object, float]:
+    """The real actor in this process: the arrival time of every appended rollout line, the run, and the
+    process CPU seconds per unit between the first and the last line (start-up excluded)."""
     import uvloop
 
     import pipegen.actor.worker as worker
@@ -70,12 +73,20 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]
     cfg, run = c.prepare_run(root, *spec.overrides(), servers=[url])
     total = run.total_units(spec.n)
     arrivals: list[float] = []
+    cpu: list[float] = []
+    rollouts = run.rollouts
 
     class TimedAppender(worker.ShardAppender):
+        def __init__(self, topic_dir: Path, *args) -> None:
+            super().__init__(topic_dir, *args)
+            self.timed = topic_dir == rollouts  # decided once: a path comparison per line costs the actor ~2%
+
         def append(self, line: bytes) -> None:
             super().append(line)
-            if self.dir.parent == run.rollouts:
+            if self.timed:
                 arrivals.append(time.perf_counter())
+                if len(arrivals) in (1, total):  # process_time is a real syscall here (~0.1 ms): twice only
+                    cpu.append(time.process_time())
 
     actor = worker.Actor(cfg, run, 0, 1)
     original = worker.ShardAppender
@@ -86,7 +97,7 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object]
         worker.ShardAppender = original
     if len(arrivals) != total:
         raise RuntimeError(f"the actor wrote {len(arrivals)} of {total} units; see {run.root}")
-    return arrivals, run
+    return arrivals, run, (cpu[-1] - cpu[0]) / (total - 1)
 
 
 def raw_bodies(run) -> list[dict]:
@@ -108,6 +119,16 @@ def raw_bodies(run) -> list[dict]:
 
 def run_raw(url: str, bodies: list[dict], concurrency: int) -> list[float]:
     return [t for t, _ in c.post_all(url, bodies, concurrency)]
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far, from /proc (0.0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def run_ray_queue(records: list[dict]) -> float:
@@ -201,17 +222,24 @@ class ActorFigures:
 def actor_vs_raw(res: c.ScenarioResult, server, tmp: Path, spec: RunSpec, reps: int, label: str) -> ActorFigures:
     rates: dict[str, list[float]] = {"pipegen": [], "raw": []}
     tokens: dict[str, list[float]] = {"pipegen": [], "raw": []}
+    client_cpu: dict[str, list[float]] = {"pipegen": [], "raw": []}  # seconds per unit, this process
+    server_cpu: list[float] = []  # seconds per request, the server process
     bodies, first_run = None, None
     order = (["pipegen", "raw", "raw", "pipegen"] * ((reps + 1) // 2))[: 2 * reps]  # starts with pipegen
     for i, kind in enumerate(order):
         before = c.server_stats(server.url)["tokens_generated"]
+        server_before = process_cpu_s(server.proc.pid)
         if kind == "pipegen":
-            arrivals, run = run_actor(tmp / f"run{spec.response_tokens}_{i}", server.url, spec)
+            arrivals, run, cpu = run_actor(tmp / f"run{spec.response_tokens}_{i}", server.url, spec)
             rates[kind].append(steady_rate(arrivals))
+            client_cpu[kind].append(cpu)
             if bodies is None:
                 bodies, first_run = raw_bodies(run), run
         else:
+            started = time.process_time()
             rates[kind].append(steady_rate(run_raw(server.url, bodies, spec.concurrency)))
+            client_cpu[kind].append((time.process_time() - started) / len(bodies))
+        server_cpu.append((process_cpu_s(server.proc.pid) - server_before) / len(bodies))
         tokens[kind].append(c.server_stats(server.url)["tokens_generated"] - before)
     pairs = list(zip(rates["pipegen"], rates["raw"]))
     res.add(c.Row(
@@ -220,7 +248,10 @@ def actor_vs_raw(res: c.ScenarioResult, server, tmp: Path, spec: RunSpec, reps: 
         raw=(f"actor {c.fmt_rate(c.median(rates['pipegen']), ' samples/s')}, raw "
              f"{c.fmt_rate(c.median(rates['raw']), ' req/s')}; {len(bodies)} units, concurrency {spec.concurrency}, "
              f"scoring {'on' if spec.scoring else 'off'}, server tokens per run {c.median(tokens['pipegen']):,.0f} "
-             f"vs {c.median(tokens['raw']):,.0f}; {len(pairs)} pairs"),
+             f"vs {c.median(tokens['raw']):,.0f}; {len(pairs)} pairs; CPU per unit: actor "
+             f"{c.median(client_cpu['pipegen']) * 1e3:.2f} ms, raw loop {c.median(client_cpu['raw']) * 1e3:.2f} ms, "
+             f"server {c.median(server_cpu) * 1e3:.2f} ms (a client above the server's figure is the bottleneck "
+             f"even on idle cores; on busy ones the figures add up)"),
     ))
     return ActorFigures(rates["pipegen"], rates["raw"], bodies, first_run)
 
@@ -280,7 +311,9 @@ def run(quick: bool) -> c.ScenarioResult:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     with c.scratch("e2e") as tmp:
         if quick:
-            measure(res, tmp, RunSpec(256, n=8, concurrency=64), reps=2, with_ray=True, with_launcher=False)
+            # three pairs: on a shared 2-core box one pair can land in another process's burst; the median
+            # of three is the row, where the mean of two moved by ±0.1 between identical runs
+            measure(res, tmp, RunSpec(256, n=8, concurrency=64), reps=3, with_ray=True, with_launcher=False)
         else:
             measure(res, tmp, RunSpec(256, n=8, concurrency=64), reps=3, with_ray=True, with_launcher=True)
             measure(res, tmp, RunSpec(1024, n=4, concurrency=64), reps=2, with_ray=True, with_launcher=False)
@@ -288,5 +321,8 @@ def run(quick: bool) -> c.ScenarioResult:
         "e2e: the Ray queue figure is transport only (records already exist), while the actor's figure includes "
         "generating them with a fake server that shares the same cores; the raw aiohttp loop is the ceiling of any "
         "client on this machine, so raw loop ÷ Ray bounds what the end-to-end ratio can show. The transport-only row "
-        "compares like with like.")
+        "compares like with like. The actor takes its start-up heap out of the garbage collector (gc.freeze) and "
+        "raises the young-generation threshold; the raw loop runs in the same process after it and keeps both, so "
+        "it no longer pays full collections over torch and verl (~0.9 ms a request before, when it kept every "
+        "answer in a heap of ~500k objects).")
     return res
