@@ -43,6 +43,8 @@ from pipegen.run.records import RolloutRecord
 ROW_ORDER = ("index", "sample", "trajectory")  # the non-tensor columns trajectories.pkl is sorted by
 INT_TENSORS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 MASK_TENSORS = ("response_mask", "attention_mask")  # 0/1 values: int8 on disk
+_INT32 = np.dtype(np.int32).str
+DERIVED = frozenset({"input_ids", "position_ids"})  # rebuilt by load_batch when they equal the derivation
 FILE_MAGIC = b"PGBATCH1"
 _ALIGN = 64
 
@@ -88,6 +90,12 @@ class BatchBuilder:
 
         int32: token tensors may come out as int32, the storage form (`from_storage` gives verl's
         int64); the plain-text path then pads in int32 directly, half the memory traffic."""
+        return (await self.build_for_storage(records, int32))[0]
+
+    async def build_for_storage(self, records: list[RolloutRecord], int32: bool) -> tuple[Any, frozenset[str]]:
+        """`build`, and the tensors that equal what `load_batch` derives by construction (the
+        plain-text path builds input_ids and position_ids from prompts, responses and the mask), so
+        `encode_batch` need not rebuild them to check."""
         kwargs_of, trajs, rows = [], [], []
         for record in records:
             kwargs = record.agent_kwargs(self.default_agent)
@@ -99,14 +107,16 @@ class BatchBuilder:
         if len(has_logprobs) == 1 and all(self.plain_text(traj) for traj in trajs):
             items = pad_text_batch(trajs, kwargs_of, self.prompt_length, self.response_length, self.pad_id,
                                    np.int32 if int32 else np.int64)
+            derived = DERIVED
         else:
             items = [await self._verl_postprocess(traj, kwargs) for traj, kwargs in zip(trajs, kwargs_of)]
+            derived = frozenset()
         keys = list(rows[0].keys())
         # dtypes as verl's collate_fn (object arrays) and AgentLoopManager (int64 priority) make them
         non_tensor = {k: object_array([r.get(k) for r in rows]) for k in keys}
         for k in ("sample", "trajectory", "priority"):
             non_tensor[k] = np.array([r[k] for r in rows], dtype=np.int64)
-        return self.worker._postprocess(items, input_non_tensor_batch=non_tensor, validate=False)
+        return self.worker._postprocess(items, input_non_tensor_batch=non_tensor, validate=False), derived
 
     async def _verl_postprocess(self, traj: dict[str, Any], kwargs: dict[str, Any]):
         from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
@@ -150,22 +160,31 @@ def pad_text_batch(trajs: list[dict[str, Any]], kwargs_of: list[dict[str, Any]],
     rows, P, R = len(trajs), prompt_length, response_length
     prompts = np.full((rows, P), pad_id, dtype=dtype)
     responses = np.full((rows, R), pad_id, dtype=dtype)
-    attention = np.zeros((rows, P + R), dtype=dtype)
     response_mask = np.zeros((rows, R), dtype=dtype)
     with_logprobs = trajs[0].get("response_logprobs") is not None
     logprobs = np.zeros((rows, R), dtype=np.float32) if with_logprobs else None
+    prompt_lens = np.empty(rows, dtype=np.intp)
+    response_lens = np.empty(rows, dtype=np.intp)
     for i, traj in enumerate(trajs):
         p, r = traj["prompt_ids"], traj["response_ids"]
-        if len(p):
-            prompts[i, P - len(p):] = p
-            attention[i, P - len(p):P] = 1
-        if len(r):
-            responses[i, : len(r)] = r
-            attention[i, P : P + len(r)] = 1
-            response_mask[i, : len(r)] = traj["response_mask"]
-        if with_logprobs and len(traj["response_logprobs"]):
-            # float64 -> float32 rounds to nearest, as torch.tensor(list_of_floats, dtype=float32) does
-            logprobs[i, : len(traj["response_logprobs"])] = traj["response_logprobs"]
+        prompt_lens[i] = n = len(p)
+        if n:
+            prompts[i, P - n:] = p
+        response_lens[i] = n = len(r)
+        if n:
+            responses[i, :n] = r
+            response_mask[i, :n] = traj["response_mask"]
+        if with_logprobs:
+            lp = traj["response_logprobs"]
+            if len(lp):
+                # float64 -> float32 rounds to nearest, as torch.tensor(list_of_floats, dtype=float32) does
+                logprobs[i, : len(lp)] = lp
+    # attention: 1 over each row's prompt (left-padded) and response (right-padded), in one pass; in the
+    # storage form (int32 tokens) as int8, the mask's on-disk type, so neither verl's concatenation
+    # nor the batch file moves 4 bytes per 0/1 value
+    columns = np.arange(P + R)
+    inside = (columns >= (P - prompt_lens)[:, None]) & (columns < (P + response_lens)[:, None])
+    attention = inside.view(np.int8) if dtype == np.int32 else inside.astype(dtype)
     positions = _positions(attention)
     # verl's _postprocess only concatenates the rows' tensors along dim 0. The first row carries the
     # whole batch and every other row an empty (0, L) tensor: the concatenation is the same batch,
@@ -192,29 +211,40 @@ def pad_text_batch(trajs: list[dict[str, Any]], kwargs_of: list[dict[str, Any]],
 # ---- the batch file ----
 
 
-def encode_batch(batch, int32: bool) -> list[bytes | memoryview]:
+def encode_batch(batch, int32: bool, derived_known: frozenset[str] = frozenset()) -> list[bytes | memoryview]:
     """A DataProto as the chunks of a batch file, in order (write them one after the other).
+
+    derived_known: tensors the caller built as `load_batch` derives them (`build_for_storage`);
+    the others are compared with their derivation and dropped only when equal.
 
     Layout: magic, header length and buffer lengths (little-endian u64), the pickled header (numpy
     arrays out of band), then each array's bytes at a 64-byte aligned offset."""
     tensors: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
+    keys = list(batch.batch.keys())
+    derived = [key for key in ("input_ids", "position_ids") if key in derived_known and key in keys]
     for key, tensor in batch.batch.items():
         arr = tensor.numpy()
         if int32 and key in INT_TENSORS:
-            arr = arr.astype(np.int32, copy=False)  # ids and positions < 2**31
-        dtypes[key] = arr.dtype.str
-        if int32 and key in MASK_TENSORS and arr.size and arr.min() >= 0 and arr.max() <= 1:
-            arr = arr.astype(np.int8)
-        tensors[key] = np.ascontiguousarray(arr)
-    derived = []
-    if {"prompts", "responses", "input_ids"} <= tensors.keys() and np.array_equal(
+            dtypes[key] = _INT32  # what load_batch returns; from_storage restores verl's int64
+            if key in derived or arr.dtype == np.int8:  # not stored, or already in its disk form
+                pass
+            else:
+                arr = arr.astype(np.int32, copy=False)  # ids and positions < 2**31
+                if key in MASK_TENSORS and arr.size and arr.min() >= 0 and arr.max() <= 1:
+                    arr = arr.astype(np.int8)
+        else:
+            dtypes[key] = arr.dtype.str
+        if key not in derived:
+            tensors[key] = np.ascontiguousarray(arr)
+    if "input_ids" not in derived and {"prompts", "responses", "input_ids"} <= tensors.keys() and np.array_equal(
             tensors["input_ids"], np.concatenate([tensors["prompts"], tensors["responses"]], axis=1)):
         derived.append("input_ids")
-    if {"attention_mask", "position_ids"} <= tensors.keys() and tensors["position_ids"].ndim == 2 and \
+    if "position_ids" not in derived and {"attention_mask", "position_ids"} <= tensors.keys() and \
+            tensors["position_ids"].ndim == 2 and \
             np.array_equal(tensors["position_ids"], _positions(tensors["attention_mask"])):
         derived.append("position_ids")
-    header = {"batch_size": len(batch), "keys": list(tensors), "dtypes": dtypes, "derived": derived,
+    header = {"batch_size": len(batch), "keys": keys, "dtypes": dtypes, "derived": derived,
               "tensors": {k: v for k, v in tensors.items() if k not in derived},
               "non_tensor_batch": batch.non_tensor_batch, "meta_info": batch.meta_info}
     buffers: list[pickle.PickleBuffer] = []

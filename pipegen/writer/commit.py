@@ -245,14 +245,15 @@ class Writer:
 
         await self.committer.wait(MAX_QUEUED_BATCHES - 1)  # bounded memory: the disk keeps up or we wait
         keys = sorted(self.buffer)
-        batch = await self.builder.build([self.buffer[k] for k in keys], self.batch_int32)
-        chunks = encode_batch(batch, self.batch_int32)
+        batch, derived = await self.builder.build_for_storage([self.buffer[k] for k in keys], self.batch_int32)
+        chunks = encode_batch(batch, self.batch_int32, derived)
         path = self.run.batch_file(len(self.ckpt.batches))
         ckpt = self.ckpt
         ckpt.batches.add(len(batch), len(keys))
-        for k in keys:
-            ckpt.committed.add(k)
-            if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
+        for start, end in _runs(keys):
+            ckpt.committed.add_range(start, end)
+        if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
+            for k in keys:
                 ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
         self._record_offsets()
         self.committer.submit(path, chunks, ckpt.to_json())
@@ -342,6 +343,22 @@ class Writer:
                 self.write_stats(final=True)
                 return 0 if self.ckpt.complete else EXIT_FAILED_UNITS
             await asyncio.sleep(sleep)
+
+
+def _runs(sorted_keys: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct keys as half-open ranges of consecutive keys (one range-set add per run)."""
+    runs: list[tuple[int, int]] = []
+    start = prev = None
+    for k in sorted_keys:
+        if prev is not None and k == prev + 1:
+            prev = k
+            continue
+        if start is not None:
+            runs.append((start, prev + 1))
+        start = prev = k
+    if start is not None:
+        runs.append((start, prev + 1))
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:

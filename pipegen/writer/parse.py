@@ -29,8 +29,9 @@ ARRAY_KEYS = {
     "response_mask": ("i", np.int64),
     "response_logprobs": ("d", np.float64),
 }
-_SCALAR_FIELDS = tuple(f.name for f in fields(RolloutRecord) if f.name != "trajectories")
+_SCALAR_FIELDS = tuple(f.name for f in fields(RolloutRecord) if f.name not in ("trajectories", "row"))
 _MISSING = object()
+ROW_CACHE_SIZE = 256  # distinct dataset rows remembered; a prompt's n samples arrive close together
 
 
 class LineParser:
@@ -38,6 +39,7 @@ class LineParser:
 
     def __init__(self) -> None:
         self._parser = simdjson.Parser()
+        self._rows: dict[bytes, dict[str, Any]] = {}
 
     def record(self, line: bytes) -> RolloutRecord:
         """The line as a RolloutRecord; trajectory token lists as numpy arrays when they are numeric."""
@@ -57,7 +59,24 @@ class LineParser:
             value = doc.get(name, _MISSING)
             if value is not _MISSING:
                 values[name] = _plain(value)
+        row = doc.get("row", _MISSING)
+        if row is not _MISSING:
+            values["row"] = self._row(row)
         return RolloutRecord(**values, trajectories=[_trajectory(t) for t in doc["trajectories"]])
+
+    def _row(self, value) -> Any:
+        """The dataset row, one shared dict per distinct row text: the n samples of a prompt carry the
+        same row, and sharing it is what verl's own `DataProto.repeat` does for them. It also makes
+        pickle write each row's fields once per batch file instead of once per sample."""
+        if type(value) is not simdjson.Object:
+            return _plain(value)
+        text = value.mini
+        row = self._rows.get(text)
+        if row is None:
+            if len(self._rows) >= ROW_CACHE_SIZE:
+                self._rows.clear()
+            row = self._rows[text] = value.as_dict()
+        return row
 
 
 def _trajectory(traj) -> dict[str, Any]:
