@@ -43,6 +43,7 @@ from pipegen.run.records import RolloutRecord
 ROW_ORDER = ("index", "sample", "trajectory")  # the non-tensor columns trajectories.pkl is sorted by
 INT_TENSORS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 MASK_TENSORS = ("response_mask", "attention_mask")  # 0/1 values: int8 on disk
+INT64_COLUMNS = ("sample", "trajectory", "priority")
 _INT32 = np.dtype(np.int32).str
 DERIVED = frozenset({"input_ids", "position_ids"})  # rebuilt by load_batch when they equal the derivation
 FILE_MAGIC = b"PGBATCH1"
@@ -96,13 +97,16 @@ class BatchBuilder:
         """`build`, and the tensors that equal what `load_batch` derives by construction (the
         plain-text path builds input_ids and position_ids from prompts, responses and the mask), so
         `encode_batch` need not rebuild them to check."""
-        kwargs_of, trajs, rows = [], [], []
+        kwargs_of, trajs = [], []
+        per_row: dict[str, list[Any]] = {"sample": [], "trajectory": [], "seed": []}  # each row's kwargs plus these
         for record in records:
             kwargs = record.agent_kwargs(self.default_agent)
             for t, traj in enumerate(record.trajectories):
                 kwargs_of.append(kwargs)
                 trajs.append(traj)
-                rows.append({**kwargs, "sample": record.sample, "trajectory": t, "seed": record.seed})
+                per_row["sample"].append(record.sample)
+                per_row["trajectory"].append(t)
+                per_row["seed"].append(record.seed)
         has_logprobs = {traj.get("response_logprobs") is not None for traj in trajs}
         if len(has_logprobs) == 1 and all(self.plain_text(traj) for traj in trajs):
             items = pad_text_batch(trajs, kwargs_of, self.prompt_length, self.response_length, self.pad_id,
@@ -111,11 +115,12 @@ class BatchBuilder:
         else:
             items = [await self._verl_postprocess(traj, kwargs) for traj, kwargs in zip(trajs, kwargs_of)]
             derived = frozenset()
-        keys = list(rows[0].keys())
-        # dtypes as verl's collate_fn (object arrays) and AgentLoopManager (int64 priority) make them
-        non_tensor = {k: object_array([r.get(k) for r in rows]) for k in keys}
-        for k in ("sample", "trajectory", "priority"):
-            non_tensor[k] = np.array([r[k] for r in rows], dtype=np.int64)
+        # the first row's columns, in its order; dtypes as verl's collate_fn (object arrays) and
+        # AgentLoopManager (int64 priority) make them
+        non_tensor = {}
+        for k in dict.fromkeys([*kwargs_of[0], *per_row]):
+            values = per_row[k] if k in per_row else [kwargs.get(k) for kwargs in kwargs_of]
+            non_tensor[k] = np.array(values, dtype=np.int64) if k in INT64_COLUMNS else object_array(values)
         return self.worker._postprocess(items, input_non_tensor_batch=non_tensor, validate=False), derived
 
     async def _verl_postprocess(self, traj: dict[str, Any], kwargs: dict[str, Any]):
@@ -244,9 +249,14 @@ def encode_batch(batch, int32: bool, derived_known: frozenset[str] = frozenset()
             tensors["position_ids"].ndim == 2 and \
             np.array_equal(tensors["position_ids"], _positions(tensors["attention_mask"])):
         derived.append("position_ids")
+    scores = _last_token_scores(tensors)
+    if scores is not None:
+        derived.append("rm_scores")
     header = {"batch_size": len(batch), "keys": keys, "dtypes": dtypes, "derived": derived,
               "tensors": {k: v for k, v in tensors.items() if k not in derived},
               "non_tensor_batch": batch.non_tensor_batch, "meta_info": batch.meta_info}
+    if scores is not None:
+        header["rm_scores_at_last_token"] = scores
     buffers: list[pickle.PickleBuffer] = []
     head = pickle.dumps(header, protocol=5, buffer_callback=buffers.append)
     raws = [b.raw() for b in buffers]
@@ -292,16 +302,43 @@ def load_batch(path: Path):
         arrays["input_ids"] = np.concatenate([arrays["prompts"], arrays["responses"]], axis=1)
     if "position_ids" in header["derived"]:
         arrays["position_ids"] = _positions(arrays["attention_mask"])
+    if "rm_scores" in header["derived"]:
+        scores = header["rm_scores_at_last_token"]
+        rm_scores = np.zeros((len(scores), arrays["responses"].shape[1]), dtype=scores.dtype)
+        rm_scores[np.arange(len(scores)), _score_columns(arrays["attention_mask"], arrays["prompts"].shape[1])] = scores
+        arrays["rm_scores"] = rm_scores
     tensors = {k: torch.from_numpy(arrays[k].astype(np.dtype(header["dtypes"][k]), copy=False))
                for k in header["keys"]}
     return DataProto(batch=TensorDict(tensors, batch_size=[header["batch_size"]]),
                      non_tensor_batch=header["non_tensor_batch"], meta_info=header["meta_info"])
 
 
+def _score_columns(attention_mask: np.ndarray, prompt_length: int) -> np.ndarray:
+    """Where verl's `_postprocess` puts each row's reward in rm_scores: its last response token,
+    attention_mask[:, P:].sum(1) - 1 (-1, the last column, for an empty response, as torch indexes)."""
+    return attention_mask[:, prompt_length:].sum(axis=1) - 1
+
+
+def _last_token_scores(tensors: dict[str, np.ndarray]) -> np.ndarray | None:
+    """rm_scores as one value per row when it is exactly verl's layout (zeros, each row's reward at
+    `_score_columns`; compared bit for bit, so -0.0 or NaN elsewhere keeps the full tensor): a quarter
+    of a batch file's bytes at 1k tokens, for one float per row."""
+    rm, attention, prompts = (tensors.get(k) for k in ("rm_scores", "attention_mask", "prompts"))
+    if rm is None or attention is None or prompts is None or rm.dtype != np.float32 or rm.ndim != 2 \
+            or attention.ndim != 2 or prompts.ndim != 2 or rm.shape != (len(attention), attention.shape[1] - prompts.shape[1]):
+        return None
+    scores = rm[np.arange(len(rm)), _score_columns(attention, prompts.shape[1])]
+    if np.count_nonzero(rm.view(np.int32)) != np.count_nonzero(scores.view(np.int32)):
+        return None
+    return scores
+
+
 def _positions(attention_mask: np.ndarray) -> np.ndarray:
     """verl's compute_position_id_with_mask: clip(cumsum(mask) - 1, 0), in the mask's integer width."""
     dtype = attention_mask.dtype if attention_mask.dtype.itemsize >= 4 else np.int32
-    return np.clip(np.cumsum(attention_mask, axis=1, dtype=dtype) - 1, 0, None)
+    positions = np.cumsum(attention_mask, axis=1, dtype=dtype)
+    positions -= 1
+    return np.maximum(positions, 0, out=positions)  # in place: np.clip allocates twice
 
 
 def from_storage(batch):
