@@ -97,12 +97,15 @@ def test_batch_file_round_trips_to_the_same_dataproto(setup, tmp_path):
     stored, derived = asyncio.run(builder.build_for_storage(records, int32=True))
     (tmp_path / "stored.pkl").write_bytes(b"".join(encode_batch(stored, True, derived)))
     _assert_same(from_storage(load_batch(tmp_path / "stored.pkl")), batch)
-    # rm_scores not in verl's layout (a value off the last token, a -0.0) is kept bit for bit
+    # tensors off verl's layout are kept exactly: rm_scores with a value off the last token and a
+    # -0.0, an attention mask with a hole in a response
     odd = batch.batch["rm_scores"]
     odd[0, 0], odd[1, 1] = 0.5, -0.0
+    batch.batch["attention_mask"][2, batch.batch["prompts"].shape[1] + 1] = 0
     (tmp_path / "odd.pkl").write_bytes(b"".join(encode_batch(batch, True)))
-    back = load_batch(tmp_path / "odd.pkl").batch["rm_scores"]
-    assert torch.equal(back.view(torch.int32), odd.view(torch.int32))
+    back = from_storage(load_batch(tmp_path / "odd.pkl"))
+    assert torch.equal(back.batch["rm_scores"].view(torch.int32), odd.view(torch.int32))
+    _assert_same(back, batch)
 
 
 def test_lines_the_fast_parser_cannot_read_go_through_the_record_contract():

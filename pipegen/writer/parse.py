@@ -5,7 +5,9 @@ log-prob, and the writer then turns those lists back into arrays: together about
 the parse alone. simdjson (pysimdjson) parses the line once in C++ and hands each numeric array out
 as one contiguous buffer (`as_buffer`), so the writer reads a 1k-token record in ~0.7x the time of a
 bare `orjson.loads`. Integers come out as int64 and floats as float64, exactly the values orjson
-gives (both parsers round decimal text correctly), so verl parity is unchanged.
+gives (both parsers round decimal text correctly), so verl parity is unchanged. Records with the same
+dataset row text share one row dict (the n samples of a prompt), as verl's `DataProto.repeat` shares
+them.
 
 Owns: which trajectory keys are read as arrays (verl's `AgentLoopOutput` token lists).
 Must never: accept a line the record contract would reject; anything unusual (a non-numeric entry in
