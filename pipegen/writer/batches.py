@@ -49,7 +49,6 @@ INT_TENSORS = ("prompts", "responses", "response_mask", "input_ids", "attention_
 MASK_TENSORS = ("response_mask", "attention_mask")  # 0/1 values: int8 on disk
 INT64_COLUMNS = ("sample", "trajectory", "priority")
 _INT32 = np.dtype(np.int32).str
-DERIVED = frozenset({"input_ids", "position_ids"})  # rebuilt by load_batch when they equal the derivation
 FILE_MAGIC = b"PGBATCH1"
 _ALIGN = 64
 
@@ -97,10 +96,10 @@ class BatchBuilder:
         int64); the plain-text path then pads in int32 directly, half the memory traffic."""
         return (await self.build_for_storage(records, int32))[0]
 
-    async def build_for_storage(self, records: list[RolloutRecord], int32: bool) -> tuple[Any, frozenset[str]]:
-        """`build`, and the tensors that equal what `load_batch` derives by construction (the
-        plain-text path builds input_ids and position_ids from prompts, responses and the mask), so
-        `encode_batch` need not rebuild them to check."""
+    async def build_for_storage(self, records: list[RolloutRecord], int32: bool) -> tuple[Any, dict[str, Any]]:
+        """`build`, and the tensors that equal what `load_batch` derives by construction, for
+        `encode_batch` (the plain-text path builds input_ids and position_ids from prompts, responses
+        and the attention mask, and that mask from each row's prompt and response lengths)."""
         kwargs_of, trajs = [], []
         per_row: dict[str, list[Any]] = {"sample": [], "trajectory": [], "seed": []}  # each row's kwargs plus these
         for record in records:
@@ -115,10 +114,12 @@ class BatchBuilder:
         if len(has_logprobs) == 1 and all(self.plain_text(traj) for traj in trajs):
             items = pad_text_batch(trajs, kwargs_of, self.prompt_length, self.response_length, self.pad_id,
                                    np.int32 if int32 else np.int64)
-            derived = DERIVED
+            derived = {"input_ids": None, "position_ids": None, "attention_mask": (
+                np.array([len(t["prompt_ids"]) for t in trajs], dtype=np.int32),
+                np.array([len(t["response_ids"]) for t in trajs], dtype=np.int32))}
         else:
             items = [await self._verl_postprocess(traj, kwargs) for traj, kwargs in zip(trajs, kwargs_of)]
-            derived = frozenset()
+            derived = {}
         # the first row's columns, in its order; dtypes as verl's collate_fn (object arrays) and
         # AgentLoopManager (int64 priority) make them
         non_tensor = {}
@@ -219,17 +220,19 @@ def pad_text_batch(trajs: list[dict[str, Any]], kwargs_of: list[dict[str, Any]],
 # ---- the batch file ----
 
 
-def encode_batch(batch, int32: bool, derived_known: frozenset[str] = frozenset()) -> list[bytes | memoryview]:
+def encode_batch(batch, int32: bool, derived_known: dict[str, Any] | None = None) -> list[bytes | memoryview]:
     """A DataProto as the chunks of a batch file, in order (write them one after the other).
 
-    derived_known: tensors the caller built as `load_batch` derives them (`build_for_storage`);
-    the others are compared with their derivation and dropped only when equal.
+    derived_known: tensors the caller built as `load_batch` derives them (`build_for_storage`; for
+    attention_mask its (prompt lengths, response lengths)); the others are compared with their
+    derivation and dropped only when equal.
 
     Layout: magic, header length and buffer lengths (little-endian u64), the pickled header (numpy
     arrays out of band), then each array's bytes at a 64-byte aligned offset."""
     tensors: dict[str, np.ndarray] = {}
     dtypes: dict[str, str] = {}
     keys = list(batch.batch.keys())
+    derived_known = derived_known or {}
     derived = [key for key in ("input_ids", "position_ids") if key in derived_known and key in keys]
     binary: set[str] = set()  # masks with only 0 and 1
     for key, tensor in batch.batch.items():
@@ -257,10 +260,10 @@ def encode_batch(batch, int32: bool, derived_known: frozenset[str] = frozenset()
             tensors["position_ids"].ndim == 2 and \
             np.array_equal(tensors["position_ids"], _positions(tensors["attention_mask"])):
         derived.append("position_ids")
-    scores = _last_token_scores(tensors)
+    spans = derived_known["attention_mask"] if "attention_mask" in derived_known else _spans(tensors)
+    scores = _last_token_scores(tensors, None if spans is None else spans[1])
     if scores is not None:
         derived.append("rm_scores")
-    spans = _spans(tensors)  # after the two checks above, which read the full attention mask
     if spans is not None:
         derived.append("attention_mask")
     packed = [key for key in ("response_mask",) if key in binary and key not in derived]  # 0/1: a bit each
@@ -365,7 +368,7 @@ def _score_columns(attention_mask: np.ndarray, prompt_length: int) -> np.ndarray
     return attention_mask[:, prompt_length:].sum(axis=1) - 1
 
 
-def _last_token_scores(tensors: dict[str, np.ndarray]) -> np.ndarray | None:
+def _last_token_scores(tensors: dict[str, np.ndarray], response_lens: np.ndarray | None) -> np.ndarray | None:
     """rm_scores as one value per row when it is exactly verl's layout (zeros, each row's reward at
     `_score_columns`; compared bit for bit, so -0.0 or NaN elsewhere keeps the full tensor): a quarter
     of a batch file's bytes at 1k tokens, for one float per row."""
@@ -373,7 +376,8 @@ def _last_token_scores(tensors: dict[str, np.ndarray]) -> np.ndarray | None:
     if rm is None or attention is None or prompts is None or rm.dtype != np.float32 or rm.ndim != 2 \
             or attention.ndim != 2 or prompts.ndim != 2 or rm.shape != (len(attention), attention.shape[1] - prompts.shape[1]):
         return None
-    scores = rm[np.arange(len(rm)), _score_columns(attention, prompts.shape[1])]
+    columns = _score_columns(attention, prompts.shape[1]) if response_lens is None else response_lens - 1
+    scores = rm[np.arange(len(rm)), columns]
     if np.count_nonzero(rm.view(np.int32)) != np.count_nonzero(scores.view(np.int32)):
         return None
     return scores
