@@ -84,7 +84,8 @@ def test_batch_file_round_trips_to_the_same_dataproto(setup, tmp_path):
     from pipegen.writer.batches import encode_batch, from_storage, load_batch
 
     cfg, _, builder = setup
-    batch = asyncio.run(builder.build(_odd_records(cfg, 8)))
+    records = _odd_records(cfg, 8)
+    batch = asyncio.run(builder.build(records))
     for int32 in (True, False):
         path = tmp_path / f"batch_{int32}.pkl"
         path.write_bytes(b"".join(encode_batch(batch, int32)))
@@ -92,6 +93,19 @@ def test_batch_file_round_trips_to_the_same_dataproto(setup, tmp_path):
         token_dtype = torch.int32 if int32 else torch.int64
         assert back.batch["input_ids"].dtype == back.batch["attention_mask"].dtype == token_dtype
         _assert_same(from_storage(back), batch)
+    # the writer's own path: storage-form batch, tensors known to be derivable by construction
+    stored, derived = asyncio.run(builder.build_for_storage(records, int32=True))
+    (tmp_path / "stored.pkl").write_bytes(b"".join(encode_batch(stored, True, derived)))
+    _assert_same(from_storage(load_batch(tmp_path / "stored.pkl")), batch)
+    # tensors off verl's layout are kept exactly: rm_scores with a value off the last token and a
+    # -0.0, an attention mask with a hole in a response
+    odd = batch.batch["rm_scores"]
+    odd[0, 0], odd[1, 1] = 0.5, -0.0
+    batch.batch["attention_mask"][2, batch.batch["prompts"].shape[1] + 1] = 0
+    (tmp_path / "odd.pkl").write_bytes(b"".join(encode_batch(batch, True)))
+    back = from_storage(load_batch(tmp_path / "odd.pkl"))
+    assert torch.equal(back.batch["rm_scores"].view(torch.int32), odd.view(torch.int32))
+    _assert_same(back, batch)
 
 
 def test_lines_the_fast_parser_cannot_read_go_through_the_record_contract():
