@@ -130,6 +130,35 @@ def test_calculator_is_a_verl_tool_loaded_from_the_shipped_config():
 # ---------------------------------------------------------------------------------- actor-side unit checks
 
 
+def test_a_trajectory_is_recorded_as_pydantic_would_dump_it():
+    """The record's trajectory JSON (which skips pydantic's per-element copy of plain token lists) is
+    byte for byte what `model_dump(mode="json")` gives, with and without log-probs, empty, and with
+    nested extra fields; a loop that left an array where a list belongs fails as it did before."""
+    import orjson
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from pipegen.actor.rollout import trajectory_json
+
+    metrics = AgentLoopMetrics(generate_sequences=0.5, tool_calls=0.0)
+    outputs = [
+        AgentLoopOutput(prompt_ids=[1, 2], response_ids=[3, 4], response_mask=[1, 0], response_logprobs=[-0.1, -2.5],
+                        num_turns=2, reward_score=1.0, metrics=metrics, extra_fields={"a": [1, 2], "t": {"x": 1.5}}),
+        AgentLoopOutput(prompt_ids=[1, 2], response_ids=[3, 4], response_mask=[1, 1], num_turns=1, metrics=metrics),
+        AgentLoopOutput(prompt_ids=[1], response_ids=[], response_mask=[], response_logprobs=[], num_turns=1,
+                        metrics=metrics),
+    ]
+    for out in outputs:
+        expected = out.model_dump(mode="json")
+        if expected["response_logprobs"] is not None:
+            expected["response_logprobs"] = np.asarray(expected["response_logprobs"], dtype=np.float32)
+        option = orjson.OPT_SERIALIZE_NUMPY
+        assert orjson.dumps(trajectory_json(out), option=option) == orjson.dumps(expected, option=option)
+    odd = outputs[0].model_copy()
+    odd.response_ids = np.array([3, 4])
+    with pytest.raises(Exception, match="numpy"):
+        trajectory_json(odd)
+
+
 def test_yaml_registration_and_output_checks(tmp_path):
     from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, _agent_loop_registry
 
