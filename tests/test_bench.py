@@ -32,3 +32,18 @@ def test_bench_rejects_an_unknown_scenario(tmp_path):
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
     assert not (tmp_path / "x.md").exists()
+
+
+def test_bench_outputs_builds_its_run_in_the_writers_batch_format(tmp_path, tiny_model):
+    """The `outputs` scenario measures the merge on batch files as the writer writes them: its run folder
+    loads through the writer's own `load_batch` (the full scenario takes minutes; its set-up is what broke
+    when the batch format changed)."""
+    from pipegen.bench.outputs import BATCH, prepare
+    from pipegen.writer.batches import FILE_MAGIC, from_storage, load_batch
+
+    cfg, run, ckpt = prepare(tmp_path / "run", 2 * BATCH)
+    files = run.batch_files_on_disk()
+    assert len(files) == 2 == len(ckpt.batches) and all(p.read_bytes().startswith(FILE_MAGIC) for p in files)
+    batches = [from_storage(load_batch(p)) for p in files]
+    assert all(len(b) == BATCH for b in batches)
+    assert set(batches[0].non_tensor_batch["index"]).isdisjoint(set(batches[1].non_tensor_batch["index"]))

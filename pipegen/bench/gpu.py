@@ -34,7 +34,7 @@ from pipegen.bench import common as c
 from pipegen.launch.servers import ServerProcess
 
 KEY = "gpu"
-TITLE = "7. GPU: pipegen vs a raw loop vs SGLang's offline benchmark (one server, same prompts)"
+TITLE = "8. GPU: pipegen vs a raw loop vs SGLang's offline benchmark (one server, same prompts)"
 TARGET_RAW = "≥ 0.9"  # at the same units in flight pipegen should keep up with a bare client
 
 

@@ -2,7 +2,8 @@
 
 A run folder of committed batch files (1k-token responses, 256-token prompts, 64 rows per batch, in commit
 order) is built from one real batch (`BatchBuilder` on `RecordFactory` records, stored as the writer stores
-it: int32 token tensors, pickled) copied with fresh (index, sample) keys, plus its checkpoint ledger.
+it: `build_for_storage` + `encode_batch`, the batch-file format) copied with fresh (index, sample) keys, plus
+its checkpoint ledger.
 Each measurement runs in a fresh child process (`python -m pipegen.bench.outputs child WHAT DIR`) that reports
 its peak RSS (`ru_maxrss`) above its resident set after imports (VmRSS):
   * merge, single: `merge_run` writing trajectories.pkl; ÷ the file's size (one copy of the output);
@@ -16,7 +17,6 @@ Owns: this scenario's sizes and its rows in the table.
 from __future__ import annotations
 
 import json
-import pickle
 import resource
 import subprocess
 import sys
@@ -41,19 +41,20 @@ def prepare(root: Path, rows: int):
     from pipegen.actor.dataset import load_tokenizer
     from pipegen.run.atomic import atomic_write_bytes
     from pipegen.run.checkpoint import Checkpoint
-    from pipegen.writer.batches import BatchBuilder, to_storage
+    from pipegen.writer.batches import BatchBuilder, encode_batch
 
     cfg, run = c.prepare_run(root, "n=16", "max_samples=-1", "max_prompt_length=256",
                              f"max_response_length={TOKENS}", f"generation.save_batch_size={BATCH}",
                              "actors.scoring=false")
     records = c.RecordFactory(cfg).records(BATCH, TOKENS)
-    batch = to_storage(asyncio.run(BatchBuilder(cfg, load_tokenizer(cfg)).build(records)), True)
+    builder = BatchBuilder(cfg, load_tokenizer(cfg))
+    batch, derived = asyncio.run(builder.build_for_storage(records, True))  # the writer's own storage form
     ckpt = Checkpoint()
     index = batch.non_tensor_batch["index"].astype(np.int64)
     for number in range(rows // BATCH):
         # fresh keys per copy, in commit order: copy k holds indices k*1000 + the batch's own
         batch.non_tensor_batch["index"] = (index + 1000 * number).astype(object)
-        atomic_write_bytes(run.batch_file(number), pickle.dumps(batch))
+        atomic_write_bytes(run.batch_file(number), b"".join(encode_batch(batch, True, derived)))
         ckpt.batches.add(len(batch), len(batch))
     ckpt.complete = True
     return cfg, run, ckpt
