@@ -166,6 +166,25 @@ def test_deadline_follows_what_the_request_asks_and_what_the_server_showed():
     assert stall_deadline(clock, 100, wd, stalls=2) == pytest.approx(4 * stall_deadline(clock, 100, wd))
 
 
+def test_the_hedge_threshold_follows_the_recent_p90_latency():
+    """The tail hedges requests older than the recent p90; asked on every wake, it is re-sorted only every
+    few answers, but it must still follow the window: a slower server shows up within a few dozen answers."""
+    from pipegen.actor.pacing import TokenClock
+
+    clock = TokenClock(window=512)
+    assert clock.latency_p90() is None  # nothing observed yet: no hedging
+    for i in range(4):
+        clock.observe(1.0 + i, 10)
+    assert clock.latency_p90() == 4.0  # a short window is exact after every answer
+    for _ in range(512):
+        clock.observe(1.0, 10)
+    assert clock.latency_p90() == 1.0
+    for _ in range(100):  # a fifth of the window now takes 100 s
+        clock.observe(100.0, 10)
+        clock.latency_p90()
+    assert clock.latency_p90() == 100.0
+
+
 def test_budget_spent_raises_and_client_errors_are_not_retried(servers):
     from pipegen.actor.client import RequestRejected, RetriesExhausted
 

@@ -16,7 +16,8 @@ what this module does about it (each one leaves the loop verl would have built):
 - the single-turn loop's three rollout-config reads per run: its prototype reads them from verl's own
   typed view of the same config (`omega_conf_to_dataclass`, a frozen `RolloutConfig`, as verl's
   AgentLoopWorker holds it) instead of the OmegaConf node: the same values, without OmegaConf's ~10 us
-  per read.
+  per read; and `data.mm_processor_kwargs`, which each run copies with `dict(...)`, as the plain dict
+  it holds.
 
 Owns: the registry name -> constructor resolution, these caches, and the prototype loops.
 Must never: change what a loop computes (ids, masks, log-probs), share a loop instance between two
@@ -212,6 +213,7 @@ class AgentLoops:
                 prototype.__dict__.update(agent.__dict__)
                 prototype.server_manager = None
                 prototype.rollout_config = self._typed_rollout_config(agent.rollout_config)
+                prototype.mm_processor_kwargs = _plain(agent.mm_processor_kwargs)
                 self._prototypes[agent_name] = (loop, prototype)
         return agent
 
@@ -226,6 +228,11 @@ class AgentLoops:
                 log.info("rollout config kept as an OmegaConf node for agent loops (%s)", e)
                 self._typed_rollout = node
         return self._typed_rollout
+
+
+def _plain(value: Any) -> Any:
+    """An OmegaConf node as the plain containers it holds (`dict(node)` per run costs ~10 us)."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
 def _is_text_single_turn(agent: Any) -> bool:

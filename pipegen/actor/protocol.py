@@ -11,7 +11,7 @@ Must never: re-tokenize anything (ids in, ids out), or do I/O (client.py sends a
 from __future__ import annotations
 
 import operator
-import uuid
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,11 @@ def max_new_tokens_for(sampling_params: dict[str, Any], prompt_len: int, limits:
     return max(0, min(int(wanted), max_possible))
 
 
+def new_rid() -> str:
+    """A fresh request id: 128 random bits as 32 hex digits, like `uuid4().hex` at a fifth of its cost."""
+    return os.urandom(16).hex()
+
+
 def build_request(
     prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits, sampling_seed: int | None
 ) -> dict[str, Any]:
@@ -80,7 +85,7 @@ def build_request(
     if sampling_seed is not None:
         params["sampling_seed"] = int(sampling_seed)
     return {
-        "rid": uuid.uuid4().hex,  # fresh per attempt: re-sending an in-flight rid is a 400 in SGLang
+        "rid": new_rid(),  # fresh per attempt: re-sending an in-flight rid is a 400 in SGLang
         "input_ids": ids,
         "sampling_params": params,
         "return_logprob": return_logprob,

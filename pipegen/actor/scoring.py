@@ -1,7 +1,7 @@
 """Scoring a finished trajectory with verl's `default_compute_score`, the way verl's reward loop does.
 
 Owns: deciding whether a row can be scored (a `data_source` and a `reward_model.ground_truth`), the
-decoded text handed to verl's scorer, and where the score lands (`reward_score`, and
+decoded text handed to verl's scorer (detokenize.py makes it), and where the score lands (`reward_score`, and
 `extra_fields["reward_extra_info"]` as verl's reward loop sets it).
 Must never: run model-written code to score it: verl's scorers execute the generated program for
 code data sources, so those rows stay unscored with one warning.
@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-
-import numpy as np
 
 log = logging.getLogger("pipegen.actor")
 
@@ -29,7 +27,10 @@ class Scorer:
     def __init__(self, tokenizer):
         from verl.utils.reward_score import default_compute_score
 
+        from pipegen.actor.detokenize import response_decoder
+
         self.tokenizer = tokenizer
+        self.decode = response_decoder(tokenizer)  # = tokenizer.decode(ids, skip_special_tokens=True), faster
         self.compute = default_compute_score
         self._warned: set[str] = set()
         self._cost: dict[str, tuple[int, float]] = {}  # data_source -> (scorings, seconds)
@@ -65,9 +66,7 @@ class Scorer:
 
     def _score(self, output, row: dict[str, Any]) -> None:
         reward_model = row["reward_model"]
-        # an array, as verl's reward loop passes (a tensor): transformers then converts it with one tolist()
-        # instead of an isinstance check per token (a third of the decode)
-        text = self.tokenizer.decode(np.asarray(output.response_ids, dtype=np.int64), skip_special_tokens=True)
+        text = self.decode(output.response_ids)
         extra = dict(row.get("extra_info") or {})
         extra.update(num_turns=output.num_turns, rollout_reward_scores={})
         try:
