@@ -67,3 +67,74 @@ def test_controller_grows_to_fill_the_batch_and_shrinks_a_long_queue():
     assert ConcurrencyControl(["http://s"], "auto", 1, memory_cap_units=50).total() <= 50  # memory bound
     assert ConcurrencyControl(["http://s"], 32, 1, 10).total() == 32  # a fixed number stays fixed
     assert parse_load([{"num_reqs": 10, "num_waiting_reqs": 3}, {"num_reqs": 5, "num_waiting_reqs": 0}]) == (12, 3)
+
+
+def test_after_a_burst_of_answers_the_next_requests_go_out_before_the_records_are_built():
+    """Slots: a unit frees its slot when the server answers it, and builds its record only once the units
+    admitted in its place have asked the server, so a burst of answers never leaves the server idle while
+    the actor writes records. The slot count stays at the limit, and a replacement that never asks holds an
+    answered unit back by at most ANSWER_HOLD_S."""
+    from pipegen.actor.pacing import ANSWER_HOLD_S, Slots
+
+    async def scenario() -> list[str]:
+        events: list[str] = []
+        wake = asyncio.Event()
+        slots = Slots(wake)
+        running: set[asyncio.Task] = set()
+        answers: dict[int, asyncio.Future] = {}
+        limit, units = 4, 12
+
+        async def unit(i: int, slot) -> None:
+            try:
+                slot.ask()
+                events.append(f"ask {i}")
+                assert slots.holding(len(running)) <= limit
+                answers[i] = asyncio.get_running_loop().create_future()
+                await answers[i]
+                await slot.answered()
+                events.append(f"record {i}")
+            finally:
+                slot.release()
+
+        async def server() -> None:  # answers every request in flight at once, as a burst
+            while True:
+                await asyncio.sleep(0.01)
+                for f in answers.values():
+                    if not f.done():
+                        f.set_result(None)
+
+        async def admission() -> None:
+            for i in range(units):
+                while slots.holding(len(running)) >= limit or len(running) >= Slots.held_cap(limit, memory_cap=100):
+                    slots.round_done()
+                    wake.clear()
+                    await wake.wait()
+                task = asyncio.create_task(unit(i, slots.admitted()))
+                running.add(task)
+                task.add_done_callback(lambda t: (running.discard(t), wake.set()))
+            slots.round_done(closed=True)
+            while running:
+                await asyncio.gather(*list(running))
+
+        answering = asyncio.create_task(server())
+        await admission()
+        answering.cancel()
+        return events
+
+    events = asyncio.run(scenario())
+    for first, last in ((0, 4), (4, 8)):  # each burst's records come after the next burst's requests
+        for i in range(first, last):
+            assert events.index(f"record {i}") > max(events.index(f"ask {j}") for j in range(last, last + 4)), events
+    assert {e for e in events if e.startswith("record")} == {f"record {i}" for i in range(12)}
+
+    async def replacement_never_asks() -> float:
+        slots = Slots(asyncio.Event())
+        answered_unit = slots.admitted()
+        slots.admitted()  # its replacement, which never asks
+        answered_unit.ask()
+        slots.round_done()
+        started = asyncio.get_running_loop().time()
+        await answered_unit.answered()
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(replacement_never_asks()) < ANSWER_HOLD_S + 0.5

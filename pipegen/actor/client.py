@@ -389,18 +389,25 @@ class ServerPool:
 
 
 class UnitServerManager:
-    """The object handed to one verl agent loop: pins the unit's prompt to one server and its seed."""
+    """The object handed to one verl agent loop: pins the unit's prompt to one server and its seed, and
+    tells the unit's slot (pacing.UnitSlot) when it asks a server and when it was answered."""
 
-    def __init__(self, pool: ServerPool, sticky_key: Any, sampling_seed: int | None):
+    def __init__(self, pool: ServerPool, sticky_key: Any, sampling_seed: int | None, slot: Any = None):
         self.pool = pool
         self.sticky_key = sticky_key
         self.sampling_seed = sampling_seed
+        self.slot = slot
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
-        return await self.pool.generate(
-            request_id,
-            prompt_ids=prompt_ids,
-            sampling_params=sampling_params,
-            sticky_key=self.sticky_key,
-            sampling_seed=self.sampling_seed,
-        )
+        if self.slot is None:
+            return await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                            sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
+        self.slot.ask()
+        try:
+            output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                              sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
+        except BaseException:
+            self.slot.release()
+            raise
+        await self.slot.answered()
+        return output

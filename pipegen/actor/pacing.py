@@ -212,3 +212,98 @@ class ConcurrencyControl:
                         log.info("%s has no /get_load: its concurrency stays at %d", s.url, s.limit)
                     continue
                 self.adapt(s, running, waiting, in_flight_by_url(s.url), binding)
+
+
+ANSWER_HOLD_S = 0.05  # longest an answered unit waits for the units admitted in its place to send
+
+
+class Slots:
+    """Which of an actor's units hold a concurrency slot, and what runs first after a server answers.
+
+    A unit holds a slot from its start until the server answers it; it frees it then, not when its record
+    is written. And an answered unit builds its record (verl's output, the score, the line) only once the
+    units admitted in its place have sent their requests (at most ANSWER_HOLD_S later): when a burst of
+    answers arrives together, the server gets the next burst of requests right away and works on it while
+    the actor builds records, instead of idling until every record of the burst is written. A multi-turn
+    loop that asks again takes a slot again at once. Units past their answer count towards `held_cap`, so
+    a slow scorer cannot make them pile up."""
+
+    def __init__(self, wake: asyncio.Event):
+        self.wake = wake  # the admission loop's event
+        self.answered = 0  # units whose last request was answered
+        self.unsent = 0  # units admitted that have not asked for their first answer yet
+        self.admitting = False  # an answer woke the admission loop, which has not finished its round
+        self.closed = False  # every unit has been admitted
+        self._settled = asyncio.Event()
+        self._settled.set()
+
+    def holding(self, running: int) -> int:
+        """Of `running` units in the actor, those that hold a slot."""
+        return running - self.answered
+
+    @staticmethod
+    def held_cap(limit: int, memory_cap: int) -> int:
+        """Units the actor may hold at once, answered or not: twice the limit, within the memory bound."""
+        return max(limit, min(2 * limit, memory_cap))
+
+    def admitted(self) -> "UnitSlot":
+        self.unsent += 1
+        self._settled.clear()
+        return UnitSlot(self)
+
+    def round_done(self, closed: bool = False) -> None:
+        """The admission loop admitted what it could and now waits (or has nothing left to admit)."""
+        self.admitting = False
+        self.closed = self.closed or closed
+        self._settle()
+
+    def _settle(self) -> None:
+        if not self.admitting and self.unsent == 0:
+            self._settled.set()
+
+    async def settled(self) -> None:
+        if self._settled.is_set():
+            return
+        try:
+            async with asyncio.timeout(ANSWER_HOLD_S):
+                await self._settled.wait()
+        except TimeoutError:
+            pass
+
+
+class UnitSlot:
+    """One unit's side of `Slots`."""
+
+    __slots__ = ("slots", "sent", "is_answered")
+
+    def __init__(self, slots: Slots):
+        self.slots = slots
+        self.sent = False
+        self.is_answered = False
+
+    def ask(self) -> None:
+        """The unit's agent loop asks a server (again): it holds a slot."""
+        slots = self.slots
+        if not self.sent:
+            self.sent = True
+            slots.unsent -= 1
+            slots._settle()
+        if self.is_answered:
+            self.is_answered = False
+            slots.answered -= 1
+
+    async def answered(self) -> None:
+        """The server answered: free the slot, let the admission loop refill it, build the record after."""
+        slots = self.slots
+        if not self.is_answered:
+            self.is_answered = True
+            slots.answered += 1
+            if not slots.closed:
+                slots.admitting = True
+                slots._settled.clear()
+            slots.wake.set()
+        await slots.settled()
+
+    def release(self) -> None:
+        """The unit ends, whatever happened to it."""
+        self.ask()

@@ -209,7 +209,7 @@ class UnitRunner:
             uid = self._uids[index] = prompt_uid(self.launch.run_key, index)
         return uid
 
-    async def run(self, pool, pos: int, sample: int) -> RolloutRecord:
+    async def run(self, pool, pos: int, sample: int, slot=None) -> RolloutRecord:
         """Run the unit's agent loop against the server pool; raises on any failure of the unit."""
         index = self.indices[pos]
         row = self.row(pos)
@@ -222,7 +222,7 @@ class UnitRunner:
         if agent_name not in self.registry:
             raise ValueError(f"agent loop '{agent_name}' is not registered; known: {sorted(self.registry)} "
                              "(register yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
-        agent = self.loops.build(agent_name, UnitServerManager(pool, sticky_key=index, sampling_seed=seed))
+        agent = self.loops.build(agent_name, UnitServerManager(pool, sticky_key=index, sampling_seed=seed, slot=slot))
         result = await agent.run(dict(self.sampling_params), **kwargs)
         outputs = check_trajectories(result, self.prompt_length, self.response_length)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score

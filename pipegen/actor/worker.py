@@ -104,13 +104,22 @@ class Actor:
         self._busy_since = (time.monotonic(), time.process_time())  # for cpu_busy in the stats lines
         self._busy_intervals = 0  # consecutive stats intervals spent CPU-bound while units wait to start
 
-    async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender) -> None:
+    async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
+                       slot=None) -> None:
+        try:
+            await self._run_unit(pool, pos, sample, rollouts, failures, slot)
+        finally:
+            if slot is not None:
+                slot.release()  # as the task ends, so the slot counts never drift
+
+    async def _run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
+                        slot) -> None:
         runner = self.runner
         index = runner.indices[pos]
         attempt = self.failed_tries.get((index, sample), 0)
         self.counters.in_flight += 1
         try:
-            record = await runner.run(pool, pos, sample)
+            record = await runner.run(pool, pos, sample, slot)
             record.attempt = attempt
             line = record.to_line()
         except Exception as e:  # any failure of this unit is recorded, never turned into a sample
@@ -132,7 +141,7 @@ class Actor:
         import aiohttp
 
         from pipegen.actor.client import ClientLimits, ServerPool
-        from pipegen.actor.pacing import ConcurrencyControl, WatchdogLimits, unit_memory_bytes
+        from pipegen.actor.pacing import ConcurrencyControl, Slots, WatchdogLimits, unit_memory_bytes
 
         todo = pending_units(self.runner, self.run, self.rank, self.num_actors)
         log.info("actor %d: %d units pending", self.rank, len(todo))
@@ -175,27 +184,30 @@ class Actor:
                     self.runner.prompt_length, self.runner.response_length))
             await control.discover(session)
             self.control = control
-            pool.capacity = control.total
-            pool.units_in_flight = lambda: self.counters.in_flight
-            follower = asyncio.create_task(control.follow(
-                session, lambda url: sum(s.in_flight for s in pool.servers if s.url == url),
-                lambda: self.counters.in_flight))
             running: set[asyncio.Task] = set()
             # one event for "a slot freed up" and "the limit changed" (pacing sets it): waiting on it costs a
             # future, where waiting on two events would cost two tasks and an asyncio.wait per unit
             wake = control.changed
+            slots = Slots(wake)
+            holding = lambda: slots.holding(len(running))  # noqa: E731  (units waiting on a server)
+            pool.capacity = control.total
+            pool.units_in_flight = holding
+            follower = asyncio.create_task(control.follow(
+                session, lambda url: sum(s.in_flight for s in pool.servers if s.url == url), holding))
 
             def finished(task: asyncio.Task) -> None:
                 running.discard(task)
                 wake.set()
 
             for pos, sample in todo:
-                while len(running) >= control.total():
+                while holding() >= control.total() or len(running) >= Slots.held_cap(control.total(), control.memory_cap):
+                    slots.round_done()
                     wake.clear()
                     await wake.wait()
-                task = asyncio.create_task(self.run_unit(pool, pos, sample, rollouts, failures))
+                task = asyncio.create_task(self.run_unit(pool, pos, sample, rollouts, failures, slots.admitted()))
                 running.add(task)
                 task.add_done_callback(finished)
+            slots.round_done(closed=True)
             pool.start_draining()  # the tail: nothing left to start, hedging may use idle capacity
             while running:
                 await asyncio.gather(*list(running))
