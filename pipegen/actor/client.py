@@ -35,7 +35,7 @@ import orjson
 from pipegen.actor.pacing import TokenClock, stall_deadline
 from pipegen.actor.protocol import ClientLimits, RequestRejected, build_request, new_rid, parse_response
 
-__all__ = ["ClientLimits", "RequestRejected", "RetriesExhausted", "ServerPool", "UnitServerManager"]
+__all__ = ["ClientLimits", "RequestRejected", "RetriesExhausted", "ServerPool"]
 
 log = logging.getLogger("pipegen.client")
 
@@ -90,8 +90,8 @@ class ServerPool:
         self.hedge_wins = 0  # ...whose second copy answered first
         self.draining = False  # set through start_draining() when the actor has no unit left to start
         self._tail: asyncio.Future | None = None  # resolved when draining starts: wakes watched requests
-        self.capacity = lambda: 0  # units the actor may hold in flight (set by the actor)
-        self.units_in_flight = lambda: 0
+        self.capacity = lambda: 0  # units that may wait on servers at once (set by the actor)
+        self.units_in_flight = lambda: 0  # units waiting on servers now (set by the actor)
         self._clock_all = TokenClock(window=1024)
         self._superseded: set[str] = set()  # rids being aborted by this client (their abort answer is no failure)
         self._json_headers = {"Content-Type": "application/json"}
@@ -386,28 +386,3 @@ class ServerPool:
     def close(self) -> None:
         for task in self._probes.values():
             task.cancel()
-
-
-class UnitServerManager:
-    """The object handed to one verl agent loop: pins the unit's prompt to one server and its seed, and
-    tells the unit's slot (pacing.UnitSlot) when it asks a server and when it was answered."""
-
-    def __init__(self, pool: ServerPool, sticky_key: Any, sampling_seed: int | None, slot: Any = None):
-        self.pool = pool
-        self.sticky_key = sticky_key
-        self.sampling_seed = sampling_seed
-        self.slot = slot
-
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
-        if self.slot is None:
-            return await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                            sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
-        self.slot.ask()
-        try:
-            output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                              sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
-        except BaseException:
-            self.slot.release()
-            raise
-        await self.slot.answered()
-        return output

@@ -236,6 +236,7 @@ class Slots:
         self.closed = False  # every unit has been admitted
         self._settled = asyncio.Event()
         self._settled.set()
+        self._hold_timer: asyncio.TimerHandle | None = None  # one per round, not one per waiting unit
 
     def holding(self, running: int) -> int:
         """Of `running` units in the actor, those that hold a slot."""
@@ -248,8 +249,18 @@ class Slots:
 
     def admitted(self) -> "UnitSlot":
         self.unsent += 1
-        self._settled.clear()
+        self._unsettle()
         return UnitSlot(self)
+
+    def _unsettle(self) -> None:
+        self._settled.clear()
+        if self._hold_timer is None:
+            self._hold_timer = asyncio.get_running_loop().call_later(ANSWER_HOLD_S, self._release_hold)
+
+    def _release_hold(self) -> None:
+        """ANSWER_HOLD_S passed: answered units build their records even if a replacement has not asked."""
+        self._hold_timer = None
+        self._settled.set()
 
     def round_done(self, closed: bool = False) -> None:
         """The admission loop admitted what it could and now waits (or has nothing left to admit)."""
@@ -260,15 +271,13 @@ class Slots:
     def _settle(self) -> None:
         if not self.admitting and self.unsent == 0:
             self._settled.set()
+            if self._hold_timer is not None:
+                self._hold_timer.cancel()
+                self._hold_timer = None
 
     async def settled(self) -> None:
-        if self._settled.is_set():
-            return
-        try:
-            async with asyncio.timeout(ANSWER_HOLD_S):
-                await self._settled.wait()
-        except TimeoutError:
-            pass
+        if not self._settled.is_set():
+            await self._settled.wait()
 
 
 class UnitSlot:
@@ -300,7 +309,7 @@ class UnitSlot:
             slots.answered += 1
             if not slots.closed:
                 slots.admitting = True
-                slots._settled.clear()
+                slots._unsettle()
             slots.wake.set()
         await slots.settled()
 

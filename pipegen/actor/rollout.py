@@ -3,11 +3,11 @@
 `UnitRunner` is built once per actor process: it loads the tokenizer, the dataset (verl's
 RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
-with pipegen's HTTP server manager (client.py; loop_cache.py builds the loop), checks what the loop returned, scores it, and packs
-it into a `RolloutRecord` (records.py).
+(loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (client.py), checks
+what the loop returned, scores it, and packs it into a `RolloutRecord` (records.py).
 
-Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), checking the agent loops'
-output before it reaches a shard.
+Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky
+server, seed, concurrency slot), checking the agent loops' output before it reaches a shard.
 Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record
 (it raises; the worker writes a FailureRecord), or write files (the worker owns the shards).
 """
@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.actor.client import UnitServerManager
 from pipegen.actor.dataset import dataset_indices, load_dataset, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.scoring import Scorer
@@ -129,6 +128,28 @@ def trajectory_json(output) -> dict[str, Any]:
     return data
 
 
+class UnitServerManager:
+    """The object handed to one verl agent loop: pins the unit's prompt to one server and its seed, and
+    tells the unit's slot (pacing.UnitSlot) when it asks a server and when it was answered."""
+
+    def __init__(self, pool: Any, sticky_key: Any, sampling_seed: int | None, slot: Any):
+        self.pool = pool
+        self.sticky_key = sticky_key
+        self.sampling_seed = sampling_seed
+        self.slot = slot
+
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
+        self.slot.ask()
+        try:
+            output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                              sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
+        except BaseException:
+            self.slot.release()
+            raise
+        await self.slot.answered()
+        return output
+
+
 class UnitRunner:
     """Everything one actor needs to turn (position, sample) into a RolloutRecord."""
 
@@ -209,8 +230,9 @@ class UnitRunner:
             uid = self._uids[index] = prompt_uid(self.launch.run_key, index)
         return uid
 
-    async def run(self, pool, pos: int, sample: int, slot=None) -> RolloutRecord:
-        """Run the unit's agent loop against the server pool; raises on any failure of the unit."""
+    async def run(self, pool, pos: int, sample: int, slot) -> RolloutRecord:
+        """Run the unit's agent loop against the server pool (`slot`: the unit's pacing.UnitSlot); raises
+        on any failure of the unit."""
         index = self.indices[pos]
         row = self.row(pos)
         seed = self.seed(index, sample)

@@ -105,12 +105,11 @@ class Actor:
         self._busy_intervals = 0  # consecutive stats intervals spent CPU-bound while units wait to start
 
     async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
-                       slot=None) -> None:
+                       slot) -> None:
         try:
             await self._run_unit(pool, pos, sample, rollouts, failures, slot)
         finally:
-            if slot is not None:
-                slot.release()  # as the task ends, so the slot counts never drift
+            slot.release()  # as the task ends, so the slot counts never drift
 
     async def _run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
                         slot) -> None:
