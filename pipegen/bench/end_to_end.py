@@ -324,5 +324,9 @@ def run(quick: bool) -> c.ScenarioResult:
         "compares like with like. The actor takes its start-up heap out of the garbage collector (gc.freeze) and "
         "raises the young-generation threshold; the raw loop runs in the same process after it and keeps both, so "
         "it no longer pays full collections over torch and verl (~0.9 ms a request before, when it kept every "
-        "answer in a heap of ~500k objects).")
+        "answer in a heap of ~500k objects). This server answers a burst of requests together (one event-loop "
+        "pass each for parsing, generating and answering), so a client that wrote every record of a burst before "
+        "sending the next requests left it idle meanwhile: the ratio then tended to (server + raw) ÷ (server + "
+        "actor) CPU per unit. The actor frees a unit's slot when the server answers and builds the record once "
+        "the replacement's request is out (actor/pacing.py, Slots), so the server works while records are built.")
     return res

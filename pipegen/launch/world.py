@@ -74,10 +74,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-# One actor process (a single-threaded event loop) spends about 2 ms of CPU per unit, so it sustains
-# roughly 500 units/s (`python -m pipegen.bench --only e2e`: the actor's rate against an instant server). The
-# fastest server measured, SGLang on one H100 with SmolLM2-135M and 256-token responses, asks for
-# about 270 units/s (50.8k output tok/s): one actor per GPU server keeps every actor around half busy
+# One actor process (a single-threaded event loop) spends about 0.6-0.9 ms of CPU per 256-token unit
+# (`python -m pipegen.bench --only e2e` prints it), so one core sustains over 1,000 units/s. The fastest
+# server measured, SGLang on one H100 with SmolLM2-135M and 256-token responses, asks for about 270
+# units/s (50.8k output tok/s): one actor per GPU server keeps every actor at most about a quarter busy
 # even there, and larger models ask far less. A CPU reference server serves a few units per second.
 # Half the cores stay for the servers' own tokenizer and scheduler processes.
 def actor_count(setting: int | str, kind: str, servers: int, cpus: int) -> int:
