@@ -7,15 +7,18 @@
   `floor + margin * max_new_tokens * seconds_per_token`, doubled for each stall the request already had
   (a deadline that was too short for a server slower than it looked corrects itself instead of cutting
   the same long generation again). Before a server has answered anything, a slow prior stands in.
-- `ConcurrencyControl`: units in flight per actor. A fixed number when `actors.concurrency` is one;
+- `ConcurrencyControl`: units waiting on servers per actor. A fixed number when `actors.concurrency` is one;
   with `auto` (the default) it reads each server's limits the way SGLang reports them
   (`/get_server_info` `max_running_requests`), starts at that with a little headroom (split over the
   node's actors, which share the servers), then follows `/get_load` once a second: grow while the
   server's waiting queue is empty and its running batch has room, shrink when requests queue beyond a
   few percent of the batch. Bounded by `actors.max_memory_mb` over a conservative per-unit size.
+- `Slots`: which units count against that number (those waiting on a server: a unit frees its slot
+  when answered) and the order after an answer (the replacement's request goes out before the answered
+  unit builds its record).
 
-Owns: these estimates and the controller's HTTP polling (read-only endpoints).
-Must never: abort or resend a request (client.py does), or hold a unit; it only answers numbers.
+Owns: these estimates, the slot counts, and the controller's HTTP polling (read-only endpoints).
+Must never: abort or resend a request (client.py does), or hold a unit longer than ANSWER_HOLD_S.
 """
 
 from __future__ import annotations
@@ -230,7 +233,7 @@ class Slots:
 
     def __init__(self, wake: asyncio.Event):
         self.wake = wake  # the admission loop's event
-        self.answered = 0  # units whose last request was answered
+        self.answered_units = 0  # units whose last request was answered
         self.unsent = 0  # units admitted that have not asked for their first answer yet
         self.admitting = False  # an answer woke the admission loop, which has not finished its round
         self.closed = False  # every unit has been admitted
@@ -240,7 +243,7 @@ class Slots:
 
     def holding(self, running: int) -> int:
         """Of `running` units in the actor, those that hold a slot."""
-        return running - self.answered
+        return running - self.answered_units
 
     @staticmethod
     def held_cap(limit: int, memory_cap: int) -> int:
@@ -299,14 +302,14 @@ class UnitSlot:
             slots._settle()
         if self.is_answered:
             self.is_answered = False
-            slots.answered -= 1
+            slots.answered_units -= 1
 
     async def answered(self) -> None:
         """The server answered: free the slot, let the admission loop refill it, build the record after."""
         slots = self.slots
         if not self.is_answered:
             self.is_answered = True
-            slots.answered += 1
+            slots.answered_units += 1
             if not slots.closed:
                 slots.admitting = True
                 slots._unsettle()

@@ -199,7 +199,8 @@ class Actor:
                 wake.set()
 
             for pos, sample in todo:
-                while holding() >= control.total() or len(running) >= Slots.held_cap(control.total(), control.memory_cap):
+                while (holding() >= control.total()
+                       or len(running) >= Slots.held_cap(control.total(), control.memory_cap)):
                     slots.round_done()
                     wake.clear()
                     await wake.wait()
