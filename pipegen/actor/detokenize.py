@@ -36,16 +36,9 @@ PROBE_RUN = 64  # ids per probe decode: long enough to join tokens in every orde
 
 def byte_alphabet() -> dict[str, int]:
     """GPT-2's printable stand-in for each byte (the ByteLevel pre-tokenizer's alphabet), inverted."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def library_decode(tokenizer: Any) -> Callable[[Sequence[int]], str]:
@@ -58,7 +51,9 @@ def _token_bytes(tokenizer: Any) -> list[bytes] | None:
     """Each id's bytes in a decoded text (b"" for special tokens and unused ids), or None where the
     tokenizer is not a plain ByteLevel one."""
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not hasattr(backend, "to_str") or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+    if backend is None or not hasattr(backend, "to_str"):
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):  # transformers edits the text after decoding
         return None
     try:
         decoder = json.loads(backend.to_str()).get("decoder") or {}

@@ -139,13 +139,9 @@ class UnitServerManager:
         self.slot = slot
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
-        self.slot.ask()
-        try:
-            output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                              sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
-        except BaseException:
-            self.slot.release()
-            raise
+        self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
+        output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
+                                          sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
         await self.slot.answered()
         return output
 
