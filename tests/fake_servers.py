@@ -69,10 +69,10 @@ class FakeServer(Proc):
 class RecordingProxy(Proc):
     """tests/recording_proxy.py in front of one upstream; `entries()` reads its log."""
 
-    def __init__(self, name: str, tmp: Path, upstream: str):
+    def __init__(self, name: str, tmp: Path, upstream: str, *args: str):
         self.log_file = tmp / f"{name}.requests.jsonl"
         argv = [sys.executable, str(REPO / "tests" / "recording_proxy.py"), "--upstream", upstream,
-                "--port-file", str(tmp / f"{name}.port"), "--log", str(self.log_file)]
+                "--port-file", str(tmp / f"{name}.port"), "--log", str(self.log_file), *args]
         super().__init__(name, tmp, argv)
 
     def entries(self) -> list[dict]:

@@ -1,12 +1,18 @@
-"""A transparent recording proxy for tests: forwards every request to one upstream SGLang-protocol server
-and appends one JSON line per POST /generate to a log (what the server was asked and what it answered).
+"""A transparent recording proxy for tests: forwards every request to one upstream server and appends one
+JSON line per generation request to a log (what the server was asked and what it answered): SGLang's
+POST /generate and vLLM's POST /v1/completions alike.
 
-    python tests/recording_proxy.py --upstream http://127.0.0.1:PORT --port-file F --log FILE
+    python tests/recording_proxy.py --upstream http://127.0.0.1:PORT --port-file F --log FILE [--stall-first K]
 
-Log line: {"t", "rid", "seed" (sampling_seed), "input_ids", "max_new_tokens", "status", "output_ids",
-"logprobs", "finish"}; `status` is null when the client went away before the answer (timeouts).
-Tests use it to count requests per unit (sampling_seed identifies the unit) and to check that records
-are token-exact against what the server really produced. Binds 127.0.0.1 only.
+Log line: {"t", "rid", "seed" (the unit's sampling seed), "input_ids", "max_new_tokens", "status",
+"output_ids", "logprobs", "finish", "stalled"}; `status` is null when the client went away before the
+answer (timeouts, stall aborts). Tests use it to count requests per unit (the seed identifies the unit)
+and to check that records are token-exact against what the server really produced.
+
+--stall-first K (vLLM): the first K generation requests are forwarded asking for the whole context with
+`ignore_eos`, so the server really works on them far past any stall deadline; the client's abort (it
+closes the connection) closes the upstream connection too, as it would reach a server directly.
+Binds 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from aiohttp import web
 
 
 class Proxy:
-    def __init__(self, upstream: str, log_path: str):
+    def __init__(self, upstream: str, log_path: str, stall_first: int = 0):
         self.upstream = upstream.rstrip("/")
         self.log = open(log_path, "ab", buffering=0)
         self.session: aiohttp.ClientSession | None = None
+        self.stall_left = stall_first
+        self.context_len: int | None = None
 
     def write(self, entry: dict) -> None:
         self.log.write(orjson.dumps(entry) + b"\n")
@@ -62,6 +70,35 @@ class Proxy:
         self.write(entry)
         return web.Response(status=status, body=out, content_type=ctype)
 
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = orjson.loads(raw)
+        entry = {"t": time.time(), "rid": body.get("request_id"), "seed": body.get("seed"),
+                 "input_ids": body.get("prompt"), "max_new_tokens": body.get("max_tokens"), "status": None,
+                 "output_ids": None, "logprobs": None, "finish": None, "stalled": False}
+        if self.stall_left > 0:
+            self.stall_left -= 1
+            if self.context_len is None:
+                async with self.session.get(f"{self.upstream}/v1/models") as resp:
+                    self.context_len = int((await resp.json())["data"][0]["max_model_len"])
+            body.update(max_tokens=self.context_len - len(body["prompt"]), ignore_eos=True)
+            raw, entry["stalled"] = orjson.dumps(body), True
+        try:
+            async with self.session.post(f"{self.upstream}/v1/completions", data=raw,
+                                         headers={"Content-Type": "application/json"}) as resp:
+                out = await resp.read()
+                status, ctype = resp.status, resp.content_type
+        except asyncio.CancelledError:
+            self.write(entry)  # the client went away (its abort): leaving this block closed the upstream connection
+            raise
+        entry["status"] = status
+        if status == 200:
+            choice = orjson.loads(out)["choices"][0]
+            entry.update(output_ids=choice.get("token_ids"), finish=choice.get("finish_reason"),
+                         logprobs=(choice.get("logprobs") or {}).get("token_logprobs"))
+        self.write(entry)
+        return web.Response(status=status, body=out, content_type=ctype)
+
     async def passthrough(self, request: web.Request) -> web.Response:
         url = f"{self.upstream}{request.rel_url}"
         async with self.session.request(request.method, url, data=await request.read()) as resp:
@@ -69,11 +106,12 @@ class Proxy:
 
 
 async def serve(args) -> None:
-    proxy = Proxy(args.upstream, args.log)
+    proxy = Proxy(args.upstream, args.log, args.stall_first)
     proxy.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                           timeout=aiohttp.ClientTimeout(total=None))
     app = web.Application(client_max_size=512 * 1024 * 1024)
     app.router.add_post("/generate", proxy.generate)
+    app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_route("*", "/{tail:.*}", proxy.passthrough)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -92,6 +130,7 @@ def main() -> None:
     p.add_argument("--upstream", required=True)
     p.add_argument("--port-file", required=True)
     p.add_argument("--log", required=True)
+    p.add_argument("--stall-first", type=int, default=0)
     asyncio.run(serve(p.parse_args()))
 
 

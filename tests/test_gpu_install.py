@@ -142,7 +142,7 @@ def test_sglang_server_requirements_resolve_against_the_index(request: pytest.Fi
 
 
 def test_sglang_servers_run_with_the_server_environments_python(tmp_path: Path) -> None:
-    from pipegen.launch.servers import check_sglang_python, sglang_server_command
+    from pipegen.launch.servers import check_server_python, sglang_server_command
     from pipegen.launch.world import ServerPlan
 
     plan = ServerPlan("server_0", "127.0.0.1", 30000, (0, 1))
@@ -150,7 +150,7 @@ def test_sglang_servers_run_with_the_server_environments_python(tmp_path: Path) 
     assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"] and env == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert sglang_server_command(plan, "/models/m", {"python": None}, 0)[0][0] == sys.executable
     # a python without SGLang: one line naming both fixes
-    problem = check_sglang_python(sys.executable)
+    problem = check_server_python("sglang", sys.executable)
     assert problem is not None and "llm.python" in problem and "launch.sh" in problem and "\n" not in problem
 
 

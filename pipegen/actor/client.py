@@ -1,18 +1,19 @@
-"""HTTP server manager: what verl agent loops call `server_manager.generate(...)` on, over SGLang's /generate.
+"""HTTP server manager: what verl agent loops call `server_manager.generate(...)` on, over the servers'
+engine protocol (engines/: SGLang's /generate, vLLM's /v1/completions).
 
 Owns:
-- sending: the body protocol.py builds (a fresh `rid` per attempt), its answer parsed by protocol.py;
+- sending: the body the engine builds (a fresh request id per attempt), its answer parsed by the engine;
 - routing: every request of one sticky key (the prompt's index: its n samples and every turn of a unit)
   goes to one server, chosen by least in-flight requests when the key is new or its server is out of
   rotation;
 - failure handling: a stall watchdog on every request (pacing.py's deadline from its max_new_tokens and
-  the server's observed time per token; on expiry the request is aborted on that server with
-  `POST /abort_request {rid}` and re-sent elsewhere with a new rid), `llm.request_timeout_s` as the outer
+  the server's observed time per token; on expiry the request is aborted on that server (SGLang:
+  `POST /abort_request {rid}`; every engine: its connection is closed) and re-sent elsewhere with a new id), `llm.request_timeout_s` as the outer
   bound; in the tail (the actor has nothing left to start and capacity sits idle) a request older than a
   few times the recent p90 latency is hedged: sent once more, first answer wins, the other is aborted;
   connection errors, 5xx/408/429, stalls, aborts and unreadable answers are retried with exponential
   backoff and jitter on another server when there is one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
-  (`GET /health_generate`) until it answers 200; when no server is in rotation, requests wait for one
+  (the engine's health route) until it answers 200; when no server is in rotation, requests wait for one
   to come back (bounded by the request timeout).
 Must never: re-tokenize anything (ids in, ids out), retry a 4xx other than 408/429 (a client bug would
 retry forever), send an id outside the vocabulary, or fabricate an output when the retry budget is spent
@@ -32,8 +33,9 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
+from pipegen.actor.engines import AUTO, Engine, EngineRequest, engine
 from pipegen.actor.pacing import TokenClock, stall_deadline
-from pipegen.actor.protocol import ClientLimits, RequestRejected, build_request, new_rid, parse_response
+from pipegen.actor.protocol import ClientLimits, RequestRejected
 
 __all__ = ["ClientLimits", "RequestRejected", "RetriesExhausted", "ServerPool"]
 
@@ -70,12 +72,15 @@ class ServerPool:
     request_id is the key (verl's ToolAgentLoop reuses one request_id for every turn).
     """
 
-    def __init__(self, urls: list[str], limits: ClientLimits, session: aiohttp.ClientSession):
+    def __init__(self, urls: list[str], limits: ClientLimits, session: aiohttp.ClientSession,
+                 protocol: str = "sglang"):
         if not urls:
             raise ValueError("no LLM server URLs to send requests to")
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         self.limits = limits
         self.session = session
+        # the servers' engine (llm.protocol); with `auto`, None until startup.py recognised the first server
+        self.engine: Engine | None = None if protocol == AUTO else engine(protocol)
         self._sticky: OrderedDict[Any, ServerState] = OrderedDict()
         self._recovered = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
@@ -85,7 +90,7 @@ class ServerPool:
         self.latencies: deque[float] = deque(maxlen=4096)
         self.finish_reasons: dict[str, int] = {}
         self.stalled = 0  # requests past their stall deadline
-        self.aborts_sent = 0  # POST /abort_request sent (stalls and hedge losers)
+        self.aborts_sent = 0  # requests aborted by this client (stalls and hedge losers)
         self.hedges = 0  # tail requests sent a second time
         self.hedge_wins = 0  # ...whose second copy answered first
         self.draining = False  # set through start_draining() when the actor has no unit left to start
@@ -95,7 +100,7 @@ class ServerPool:
         self._clock_all = TokenClock(window=1024)
         self._superseded: set[str] = set()  # rids being aborted by this client (their abort answer is no failure)
         self._json_headers = {"Content-Type": "application/json"}
-        self.on_first_request: Callable[[], None] | None = None  # called as the first /generate is sent
+        self.on_first_request: Callable[[], None] | None = None  # called as the first request is sent
 
     # ---- routing ----
     def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:
@@ -146,19 +151,20 @@ class ServerPool:
         server.successes += 1
 
     async def _probe(self, server: ServerState) -> None:
-        """Poll /health_generate until 200, then put the server back into rotation."""
+        """Poll the engine's health route until 200, then put the server back into rotation."""
         while True:
             await asyncio.sleep(self.limits.probe_interval_s)
             try:
                 async with self.session.get(
-                    f"{server.url}/health_generate",
+                    f"{server.url}{self.engine.health_path}",
                     timeout=aiohttp.ClientTimeout(total=min(self.limits.probe_timeout_s, self.limits.request_timeout_s)),
                 ) as resp:
                     await resp.read()
                     if resp.status == 200:
                         server.healthy = True
                         server.consecutive_failures = 0
-                        log.warning("server %s answers /health_generate again: back in rotation", server.url)
+                        log.warning("server %s answers %s again: back in rotation", server.url,
+                                    self.engine.health_path)
                         self._recovered.set()
                         return
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -196,7 +202,7 @@ class ServerPool:
         sampling_seed: int | None = None,
         **_: Any,
     ):
-        body = build_request(prompt_ids, sampling_params, self.limits, sampling_seed)
+        request = self.engine.build(prompt_ids, sampling_params, self.limits, sampling_seed)
         key = sticky_key if sticky_key is not None else request_id
         tried: set[str] = set()
         errors: list[str] = []
@@ -205,13 +211,13 @@ class ServerPool:
             if attempt:
                 self.retries += 1
                 await asyncio.sleep(self._backoff(attempt))
-                body["rid"] = new_rid()
+                request = self.engine.renewed(request)
             server = await self._wait_for_a_server(key, tried)
             tried.add(server.url)
             if len(tried) >= len(self.servers):
                 tried.clear()  # every server had a go: the next attempt may return to any of them
                 tried.add(server.url)
-            result = await self._watched(server, body, key, stalls)
+            result = await self._watched(server, request, key, stalls)
             if isinstance(result, str):
                 errors.append(result)
                 stalls += result.startswith("stalled")
@@ -238,16 +244,16 @@ class ServerPool:
         p90 = self._clock_all.latency_p90()
         return None if p90 is None else max(wd.hedge_min_s, wd.hedge_factor * p90)
 
-    async def _watched(self, server: ServerState, body: dict[str, Any], key: Any, stalls: int):
+    async def _watched(self, server: ServerState, request: EngineRequest, key: Any, stalls: int):
         """One attempt under the stall watchdog (and, in the tail, with one hedge): the TokenOutput, or a
         string naming a transient failure. RequestRejected propagates."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        max_new = int(body["sampling_params"].get("max_new_tokens") or self.limits.response_length)
+        max_new = request.max_new_tokens or self.limits.response_length
         deadline = started + min(stall_deadline(server.clock, max_new, self.limits.watchdog, stalls),
                                  self.limits.request_timeout_s)
-        primary = self._start(server, body)
-        copies = {primary: (server, body)}
+        primary = self._start(server, request)
+        copies = {primary: (server, request)}
         last_sent = started
         failures: list[str] = []
         try:
@@ -259,8 +265,8 @@ class ServerPool:
                     if now - last_sent >= hedge_after:
                         # a copy may hang too: the newest one gets the same grace before the next copy
                         hedge_server = self.pick(key, {srv.url for srv, _ in copies.values()}) or server
-                        hedge_body = {**body, "rid": new_rid()}
-                        copies[self._start(hedge_server, hedge_body)] = (hedge_server, hedge_body)
+                        hedge = self.engine.renewed(request)
+                        copies[self._start(hedge_server, hedge)] = (hedge_server, hedge)
                         self.hedges += 1
                         last_sent = now
                         continue
@@ -297,43 +303,36 @@ class ServerPool:
                 await self._cancel_copies(copies)
 
     async def _cancel_copies(self, copies: dict) -> None:
-        """Abort each copy on its server (SGLang: POST /abort_request {rid}), then drop its connection."""
+        """Abort each copy on its server (the engine's abort), then drop its connection (which is
+        vLLM's abort)."""
         items = list(copies.items())
         copies.clear()
-        self._superseded.update(b["rid"] for _, (_, b) in items)
-        await asyncio.gather(*(self._abort(srv, b["rid"]) for _, (srv, b) in items), return_exceptions=True)
+        self._superseded.update(r.rid for _, (_, r) in items)
+        self.aborts_sent += len(items)
+        await asyncio.gather(*(self.engine.abort(self.session, srv.url, r, self.limits.abort_timeout_s)
+                               for _, (srv, r) in items), return_exceptions=True)
         for task, _ in items:
             task.cancel()
         await asyncio.gather(*(t for t, _ in items), return_exceptions=True)
-        self._superseded.difference_update(b["rid"] for _, (_, b) in items)
+        self._superseded.difference_update(r.rid for _, (_, r) in items)
 
-    async def _abort(self, server: ServerState, rid: str) -> None:
-        self.aborts_sent += 1
-        try:
-            async with self.session.post(f"{server.url}/abort_request", data=orjson.dumps({"rid": rid}),
-                                         headers={"Content-Type": "application/json"},
-                                         timeout=aiohttp.ClientTimeout(total=self.limits.abort_timeout_s)) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            log.info("abort of %s on %s not confirmed: %s", rid, server.url, e)
-
-    def _start(self, server: ServerState, body: dict[str, Any]) -> asyncio.Task:
+    def _start(self, server: ServerState, request: EngineRequest) -> asyncio.Task:
         """Count the request against its server now (the next pick sees it), then send it in a task."""
         if not self.requests_sent and self.on_first_request is not None:
             self.on_first_request()
         server.in_flight += 1
         server.requests += 1
         self.requests_sent += 1
-        return asyncio.get_running_loop().create_task(self._attempt(server, body))
+        return asyncio.get_running_loop().create_task(self._attempt(server, request))
 
-    async def _attempt(self, server: ServerState, body: dict[str, Any]):
+    async def _attempt(self, server: ServerState, request: EngineRequest):
         """One POST (counted by _start): the TokenOutput, or a string describing a transient failure
         (already recorded)."""
         started = time.monotonic()
         try:
             async with self.session.post(
-                f"{server.url}/generate",
-                data=orjson.dumps(body),
+                f"{server.url}{self.engine.generate_path}",
+                data=orjson.dumps(request.body),
                 headers=self._json_headers,
                 # no aiohttp timer: _watched bounds every attempt (stall deadline <= llm.request_timeout_s)
                 # and cancels it, so a second timer per request would only cost time
@@ -355,18 +354,17 @@ class ServerPool:
             answer = orjson.loads(raw)
             if not isinstance(answer, dict):
                 raise ValueError(f"expected a JSON object, got {type(answer).__name__}")
-        except (orjson.JSONDecodeError, ValueError) as e:
+            finish_type = self.engine.finish_type(answer)
+            if finish_type == "abort":
+                # engines answer 200 for aborted requests; the partial output is dropped and the request re-sent
+                if request.rid in self._superseded:  # our own abort of a stalled copy or a hedge loser
+                    return f"request {request.rid} aborted by the client"
+                self._record_failure(server, "abort")
+                return f"request aborted by {server.url}"
+            out = self.engine.parse(answer, request)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # pydantic's ValidationError is a ValueError
             self._record_failure(server, "bad_response")
             return f"unreadable answer from {server.url}: {e}"
-        finish = (answer.get("meta_info") or {}).get("finish_reason") or {}
-        finish_type = finish.get("type") if isinstance(finish, dict) else None
-        if finish_type == "abort":
-            # SGLang answers 200 for aborted requests; the partial output is dropped and the request re-sent
-            if body["rid"] in self._superseded:  # our own abort of a stalled copy or a hedge loser
-                return f"request {body['rid']} aborted by the client"
-            self._record_failure(server, "abort")
-            return f"request aborted by {server.url}: {finish.get('message')}"
-        out = parse_response(answer, body["return_logprob"])
         self._record_success(server)
         latency = time.monotonic() - started
         self.latencies.append(latency)

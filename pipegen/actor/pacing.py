@@ -8,16 +8,17 @@
   (a deadline that was too short for a server slower than it looked corrects itself instead of cutting
   the same long generation again). Before a server has answered anything, a slow prior stands in.
 - `ConcurrencyControl`: units waiting on servers per actor. A fixed number when `actors.concurrency` is one;
-  with `auto` (the default) it reads each server's limits the way SGLang reports them
-  (`/get_server_info` `max_running_requests`), starts at that with a little headroom (split over the
-  node's actors, which share the servers), then follows `/get_load` once a second: grow while the
-  server's waiting queue is empty and its running batch has room, shrink when requests queue beyond a
-  few percent of the batch. Bounded by `actors.max_memory_mb` over a conservative per-unit size.
+  with `auto` (the default) it reads each server's limit on running requests from its engine (SGLang's
+  `/get_server_info`; vLLM reports none, so `llm.max_running_requests` the launcher gave it), starts at
+  that with a little headroom (split over the node's actors, which share the servers), then follows the
+  engine's running and waiting counts once a second (SGLang's `/get_load`, vLLM's `/metrics`): grow while
+  the server's waiting queue is empty and its running batch has room, shrink when requests queue beyond
+  a few percent of the batch. Bounded by `actors.max_memory_mb` over a conservative per-unit size.
 - `Slots`: which units count against that number (those waiting on a server: a unit frees its slot
   when answered) and the order after an answer (the replacement's request goes out before the answered
   unit builds its record).
 
-Owns: these estimates, the slot counts, and the controller's HTTP polling (read-only endpoints).
+Owns: these estimates, the slot counts, and the controller's polling (through engines/, read-only).
 Must never: abort or resend a request (client.py does), or hold a unit longer than ANSWER_HOLD_S.
 """
 
@@ -31,11 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
+
+from pipegen.actor.engines import Engine, LoadUnavailable
 
 log = logging.getLogger("pipegen.client")
 
-DEFAULT_MAX_RUNNING = 256  # a server that reports no limit (an external server without /get_server_info)
+DEFAULT_MAX_RUNNING = 256  # a server that reports no limit, and none is configured (llm.max_running_requests)
 HEADROOM = 1.1  # in flight per server over its running slots: the next request is already queued when one ends
 MIN_OBSERVATIONS = 4  # answers before a server's own token time replaces the prior
 P90_REFRESH = 32  # a full latency window is sorted again for its p90 after 1/32 of it is new
@@ -109,35 +111,15 @@ class ServerPace:
     url: str
     max_running: int = DEFAULT_MAX_RUNNING
     limit: int = 1  # units this actor keeps in flight towards this server
-    running: int | None = None  # from /get_load (None: the server does not report it)
+    running: int | None = None  # from the engine's load signal (None: the server does not report it)
     waiting: int | None = None
-
-
-async def _get_json(session: aiohttp.ClientSession, url: str, timeout_s: float) -> Any:
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        raw = await resp.read()
-        if resp.status != 200:
-            raise ValueError(f"HTTP {resp.status}")
-        return orjson.loads(raw)
-
-
-def parse_load(body: Any) -> tuple[int, int]:
-    """(running, waiting) from SGLang's /get_load: a list of per-DP dicts (or one dict), where `num_reqs`
-    counts running and waiting requests together."""
-    entries = body if isinstance(body, list) else [body]
-    reqs = waiting = 0
-    for e in entries:
-        if isinstance(e, dict):
-            reqs += int(e.get("num_reqs") or 0)
-            waiting += int(e.get("num_waiting_reqs") or 0)
-    return max(0, reqs - waiting), waiting
 
 
 class ConcurrencyControl:
     """Units in flight for one actor: fixed, or following each server's limits and load."""
 
     def __init__(self, urls: list[str], setting: Any, sharing: int, memory_cap_units: int,
-                 interval_s: float = 1.0):
+                 interval_s: float = 1.0, configured_max_running: int | None = None):
         self.auto = str(setting).strip().lower() == "auto"
         self.fixed = None if self.auto else int(setting)
         if self.fixed is not None and self.fixed < 1:
@@ -145,7 +127,7 @@ class ConcurrencyControl:
         self.sharing = max(1, sharing)
         self.memory_cap = max(1, memory_cap_units)
         self.interval_s = interval_s
-        self.servers = [ServerPace(u.rstrip("/")) for u in urls]
+        self.servers = [ServerPace(u.rstrip("/"), configured_max_running or DEFAULT_MAX_RUNNING) for u in urls]
         self.changed = asyncio.Event()  # set when a limit changes (the actor also sets it when a unit ends)
         self.adjustments = 0
 
@@ -162,19 +144,18 @@ class ConcurrencyControl:
     def _start_limit(self, s: ServerPace) -> int:
         return max(1, math.ceil(s.max_running * HEADROOM / self.sharing))
 
-    async def discover(self, session: aiohttp.ClientSession) -> None:
-        """Read each server's running-request limit (SGLang's /get_server_info)."""
+    async def discover(self, session: aiohttp.ClientSession, engine: Engine) -> None:
+        """Read each server's running-request limit from its engine (else the configured or default one)."""
         if not self.auto:
             return
         for s in self.servers:
             try:
-                info = await _get_json(session, f"{s.url}/get_server_info", 30.0)
-                mrr = info.get("max_running_requests") if isinstance(info, dict) else None
-                if mrr:
-                    s.max_running = int(mrr)
+                reported = await engine.max_running(session, s.url)
+                if reported:
+                    s.max_running = reported
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-                log.warning("no /get_server_info from %s (%s): assuming %d running requests", s.url, e,
-                            DEFAULT_MAX_RUNNING)
+                log.warning("no running-request limit from %s (%s): assuming %d running requests", s.url, e,
+                            s.max_running)
             s.limit = self._start_limit(s)
         log.info("concurrency auto: %s (memory bound %d units)",
                  ", ".join(f"{s.url} max_running_requests={s.max_running} -> {s.limit}" for s in self.servers),
@@ -196,8 +177,8 @@ class ConcurrencyControl:
             self.adjustments += 1
             self.changed.set()
 
-    async def follow(self, session: aiohttp.ClientSession, in_flight_by_url, units_in_flight) -> None:
-        """Poll /get_load and adapt, until cancelled. A server without /get_load keeps its start limit."""
+    async def follow(self, session: aiohttp.ClientSession, engine: Engine, in_flight_by_url, units_in_flight) -> None:
+        """Poll the engine's load and adapt, until cancelled. A server without one keeps its start limit."""
         if not self.auto:
             return
         silent: set[str] = set()
@@ -208,11 +189,12 @@ class ConcurrencyControl:
                 if s.url in silent:
                     continue
                 try:
-                    running, waiting = parse_load(await _get_json(session, f"{s.url}/get_load", 5.0))
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-                    if isinstance(e, ValueError) and "HTTP 404" in str(e):
-                        silent.add(s.url)
-                        log.info("%s has no /get_load: its concurrency stays at %d", s.url, s.limit)
+                    running, waiting = await engine.load(session, s.url)
+                except LoadUnavailable as e:
+                    silent.add(s.url)
+                    log.info("%s: its concurrency stays at %d", e, s.limit)
+                    continue
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
                     continue
                 self.adapt(s, running, waiting, in_flight_by_url(s.url), binding)
 

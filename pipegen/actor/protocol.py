@@ -64,10 +64,8 @@ def new_rid() -> str:
     return os.urandom(16).hex()
 
 
-def build_request(
-    prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits, sampling_seed: int | None
-) -> dict[str, Any]:
-    """The JSON body for SGLang's POST /generate (single form)."""
+def checked_prompt_ids(prompt_ids: list[int], limits: ClientLimits) -> list[int]:
+    """The prompt as a list of ints, refused (RequestRejected) when empty or outside the vocabulary."""
     ids = list(map(int, prompt_ids))
     if not ids:
         raise RequestRejected("empty prompt")
@@ -77,6 +75,14 @@ def build_request(
         if bad:
             raise RequestRejected(f"{len(bad)} prompt token id(s) outside the vocabulary of "
                                   f"{limits.vocab_size} (first {bad[0]})")
+    return ids
+
+
+def build_request(
+    prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits, sampling_seed: int | None
+) -> dict[str, Any]:
+    """The JSON body for SGLang's POST /generate (single form)."""
+    ids = checked_prompt_ids(prompt_ids, limits)
     params = dict(sampling_params)
     max_new = max_new_tokens_for(params, len(ids), limits)
     return_logprob = bool(params.pop("logprobs", False))

@@ -4,13 +4,15 @@ out and its first unit reached a shard; and the wait for the first server.
 The launcher starts actors right after the servers, so an actor's own start-up (almost all of it
 importing verl, torch and transformers: ~6 s on an idle 2-core CPU box, ~17 s on a GPU box) overlaps
 the servers' load and the launcher's read of the dataset (the actor waits for the unit manifest only
-after its imports). An actor then polls every server's `/health_generate` and starts sending the moment
-one answers 200; servers that come up later join the rotation as they answer.
+after its imports). An actor then polls every server's health route (its engine's: SGLang's
+`/health_generate`, vLLM's `/health`; with `llm.protocol=auto` it first asks the server which engine
+it is) and starts sending the moment one answers 200; servers that come up later join the rotation as
+they answer.
 
 Owns: the actor's start-up clock (wall-clock times, written into its stats lines under `startup/...`,
 the names pipegen/observe/startup.py reads), the wait for the manifest and for the first server, and
 keeping servers that are still loading out of the client's rotation until they answer.
-Must never: send a /generate request, or give up on a server that is still loading (only the launcher's
+Must never: send a generation request, or give up on a server that is still loading (only the launcher's
 `llm.ready_timeout_s` decides that).
 """
 
@@ -104,13 +106,23 @@ def import_then_wait_for_manifest(run: RunDir, modules: tuple[str, ...] = ACTOR_
         time.sleep(0.05)
 
 
-async def _answers(session, url: str) -> bool:
-    """GET /health_generate answered 200 (refused connections, 503 and timeouts mean "still loading")."""
+async def _answers(session, pool, url: str) -> bool:
+    """The engine's health route answered 200 (refused connections, 503 and timeouts mean "still
+    loading"). With `llm.protocol=auto`, the first server that answers names the pool's engine."""
     import aiohttp
 
+    from pipegen.actor.engines import detect_protocol, engine
+
+    if pool.engine is None:
+        protocol = await asyncio.to_thread(detect_protocol, url)  # UnknownEngine propagates: a wrong URL
+        if protocol is None:
+            return False
+        if pool.engine is None:
+            pool.engine = engine(protocol)
+            log.info("%s speaks the %s protocol (llm.protocol=auto)", url, protocol)
     try:
-        # /health_generate runs one token through the engine: give it time under load
-        async with session.get(f"{url}/health_generate", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        # SGLang's /health_generate runs one token through the engine: give it time under load
+        async with session.get(f"{url}{pool.engine.health_path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
             await resp.read()
             return resp.status == 200
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -118,7 +130,7 @@ async def _answers(session, url: str) -> bool:
 
 
 async def _join_when_ready(session, pool, server, poll_s: float) -> None:
-    while not await _answers(session, server.url):
+    while not await _answers(session, pool, server.url):
         await asyncio.sleep(poll_s)
     server.healthy = True
     recovered = getattr(pool, "_recovered", None)  # wakes requests waiting while no server was in rotation
@@ -128,7 +140,7 @@ async def _join_when_ready(session, pool, server, poll_s: float) -> None:
 
 
 async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: float = HEALTH_POLL_S) -> None:
-    """Poll every server of `pool` (the actor's client.ServerPool) until one answers /health_generate; mark
+    """Poll every server of `pool` (the actor's client.ServerPool) until one answers its health route; mark
     `server_ready`. Servers still loading then stay out of rotation until they answer (so no unit is
     retried against a server that is not up yet); background tasks bring them in as they answer.
 
@@ -138,12 +150,12 @@ async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: floa
     waiting_logged = False
     clock.server_answered_first_poll = True
     while True:
-        results = await asyncio.gather(*(_answers(session, s.url) for s in pool.servers))
+        results = await asyncio.gather(*(_answers(session, pool, s.url) for s in pool.servers))
         if any(results):
             break
         clock.server_answered_first_poll = False
         if not waiting_logged:
-            log.info("waiting for a server to answer /health_generate (%s)", ", ".join(s.url for s in pool.servers))
+            log.info("waiting for a server to answer (%s)", ", ".join(s.url for s in pool.servers))
             waiting_logged = True
         await asyncio.sleep(poll_s)
     clock.mark("server_ready")

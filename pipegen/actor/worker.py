@@ -171,17 +171,18 @@ class Actor:
         stats = StatsAppender(self.run.stats, actor_role(self.rank))
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            pool = ServerPool(list(self.launch.servers), limits, session)
+            pool = ServerPool(list(self.launch.servers), limits, session, str(self.cfg.llm.get("protocol", "sglang")))
             pool.on_first_request = lambda: self.clock.mark("first_request")
             reporter = asyncio.create_task(self._report(pool, stats, len(todo)))
             # servers may still be loading (the launcher starts actors beside them): send once one answers,
-            # then read the limits of those that answer (a late one starts at the default; /get_load adapts it)
+            # then read the limits of those that answer (a late one starts at the default; its load adapts it)
             await wait_for_first_server(session, pool, self.clock)
             control = ConcurrencyControl(
                 list(self.launch.servers), actors_cfg.concurrency, sharing=self.num_actors,
                 memory_cap_units=int(actors_cfg.max_memory_mb) * 2**20 // unit_memory_bytes(
-                    self.runner.prompt_length, self.runner.response_length))
-            await control.discover(session)
+                    self.runner.prompt_length, self.runner.response_length),
+                configured_max_running=self.cfg.llm.get("max_running_requests"))
+            await control.discover(session, pool.engine)
             self.control = control
             running: set[asyncio.Task] = set()
             # one event for "a slot freed up" and "the limit changed" (pacing sets it): waiting on it costs a
@@ -192,7 +193,7 @@ class Actor:
             pool.capacity = control.total
             pool.units_in_flight = holding
             follower = asyncio.create_task(control.follow(
-                session, lambda url: sum(s.in_flight for s in pool.servers if s.url == url), holding))
+                session, pool.engine, lambda url: sum(s.in_flight for s in pool.servers if s.url == url), holding))
 
             def finished(task: asyncio.Task) -> None:
                 running.discard(task)

@@ -229,10 +229,10 @@ def run(quick: bool) -> c.ScenarioResult:
         res.skipped = "no GPU"
         print("gpu: skipped: no GPU")
         return res
-    from pipegen.launch.servers import check_sglang_python, sglang_python
+    from pipegen.launch.servers import check_server_python, server_python
 
-    python = sglang_python({"python": os.environ.get("PIPEGEN_SGLANG_PYTHON")})
-    problem = check_sglang_python(python)
+    python = server_python({"python": os.environ.get("PIPEGEN_SGLANG_PYTHON")})
+    problem = check_server_python("sglang", python)
     if problem:
         res.skipped = problem
         print(f"gpu: skipped: {problem}")

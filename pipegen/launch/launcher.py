@@ -50,13 +50,12 @@ class Launcher:
 
     def start_servers(self, plan) -> None:
         """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
-        from pipegen.launch.servers import (ServerWatch, check_sglang_python, cpu_server_command, sglang_python,
-                                            sglang_server_command)
+        from pipegen.launch.servers import SERVER_COMMANDS, ServerWatch, check_server_python, server_python
 
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
-        build = cpu_server_command if llm["kind"] == "cpu" else sglang_server_command
-        if llm["kind"] == "sglang" and plan.servers:
-            problem = check_sglang_python(sglang_python(llm))
+        build = SERVER_COMMANDS.get(llm["kind"])
+        if llm["kind"] != "cpu" and plan.servers:
+            problem = check_server_python(llm["kind"], server_python(llm))
             if problem:
                 raise ValueError(problem)
         roles = []
@@ -70,10 +69,11 @@ class Launcher:
             self.sup.start(role)
             roles.append((server, role))
         timeout = float(llm["ready_timeout_s"])
-        self.watches = [ServerWatch(server.name, server.url, timeout, role).start() for server, role in roles]
-        self.watches += [ServerWatch("external server", url, timeout).start() for url in plan.external_urls]
-        log.info("waiting for %d server(s) to answer /health_generate; actors and writer start meanwhile",
-                 len(self.watches))
+        protocol = str(llm.get("protocol", "sglang"))
+        self.watches = [ServerWatch(server.name, server.url, timeout, role, protocol).start() for server, role in roles]
+        self.watches += [ServerWatch("external server", url, timeout, None, protocol).start()
+                         for url in plan.external_urls]
+        log.info("waiting for %d server(s) to answer; actors and writer start meanwhile", len(self.watches))
 
     def check_servers(self) -> None:
         """Log each server once it answers. A server that dies or misses llm.ready_timeout_s ends the run
@@ -84,8 +84,8 @@ class Launcher:
                 continue
             if watch.ready_after_s is not None:
                 watch.logged = True
-                log.info("%s ready at %s: answered /health_generate %.1fs after the launch started", watch.name,
-                         watch.url, watch.ready_at - self.launch_started)
+                log.info("%s ready at %s (%s): answered %.1fs after the launch started", watch.name,
+                         watch.url, watch.protocol, watch.ready_at - self.launch_started)
             elif watch.error is not None and ready:
                 watch.logged = True
                 log.error("%s did not become ready; %d other server(s) carry on: %s", watch.name, len(ready),

@@ -33,6 +33,7 @@ Common overrides:
   n=4  max_samples=-1              samples per prompt; prompts to use (-1 = all)
   temperature=0.7 max_response_length=512 max_prompt_length=1024
   llm=sglang llm.tp=2              SGLang servers on this node's GPUs (./launch.sh sets SGLang up)
+  llm=vllm                         vLLM servers on this node's GPUs, or its CPU (./launch.sh sets vLLM up)
   llm=external 'llm.urls=[http://127.0.0.1:30000]'
   actors.num_actors=2 actors.concurrency=64
   generation.save_batch_size=256 generation.show_progress=false
@@ -89,6 +90,9 @@ def validate(cfg: DictConfig) -> None:
         value = str(OmegaConf.select(cfg, key)).strip().lower()
         if value != "auto" and (not value.isdigit() or int(value) < 1):
             raise ValueError(f"{key}={value}: use auto or a whole number of at least 1")
+    from pipegen.actor.engines import check_protocol
+
+    check_protocol(str(cfg.llm.get("protocol", "sglang")))
 
 
 def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:

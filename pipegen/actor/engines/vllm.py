@@ -1,0 +1,122 @@
+"""vLLM as an `Engine`: OpenAI `POST /v1/completions` with the prompt as a list of token ids.
+
+Why this endpoint and not `/inference/v1/generate` (vLLM's tokens-only route): /v1/completions is served
+by every vLLM deployment as it comes (the other needs `--enable-scale-out`, which a team's existing
+server rarely has), and with `return_token_ids` it is just as token-exact: ids go in as ids, the
+answer's `choices[0].token_ids` are the sampled ids and `logprobs.token_logprobs` one log-prob per id,
+never detokenized and re-tokenized. It takes `seed` per request (reproducible across calls and
+restarts), `n` and `stop_token_ids`.
+
+- finish reasons: `stop` (EOS or a stop id; the stop token is the last id and has a log-prob, as in
+  SGLang), `length`, `abort`;
+- abort: closing the HTTP connection aborts the request inside vLLM (its abort endpoint needs vLLM's
+  internal request id and `--enable-scale-out`), so `abort` sends nothing: the client cancels the
+  request's task, which closes its connection;
+- readiness: `GET /health` (the API server binds only once the engine is loaded);
+- running limit: not reported over HTTP (`--max-num-seqs`): the launcher passes
+  `llm.max_running_requests` to the servers it starts and to the actors;
+- load: `/metrics` (Prometheus text) `vllm:num_requests_running` and `vllm:num_requests_waiting`.
+
+Log-probs: vLLM reports raw log-probs (before temperature) unless the server runs with
+`--logprobs-mode processed_logprobs`; verl recomputes `log_softmax(logits / temperature)`, which is the
+processed value (top-k/top-p left at their defaults). The launcher starts vLLM with that flag; an
+external server needs it too for `rollout_log_probs` to match verl at a temperature other than 1.
+
+Owns: vLLM's endpoints and their answers. Must never: retry, or re-tokenize anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import aiohttp
+
+from pipegen.actor.engines import EngineRequest, LoadUnavailable
+from pipegen.actor.protocol import ClientLimits, checked_prompt_ids, max_new_tokens_for, new_rid
+
+RUNNING_METRIC = "vllm:num_requests_running"
+WAITING_METRIC = "vllm:num_requests_waiting"
+# verl's agent-loop names that vLLM's completion request spells the same way; anything else the loop
+# sends is dropped rather than risking a 400 for an unknown field
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "stop_token_ids", "ignore_eos", "min_tokens")
+
+
+def parse_metrics(text: str) -> tuple[int, int]:
+    """(running, waiting) from vLLM's Prometheus text, summed over its label sets (engines, models).
+    Two names in a page of histograms: a scan of line starts, not a full exposition-format parser."""
+    totals = {RUNNING_METRIC: 0.0, WAITING_METRIC: 0.0}
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_"):
+            # the name ends at its labels or the value: vllm:num_requests_waiting_by_reason is another metric
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
+    return int(totals[RUNNING_METRIC]), int(totals[WAITING_METRIC])
+
+
+class VLLM:
+    name = "vllm"
+    generate_path = "/v1/completions"
+    health_path = "/health"
+
+    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits,
+              sampling_seed: int | None) -> EngineRequest:
+        ids = checked_prompt_ids(prompt_ids, limits)
+        params = dict(sampling_params)
+        max_new = max_new_tokens_for(params, len(ids), limits)
+        return_logprob = bool(params.pop("logprobs", False))
+        rid = new_rid()
+        body: dict[str, Any] = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
+        body.update(prompt=ids, max_tokens=max_new, return_token_ids=True, request_id=rid)
+        if return_logprob:
+            body["logprobs"] = 0  # the sampled token's own log-prob, no alternatives
+        if sampling_seed is not None:
+            body["seed"] = int(sampling_seed)
+        return EngineRequest(body, rid, max_new, return_logprob)
+
+    def renewed(self, request: EngineRequest) -> EngineRequest:
+        rid = new_rid()
+        return dataclasses.replace(request, body={**request.body, "request_id": rid}, rid=rid)
+
+    @staticmethod
+    def _choice(answer: dict[str, Any]) -> dict[str, Any]:
+        choices = answer.get("choices")
+        if not choices or not isinstance(choices[0], dict):
+            raise ValueError("no choices in the answer")
+        return choices[0]
+
+    def finish_type(self, answer: dict[str, Any]) -> str | None:
+        return self._choice(answer).get("finish_reason")
+
+    def parse(self, answer: dict[str, Any], request: EngineRequest):
+        from verl.workers.rollout.replica import TokenOutput
+
+        choice = self._choice(answer)
+        token_ids = choice.get("token_ids") or []
+        if request.return_logprob:
+            log_probs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            if len(log_probs) != len(token_ids):  # as verl does for a mismatch: keep nothing
+                token_ids, log_probs = [], []
+        else:
+            log_probs = None
+        extra = {"global_steps": None, "min_global_steps": None, "max_global_steps": None}
+        return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=choice.get("finish_reason"),
+                           extra_fields=extra)
+
+    async def abort(self, session: aiohttp.ClientSession, url: str, request: EngineRequest,
+                    timeout_s: float) -> None:
+        """Nothing to send: the caller closes the request's connection, which aborts it in vLLM."""
+
+    async def max_running(self, session: aiohttp.ClientSession, url: str) -> int | None:
+        return None
+
+    async def load(self, session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+        async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+            text = await resp.text()
+            if resp.status == 404:
+                raise LoadUnavailable(f"{url} has no /metrics")
+            if resp.status != 200:
+                raise ValueError(f"HTTP {resp.status}")
+        return parse_metrics(text)
