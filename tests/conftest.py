@@ -55,6 +55,34 @@ def load_trajectories(path: Path):
     return DataProto.load_from_disk(str(path))
 
 
+def verl_log_probs(data, model_path: str, temperature: float, scale: bool = True):
+    """What verl's actor recomputes for trajectories.pkl: a float32 forward over prompt + response, logits /
+    temperature (scale=False: the unscaled log-softmax), log-softmax of the response tokens. Returns
+    (recomputed, response mask)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    b = data.batch
+    width = b["prompts"].shape[1]
+    with torch.inference_mode():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits.float()
+    logits = logits[:, width - 1:-1, :]
+    return logprobs_from_logits(logits / temperature if scale else logits, b["responses"]), b["response_mask"].bool()
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The vLLM server's python: `./launch.sh --setup-vllm` makes its virtualenv once per machine (~2-5 min,
+    ~0.5 GB from PyPI) under ~/.cache/pipegen and prints its python; later calls find it at once."""
+    result = subprocess.run(["bash", str(REPO / "launch.sh"), "--setup-vllm"], capture_output=True, text=True,
+                            timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
 # The SGLang server-environment resolve (test_gpu_install) spends ~3 minutes waiting on the package index:
 # started when that test is collected, so the wait overlaps the rest of the suite.
 SERVER_RESOLVE = pytest.StashKey()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAST, launch, load_trajectories
+from conftest import FAST, launch, load_trajectories, verl_log_probs
 
 pytestmark = pytest.mark.slow
 
@@ -34,25 +34,16 @@ def test_rollout_log_probs_equal_verls_recomputation(run_at, tiny_model):
     # What verl's log-prob pass reads (DataProto.to_tensordict hands meta_info to the engine as non-tensor data).
     assert data.meta_info["temperature"] == temperature
     from verl.utils import tensordict_utils as tu
-    from verl.utils.torch_functional import logprobs_from_logits
-    from transformers import AutoModelForCausalLM
 
     assert tu.get_non_tensor_data(data.to_tensordict(), "temperature", None) == temperature
     # verl's actor: forward over prompt + response, logits / temperature, log-softmax of the response tokens.
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ours, mask = verl_log_probs(data, tiny_model, temperature)
     b = data.batch
-    width = b["prompts"].shape[1]
-    with torch.inference_mode():
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                       position_ids=b["position_ids"]).logits.float()
-    logits = logits[:, width - 1:-1, :]
-    ours = logprobs_from_logits(logits / temperature, b["responses"])
-    mask = b["response_mask"].bool()
     assert mask.sum() > 20
     diff = (ours - b["rollout_log_probs"]).abs()[mask]
     assert diff.max() < 1e-3, f"max |verl - rollout| = {diff.max():.2e} at temperature {temperature}"
     if temperature != 1.0:  # the check can tell: the unscaled log-softmax is far off
-        raw = logprobs_from_logits(logits, b["responses"])
+        raw, _ = verl_log_probs(data, tiny_model, temperature, scale=False)
         assert (raw - b["rollout_log_probs"]).abs()[mask].max() > 1e-2
 
 
