@@ -55,10 +55,10 @@ def load_trajectories(path: Path):
     return DataProto.load_from_disk(str(path))
 
 
-def verl_log_probs(data, model_path: str, temperature: float, scale: bool = True):
-    """What verl's actor recomputes for trajectories.pkl: a float32 forward over prompt + response, logits /
-    temperature (scale=False: the unscaled log-softmax), log-softmax of the response tokens. Returns
-    (recomputed, response mask)."""
+def assert_verl_agrees(data, model_path: str, temperature: float) -> None:
+    """verl's actor recomputation of trajectories.pkl (a float32 forward over prompt + response, logits /
+    temperature, log-softmax of the response tokens) agrees with rollout_log_probs within 1e-3; at a
+    temperature other than 1 the unscaled log-softmax is far off, so the check tells the two apart."""
     import torch
     from transformers import AutoModelForCausalLM
     from verl.utils.torch_functional import logprobs_from_logits
@@ -70,7 +70,13 @@ def verl_log_probs(data, model_path: str, temperature: float, scale: bool = True
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
                        position_ids=b["position_ids"]).logits.float()
     logits = logits[:, width - 1:-1, :]
-    return logprobs_from_logits(logits / temperature if scale else logits, b["responses"]), b["response_mask"].bool()
+    mask = b["response_mask"].bool()
+    assert mask.sum() > 20
+    gap = (logprobs_from_logits(logits / temperature, b["responses"]) - b["rollout_log_probs"]).abs()[mask].max()
+    assert gap < 1e-3, f"max |verl - rollout| = {gap:.2e} at temperature {temperature}"
+    if temperature != 1.0:
+        raw = logprobs_from_logits(logits, b["responses"])
+        assert (raw - b["rollout_log_probs"]).abs()[mask].max() > 1e-2
 
 
 @pytest.fixture(scope="session")

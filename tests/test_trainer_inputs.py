@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAST, launch, load_trajectories, verl_log_probs
+from conftest import FAST, assert_verl_agrees, launch, load_trajectories
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +36,7 @@ def test_rollout_log_probs_equal_verls_recomputation(run_at, tiny_model):
     from verl.utils import tensordict_utils as tu
 
     assert tu.get_non_tensor_data(data.to_tensordict(), "temperature", None) == temperature
-    # verl's actor: forward over prompt + response, logits / temperature, log-softmax of the response tokens.
-    ours, mask = verl_log_probs(data, tiny_model, temperature)
-    b = data.batch
-    assert mask.sum() > 20
-    diff = (ours - b["rollout_log_probs"]).abs()[mask]
-    assert diff.max() < 1e-3, f"max |verl - rollout| = {diff.max():.2e} at temperature {temperature}"
-    if temperature != 1.0:  # the check can tell: the unscaled log-softmax is far off
-        raw, _ = verl_log_probs(data, tiny_model, temperature, scale=False)
-        assert (raw - b["rollout_log_probs"]).abs()[mask].max() > 1e-2
+    assert_verl_agrees(data, tiny_model, temperature)
 
 
 def test_grpo_advantage_runs_on_trajectories_unchanged(run_at):
