@@ -20,7 +20,7 @@ from pipegen.run.records import RolloutRecord
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_model):
-    from pipegen.actor.dataset import load_tokenizer
+    from pipegen.inputs.dataset import load_tokenizer
     from pipegen.writer.batches import BatchBuilder
 
     cfg, run = c.prepare_run(tmp_path_factory.mktemp("run"), "n=2", "max_samples=40", "max_prompt_length=300",

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.actor.dataset import dataset_indices, load_dataset, load_tokenizer
+from pipegen.inputs.dataset import dataset_indices, load_dataset, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR

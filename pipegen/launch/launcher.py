@@ -26,7 +26,8 @@ from pipegen.run.checkpoint import failure_reason
 from pipegen.launch.prepare import build_manifest, fail, prepare_run, print_help, resolve_inputs, validate
 from pipegen.run.config import check_types, compose, describe_config_error, resolved
 from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
-from pipegen.writer.commit import EXIT_FAILED_UNITS, EXIT_LOCKED
+from pipegen.run.ownership import lock_holder
+from pipegen.run.handshake import EXIT_FAILED_UNITS, EXIT_LOCKED
 
 log = logging.getLogger("pipegen.launch")
 
@@ -190,13 +191,12 @@ class Launcher:
         """Our writer stood by because another writer (started by hand) holds the directory: that one
         is the run's writer while it lives. True once it has completed the run; if it exits before
         that, our writer starts again (not a crash: nothing failed)."""
-        from pipegen.observe.status import writer_lock_holder
         from pipegen.run.checkpoint import load_checkpoint
 
         if time.monotonic() - self._outside_checked < 1.0:
             return False
         self._outside_checked = time.monotonic()
-        holder = writer_lock_holder(self.run)
+        holder = lock_holder(self.run.writer_lock)
         if holder is not None:
             if holder != self._outside_writer:
                 self._outside_writer = holder
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         except ServerNotReady as e:
             return fail(str(e))
     if not run.units_file.exists():
-        from pipegen.actor.dataset import check_files
+        from pipegen.inputs.dataset import check_files
 
         try:
             check_files(cfg)  # the parquet footers: seconds, before any process starts

@@ -66,8 +66,8 @@ def fail(message: str) -> int:
 
 def resolve_inputs(cfg: DictConfig) -> None:
     """Short names -> real paths, so every child reads concrete paths from the saved config."""
-    from pipegen.data import resolve_train_files
-    from pipegen.models import resolve_model_path
+    from pipegen.inputs.demo import resolve_train_files
+    from pipegen.inputs.models import resolve_model_path
 
     with open_dict(cfg):
         model = resolve_model_path(str(cfg.actor_rollout_ref.model.path))
@@ -114,7 +114,7 @@ def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
 
 def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     """Load the dataset once through verl, check it, and record its unit indices."""
-    from pipegen.actor.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
+    from pipegen.inputs.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
 
     check_files(cfg)  # seconds before verl is imported
     tokenizer = load_tokenizer(cfg)
