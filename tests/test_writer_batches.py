@@ -128,7 +128,7 @@ def test_a_run_with_pauses_writes_full_batches_and_one_partial_last(setup):
     from pipegen.writer.commit import Writer
 
     cfg, run, builder = setup
-    assert int(cfg.generation.save_batch_size) == 64 and float(cfg.generation.pull_timeout) >= 60
+    assert int(cfg.generation.save_batch_size) == 64 and float(cfg.generation.partial_batch_quiet_s) >= 60
     records = c.RecordFactory(cfg).records(80, 64, seed=5)
 
     async def scenario():

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipegen.observe.startup import ACTOR_PHASES
-from pipegen.run.layout import RunDir
 
 log = logging.getLogger("pipegen.actor")
 

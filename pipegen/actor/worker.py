@@ -165,9 +165,8 @@ class Actor:
             request_timeout_s=float(self.cfg.llm.request_timeout_s),
             max_attempts=int(self.cfg.generation.max_attempts),
             vocab_size=self.runner.vocab_size,
-            watchdog=WatchdogLimits(stall_floor_s=float(self.cfg.llm.get("stall_floor_s", 30.0)),
-                                    stall_margin=float(self.cfg.llm.get("stall_margin", 3.0)),
-                                    hedge=bool(self.cfg.actors.get("hedge", True))),
+            watchdog=WatchdogLimits(stall_floor_s=float(self.cfg.llm.stall_floor_s),
+                                    stall_margin=float(self.cfg.llm.stall_margin), hedge=bool(self.cfg.actors.hedge)),
         )
         stats = StatsAppender(self.run.stats, actor_role(self.rank))
         connector = aiohttp.TCPConnector(limit=0)

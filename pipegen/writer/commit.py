@@ -7,7 +7,7 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
     batch_NNNNN.pkl. A partial batch is written only when every unit is settled, or after
-    pull_timeout seconds (minutes by default) without new lines: each sample is already durable in
+    partial_batch_quiet_s seconds (minutes by default) without new lines: each sample is already durable in
     its shard line, so small batches would buy nothing but files;
  4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
     fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
@@ -157,7 +157,7 @@ class Writer:
         self.gen = cfg.generation
         # read once: an omegaconf lookup per line cost more than parsing a 1k-token line
         self.save_batch_size = int(self.gen.save_batch_size)
-        self.quiet_period_s = float(self.gen.pull_timeout)
+        self.quiet_period_s = float(self.gen.partial_batch_quiet_s)
         self.batch_int32 = bool(self.gen.batch_int32)
         self.keys = UnitKeys(int(cfg.actor_rollout_ref.rollout.n))
         self.fault = FaultInjector(os.environ.get(FAULT_ENV))
