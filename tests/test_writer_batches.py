@@ -16,6 +16,7 @@ import torch
 
 from pipegen.bench import common as c
 from pipegen.run.records import RolloutRecord
+from pipegen.verl_private import postprocess_batch
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +75,8 @@ def test_fast_rows_equal_verls_per_trajectory_postprocess(setup, with_logprobs):
     fast = asyncio.run(builder.build(fast_records))
     plain = [RolloutRecord.from_line(rec.to_line()) for rec in records]
     row_keys = [*plain[0].agent_kwargs(builder.default_agent), "sample", "trajectory", "seed"]
-    reference = builder.worker._postprocess(_verl_rows(builder, plain), validate=False,
-                                            input_non_tensor_batch={k: fast.non_tensor_batch[k] for k in row_keys})
+    reference = postprocess_batch(builder.worker, _verl_rows(builder, plain),
+                                  {k: fast.non_tensor_batch[k] for k in row_keys})
     _assert_same(fast, reference)
     _assert_same(from_storage(asyncio.run(builder.build(fast_records, int32=True))), reference)
 
