@@ -187,7 +187,7 @@ class Writer:
             log.warning("deleting %s: written before a crash, never committed by the checkpoint", p.name)
             p.unlink()
         remove_stale_temporaries(self.run.root)
-        self.ckpt.fingerprint = self.run.run_key()
+        self.ckpt.run_key = self.run.run_key()
         if self.ckpt.launch != self.launch:
             # A new launch retries the units that failed before; forget their old failures.
             self.ckpt.failed = {}
