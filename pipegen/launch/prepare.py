@@ -34,6 +34,7 @@ Common overrides:
   temperature=0.7 max_response_length=512 max_prompt_length=1024
   llm=sglang llm.tp=2              SGLang servers on this node's GPUs (./launch.sh sets SGLang up)
   llm=vllm                         vLLM servers on this node's GPUs, or its CPU (./launch.sh sets vLLM up)
+  llm=vllm                         vLLM servers on this node's GPUs, or its CPU (./launch.sh sets vLLM up)
   llm=external 'llm.urls=[http://127.0.0.1:30000]'
   actors.num_actors=2 actors.concurrency=64
   generation.save_batch_size=256 generation.show_progress=false
