@@ -14,6 +14,7 @@ from pipegen.actor.engines.vllm import parse_metrics
 from pipegen.actor.protocol import ClientLimits, RequestRejected
 from pipegen.launch.servers import vllm_server_command
 from pipegen.launch.world import plan_world
+from pipegen.run.schema import llm_defaults
 
 LIMITS = ClientLimits(prompt_length=64, response_length=16, max_model_len=128, vocab_size=1000)
 PARAMS = dict(temperature=0.7, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
@@ -84,7 +85,7 @@ def test_vllm_servers_go_on_gpus_by_tp_or_on_the_cpu_without_gpus():
                         pick_port=lambda host: next(ports))
     assert len(on_cpu.servers) == 2 and all(s.gpus == () for s in on_cpu.servers)
 
-    llm = {"python": "/venvs/vllm/bin/python", "max_running_requests": 64, "dtype": "auto"}
+    llm = {**llm_defaults("vllm"), "python": "/venvs/vllm/bin/python", "max_running_requests": 64}
     argv, env = vllm_server_command(on_gpus.servers[1], "/models/m", llm, seed=3)
     assert argv[:3] == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"

@@ -33,6 +33,7 @@ from fake_servers import RecordingProxy, launch_external, pids_where, read_recor
 from pipegen.actor.pacing import HEADROOM
 from pipegen.launch.servers import ServerProcess, vllm_server_command
 from pipegen.launch.world import ServerPlan, free_port
+from pipegen.run.schema import llm_defaults
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ SMALL_RUN = ["max_samples=4", "n=2", "max_response_length=24", "actors.stats_int
 
 @pytest.fixture(scope="module")
 def smollm2() -> str:
-    from pipegen.models import resolve_model_path
+    from pipegen.inputs.models import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
 
@@ -53,7 +54,7 @@ def smollm2() -> str:
 def vllm_server(vllm_python, smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
     plan = ServerPlan("vllm", "127.0.0.1", free_port())
-    llm = {"python": vllm_python, "dtype": "float32", "max_running_requests": SERVER_MAX_RUNNING}
+    llm = {**llm_defaults("vllm"), "python": vllm_python, "dtype": "float32", "max_running_requests": SERVER_MAX_RUNNING}
     argv, env = vllm_server_command(plan, smollm2, llm, seed=0)
     # its own compile cache: the sampler is compiled with g++ on the first request, and another run's
     # half-written cache must not be read

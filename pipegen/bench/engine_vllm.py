@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import orjson
-from omegaconf import OmegaConf
 
 from pipegen.bench import common as c
 from pipegen.bench.gpu import gpu_names, run_pipegen
@@ -48,10 +47,10 @@ def vllm_python() -> str:
 
 
 def default_llm(python: str) -> dict:
-    """conf/llm/vllm.yaml as `llm=vllm` gets it, with the server's python."""
-    llm = OmegaConf.to_container(OmegaConf.load(c.REPO / "conf" / "llm" / "vllm.yaml"))
-    llm["python"] = python
-    return llm
+    """`llm=vllm`'s defaults (run/schema.py), with the server's python."""
+    from pipegen.run.schema import llm_defaults
+
+    return {**llm_defaults("vllm"), "python": python}
 
 
 def warm_up(url: str) -> None:
@@ -86,7 +85,7 @@ def measure(res: c.ScenarioResult, tmp: Path, quick: bool) -> None:
     from pipegen.bench.end_to_end import raw_bodies
     from pipegen.launch.servers import vllm_server_command
     from pipegen.launch.world import ServerPlan, free_port
-    from pipegen.models import resolve_model_path
+    from pipegen.inputs.models import resolve_model_path
     from pipegen.run.layout import RunDir
 
     python = vllm_python()

