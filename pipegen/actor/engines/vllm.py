@@ -69,7 +69,10 @@ class VLLM:
         return_logprob = bool(params.pop("logprobs", False))
         rid = new_rid()
         body: dict[str, Any] = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
-        body.update(prompt=ids, max_tokens=max_new, return_token_ids=True, request_id=rid)
+        # return_tokens_as_token_ids: the answer's per-token strings (which pipegen never reads) are written as
+        # "token_id:N" instead of each being detokenized in vLLM's API server
+        body.update(prompt=ids, max_tokens=max_new, return_token_ids=True, return_tokens_as_token_ids=True,
+                    request_id=rid)
         if return_logprob:
             body["logprobs"] = 0  # the sampled token's own log-prob, no alternatives
         if sampling_seed is not None:
