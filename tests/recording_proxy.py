@@ -48,13 +48,22 @@ class Proxy:
         entry = {"t": time.time(), "rid": body.get("rid"), "seed": params.get("sampling_seed"),
                  "input_ids": body.get("input_ids"), "max_new_tokens": params.get("max_new_tokens"),
                  "status": None, "output_ids": None, "logprobs": None, "finish": None}
+        return await self.forward("/generate", raw, entry, lambda ans: {
+            "output_ids": ans.get("output_ids"),
+            "logprobs": [t[0] for t in (ans.get("meta_info") or {}).get("output_token_logprobs") or []],
+            "finish": ((ans.get("meta_info") or {}).get("finish_reason") or {}).get("type")})
+
+    async def forward(self, path: str, raw: bytes, entry: dict, read_answer) -> web.Response:
+        """POST raw upstream, log `entry` with what came back (read_answer: the answer -> the entry's fields)."""
         try:
-            async with self.session.post(f"{self.upstream}/generate", data=raw,
+            async with self.session.post(f"{self.upstream}{path}", data=raw,
                                          headers={"Content-Type": "application/json"}) as resp:
                 out = await resp.read()
                 status, ctype = resp.status, resp.content_type
         except asyncio.CancelledError:
-            self.write(entry)  # the client gave up (its timeout): the upstream saw the request
+            # the client gave up (a timeout, an abort): the upstream saw the request, and leaving this block
+            # closed the upstream connection too, as the client's own close would reach a server directly
+            self.write(entry)
             raise
         except aiohttp.ClientError as e:
             entry["status"] = 502
@@ -62,11 +71,7 @@ class Proxy:
             return web.Response(status=502, text=str(e))
         entry["status"] = status
         if status == 200:
-            ans = orjson.loads(out)
-            meta = ans.get("meta_info") or {}
-            entry["output_ids"] = ans.get("output_ids")
-            entry["logprobs"] = [t[0] for t in meta.get("output_token_logprobs") or []]
-            entry["finish"] = (meta.get("finish_reason") or {}).get("type")
+            entry.update(read_answer(orjson.loads(out)))
         self.write(entry)
         return web.Response(status=status, body=out, content_type=ctype)
 
@@ -83,21 +88,9 @@ class Proxy:
                     self.context_len = int((await resp.json())["data"][0]["max_model_len"])
             body.update(max_tokens=self.context_len - len(body["prompt"]), ignore_eos=True)
             raw, entry["stalled"] = orjson.dumps(body), True
-        try:
-            async with self.session.post(f"{self.upstream}/v1/completions", data=raw,
-                                         headers={"Content-Type": "application/json"}) as resp:
-                out = await resp.read()
-                status, ctype = resp.status, resp.content_type
-        except asyncio.CancelledError:
-            self.write(entry)  # the client went away (its abort): leaving this block closed the upstream connection
-            raise
-        entry["status"] = status
-        if status == 200:
-            choice = orjson.loads(out)["choices"][0]
-            entry.update(output_ids=choice.get("token_ids"), finish=choice.get("finish_reason"),
-                         logprobs=(choice.get("logprobs") or {}).get("token_logprobs"))
-        self.write(entry)
-        return web.Response(status=status, body=out, content_type=ctype)
+        return await self.forward("/v1/completions", raw, entry, lambda ans: {
+            "output_ids": ans["choices"][0].get("token_ids"), "finish": ans["choices"][0].get("finish_reason"),
+            "logprobs": (ans["choices"][0].get("logprobs") or {}).get("token_logprobs")})
 
     async def passthrough(self, request: web.Request) -> web.Response:
         url = f"{self.upstream}{request.rel_url}"
