@@ -181,7 +181,11 @@ def test_llm_vllm_stops_cleanly_on_sigterm_and_resumes_to_a_complete_run(vllm_py
     assert launcher.returncode == 130, stderr[-3000:]
     time.sleep(1)
     assert ours() == [], "processes of the run outlived its launcher"
-    assert "crash" not in (stderr + (out / "logs" / "launch.log").read_text()).lower()
+    # pipegen's own lines (the console quotes the server's warnings as "[server_0] ...": vLLM's own words, e.g.
+    # its generic warning that disabling chunked prefill "may cause the engine to crash")
+    ours_said = [line for line in (stderr + (out / "logs" / "launch.log").read_text()).splitlines()
+                 if "[server_" not in line]
+    assert not [line for line in ours_said if "crash" in line.lower()]
     assert "Run the same command to resume" in stderr
 
     # the same run resumed against the module's server (a relaunch may attach to other servers; both run
