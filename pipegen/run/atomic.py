@@ -7,6 +7,7 @@ Must never: leave a half-written file under its final name, or hold state betwee
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import IO, Callable
 
@@ -63,11 +64,14 @@ def remove_stale_temporaries(directory: Path) -> int:
 class DirectoryLock:
     """An exclusive OS lock (filelock's flock) on a file: released by the kernel when the holder dies.
 
-    The holder's pid is written into the file so a refused process, and `pipegen.status`, can name it.
+    The holder's pid (and, with `name_host`, its host) is written into the file so a refused process,
+    and `pipegen.status`, can name it. `role` names the holder in the refusal ("writer", "launcher").
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, role: str = "writer", name_host: bool = False):
         self.path = Path(path)
+        self.role = role
+        self.name_host = name_host
         self._lock = FileLock(str(self.path))
 
     def acquire(self) -> None:
@@ -78,16 +82,18 @@ class DirectoryLock:
                 holder = self.path.read_text().strip() or "unknown"
             except OSError:
                 holder = "unknown"
-            raise LockHeld(self.path, holder) from None
+            raise LockHeld(self.path, holder, self.role) from None
         with open(self.path, "r+") as f:  # the lock is on the inode, so a second descriptor may write
             f.truncate()
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{os.getpid()} {socket.gethostname()}\n" if self.name_host else f"{os.getpid()}\n")
 
     def release(self) -> None:
         self._lock.release()
 
 
 class LockHeld(RuntimeError):
-    def __init__(self, path: Path, holder: str):
-        super().__init__(f"another writer (pid {holder}) already owns {path.parent}; stop it first or wait for it")
-        self.holder = holder
+    def __init__(self, path: Path, holder: str, role: str = "writer"):
+        pid, _, host = holder.partition(" ")
+        who = f"pid {pid} on {host}" if host else f"pid {pid}"
+        super().__init__(f"another {role} ({who}) already owns {path.parent}; stop it first or wait for it")
+        self.holder = pid
