@@ -17,6 +17,7 @@ from test_status import kill_orphans_of, wait_for
 
 from pipegen.launch.leases import LeaseBook
 from pipegen.run.layout import RunDir, list_shards, stats_file
+from pipegen.testing.ray_cluster import LOOPBACK_ENV, add_generation_node
 
 NODE_RESOURCE = "pipegen_test_node"
 
@@ -87,22 +88,12 @@ def test_two_launchers_on_one_output_dir_exactly_one_generates(tmp_path, tiny_mo
 # ---------------------------------------------------------------------------------------------------
 # A loopback Ray cluster: head + 2 generation nodes (each runner starts its own fake-engine server).
 
-RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # every node registers as 127.0.0.1
-SMALL_NODE = {"num_cpus": 1, "object_store_memory": 80 << 20, "resources": {NODE_RESOURCE: 1}}
-
-
 @pytest.fixture
-def ray_cluster(monkeypatch):
-    from ray.cluster_utils import Cluster
+def ray_cluster():
+    from pipegen.testing.ray_cluster import loopback_cluster
 
-    for k, v in RAY_ENV.items():
-        monkeypatch.setenv(k, v)
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": 1, "object_store_memory": 80 << 20, "include_dashboard": False})
-    try:
+    with loopback_cluster() as cluster:
         yield cluster
-    finally:
-        cluster.shutdown()
 
 
 def cluster_line(out: Path) -> dict:
@@ -114,14 +105,14 @@ def cluster_line(out: Path) -> dict:
 @pytest.mark.slow  # a 3-node Ray cluster and a 96-unit run with a node lost and one added: ~90 s on 2 cores
 def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_model, ray_cluster):
     out = tmp_path / "run"
-    workers = [ray_cluster.add_node(**SMALL_NODE) for _ in range(2)]
+    workers = [add_generation_node(ray_cluster, NODE_RESOURCE) for _ in range(2)]
     ray_cluster.wait_for_nodes()
     # 48 prompts x 2 samples, 24 tokens at 0.1 s each (~2.4 s a unit), 4 at a time per node: ~30 s on two
     # nodes, long enough to lose one mid-run and have a new one join while work is left
     overrides = [o for o in FAST if not o.startswith(("max_samples=", "actors.concurrency="))] + [
         "max_samples=48", "actors.concurrency=4", FAKE_ENGINE, "llm.engine_args=[--token-latency,0.1,--eos-prob,0]",
         "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}"]
-    env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": ray_cluster.address}
+    env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": ray_cluster.address}
     log = open(tmp_path / "launcher.log", "w+")
     launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}",
                                  f"model_path={tiny_model}", *overrides], cwd=REPO, stdout=log,
@@ -134,7 +125,7 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         ray_cluster.remove_node(workers[0], allow_graceful=False)
         wait_for(lambda: cluster_line(out).get("units_released", 0) > 0, 60, "the lost node's units leased again",
                  launcher)
-        ray_cluster.add_node(**SMALL_NODE)
+        add_generation_node(ray_cluster, NODE_RESOURCE)
         assert launcher.wait(timeout=300) == 0
     finally:
         if launcher.poll() is None:

@@ -1,8 +1,10 @@
 """Leases of units (cluster=ray): what is left to hand out, what each node holds, what was leased again.
 
 A lease is a list of unit keys (records.UnitKeys) in prompt-major order, handed to one node runner.
-Sizes follow guided self-scheduling: about what is left ÷ (2 × nodes), between two bounds, so leases
-shrink toward the tail and a slow node holds at most one small lease when the others run dry.
+A node asks for about `lease_seconds` of its own recent pace (units its actors took per second), so a
+fast node gets big leases and a slow one small ones; and never more than what is left ÷ (2 × nodes)
+(guided self-scheduling), so leases shrink toward the tail and a slow node holds little when the others
+run dry.
 
 When a lease is lost to a Ray infrastructure error (its node died, its runner is unreachable), the units
 of it that are neither committed nor in a complete shard line (the same scan an actor does on start) go
@@ -75,14 +77,18 @@ class LeaseBook:
     def done(self) -> bool:
         return not self.queue and not self.out
 
-    def lease_size(self, nodes: int) -> int:
-        return max(self.min_units, min(self.max_units, math.ceil(len(self.queue) / (2 * max(1, nodes)))))
+    def lease_size(self, nodes: int, wanted: float | None = None) -> int:
+        """`wanted` units (a node's pace x lease_seconds; the upper bound when unknown), within the bounds
+        and at most the queue's share per node."""
+        share = math.ceil(len(self.queue) / (2 * max(1, nodes)))
+        size = self.max_units if wanted is None else math.ceil(wanted)
+        return max(self.min_units, min(self.max_units, size, share))
 
-    def issue(self, node: str, nodes: int) -> Lease | None:
+    def issue(self, node: str, nodes: int, wanted: float | None = None) -> Lease | None:
         """The next lease for `node` (one of `nodes` taking work), or None when the queue is empty."""
         if not self.queue:
             return None
-        size = min(self.lease_size(nodes), len(self.queue))
+        size = min(self.lease_size(nodes, wanted), len(self.queue))
         lease = Lease(next(self._ids), node, [self.queue.popleft() for _ in range(size)])
         self.out[lease.id] = lease
         if self._front:

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -42,46 +43,56 @@ log = logging.getLogger("pipegen.node")
 LONG_POLL_S = 5.0  # an actor asking for units waits this long for a lease before it asks again
 # torchrun/Slurm's node variables: the runner is one node of a Ray cluster, never a rank of another scheme
 NODE_RANK_VARS = ("WORLD_SIZE", "RANK", "SLURM_NNODES", "SLURM_NODEID")
+# Extra flags for every server of one node, from that node's environment (set where its `ray start`
+# runs): nodes that differ (another GPU, a slower disk) get their own server flags.
+NODE_SERVER_ARGS_ENV = "PIPEGEN_NODE_SERVER_ARGS"
 
 
 class NodeQueue:
-    """The units of this node's leases not yet taken by an actor, and the leases not yet finished."""
+    """The units of this node's leases not yet taken by an actor, and the leases not yet taken or done.
+
+    Shared by the lease endpoint's thread (take, done) and the runner's Ray calls (add, and the waits)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._units: deque[int] = deque()
+        self._units: deque[tuple[int, int]] = deque()  # (lease id, unit key), in lease order
+        self._untaken: dict[int, int] = {}  # lease id -> its units no actor has taken yet
         self._open: dict[int, set[int]] = {}  # lease id -> its units not reported done
-        self._events: dict[int, threading.Event] = {}
         self.finished = False  # the launcher needs nothing more from this node
 
-    def add(self, lease_id: int, units: list[int]) -> threading.Event:
+    def add(self, lease_id: int, units: list[int]) -> None:
         with self._lock:
-            self._units.extend(units)
+            self._units.extend((lease_id, u) for u in units)
+            self._untaken[lease_id] = len(units)
             self._open[lease_id] = set(units)
-            event = self._events[lease_id] = threading.Event()
-            if not units:
-                event.set()
-            return event
 
     def take(self, want: int) -> list[int]:
         with self._lock:
-            return [self._units.popleft() for _ in range(min(want, len(self._units)))]
+            taken = [self._units.popleft() for _ in range(min(want, len(self._units)))]
+            for lease_id, _ in taken:
+                self._untaken[lease_id] -= 1
+            return [u for _, u in taken]
 
     def done(self, units: list[int]) -> None:
         if not units:
             return
         with self._lock:
             finished = set(units)
-            for lease_id, waiting in list(self._open.items()):
+            for waiting in self._open.values():
                 waiting -= finished
-                if not waiting:
-                    del self._open[lease_id]
-                    self._events.pop(lease_id).set()
 
-    def forget(self, lease_id: int) -> None:
+    def is_taken(self, lease_id: int) -> bool:
         with self._lock:
-            self._open.pop(lease_id, None)
-            self._events.pop(lease_id, None)
+            return self._untaken.get(lease_id, 0) <= 0
+
+    def is_done(self, lease_id: int) -> bool:
+        """Every unit of the lease reported done (False for a lease this queue has not been given yet)."""
+        with self._lock:
+            if lease_id not in self._open or self._open[lease_id]:
+                return False
+            del self._open[lease_id]
+            self._untaken.pop(lease_id, None)
+            return True
 
 
 class LeaseEndpoint:
@@ -146,6 +157,10 @@ class NodeRunner:
         cfg = load_run_config(self.run)
         plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), cfg.actors.num_actors)
         name = f"{node}-{self.incarnation}"
+        extra = shlex.split(os.environ.get(NODE_SERVER_ARGS_ENV, ""))
+        if extra:
+            given = list(cfg.llm.server_args or [])
+            cfg.llm.server_args = [list(given[i] if i < len(given) else []) + extra for i in range(len(plan.servers))]
         plan.servers = [dataclasses.replace(s, name=f"server_{name}-{i}") for i, s in enumerate(plan.servers)]
         self.queue = NodeQueue()
         self.endpoint = LeaseEndpoint(self.queue)
@@ -196,28 +211,37 @@ class NodeRunner:
                 log.error("%s", self.error)
             time.sleep(0.2)
 
-    # ---- called by the launcher through Ray ----
-    def ping(self) -> dict:
+    # ---- called by the launcher through Ray (async: a wait holds no thread, so leases may pile up) ----
+    async def ping(self) -> dict:
         import ray
 
         return {"node": self.node, "incarnation": self.incarnation, "host": self.host, "pid": os.getpid(),
                 "ray_node": ray.get_runtime_context().get_node_id(), "error": self.error}
 
-    def run_lease(self, lease_id: int, units: list[int]) -> int:
-        """Returns once every unit of the lease is in a shard (or a failure record): the lease is done."""
-        event = self.queue.add(lease_id, units)
-        while not event.wait(0.5):
-            if self.error is not None:
-                self.queue.forget(lease_id)
-                raise RuntimeError(self.error)
-        return len(units)
+    async def offer(self, lease_id: int, units: list[int]) -> int:
+        """Queue the lease for this node's actors; returns once they have taken every unit of it (time for
+        the launcher to send the next)."""
+        self.queue.add(lease_id, units)
+        await self._until(lambda: self.queue.is_taken(lease_id))
+        return lease_id
 
-    def stop(self, grace_s: float = 30.0) -> None:
+    async def lease_done(self, lease_id: int) -> int:
+        """Returns once every unit of the lease is in a shard (or a failure record): the lease is done."""
+        await self._until(lambda: self.queue.is_done(lease_id))
+        return lease_id
+
+    async def _until(self, condition) -> None:
+        while not condition():
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            await asyncio.sleep(0.05)
+
+    async def stop(self, grace_s: float = 30.0) -> None:
         """The run needs nothing more: actors finish and exit, then every child is stopped."""
         self.queue.finished = True
         deadline = time.monotonic() + grace_s
         actors = [r for name, r in self.launcher.sup.roles.items() if name.startswith("actor_")]
         while any(r.alive for r in actors) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)
         self.error = "stopped"  # ends the supervise thread: nothing is restarted any more
         self.launcher.stop()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,6 @@ log = logging.getLogger("pipegen.launch")
 CLUSTER_ROLE = "cluster"  # its stats file: streams/stats/cluster.jsonl
 PROBE_RETRY_S = 1.0
 DISCOVER_EVERY_S = 2.0
-RUNNER_THREADS = 16  # concurrent calls a runner serves (its leases, a probe, the stop)
 
 
 class ClusterError(RuntimeError):
@@ -72,6 +72,17 @@ class NodeSlot:
     leased_units: int = 0
     leases_done: int = 0
     leases_lost: int = 0
+    untaken: set[int] = field(default_factory=set)  # leases sent that its actors have not all taken yet
+    takes: deque = field(default_factory=deque)  # (monotonic time, units) of leases its actors took
+
+    def pace(self, window_s: float) -> float | None:
+        """Units per second its actors took over the last `window_s` (None before they took any)."""
+        now = time.monotonic()
+        while self.takes and self.takes[0][0] < now - window_s:
+            self.takes.popleft()
+        if not self.takes:
+            return None
+        return sum(n for _, n in self.takes) / max(1.0, min(window_s, now - self.takes[0][0]))
 
 
 @dataclass
@@ -94,7 +105,7 @@ class RayCluster:
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lease_refs: dict[Any, tuple[int, str]] = {}  # ObjectRef -> (lease id, node)
+        self._lease_refs: dict[Any, tuple[str, int, str]] = {}  # ObjectRef -> ("taken" | "done", lease id, node)
         self._infra: tuple[type[BaseException], ...] = ()
         self.stats = StatsAppender(run.stats, CLUSTER_ROLE)
 
@@ -141,7 +152,7 @@ class RayCluster:
             self.state.bundles += 1
             need = {"num_gpus": amount} if self.resource == "GPU" else {"resources": {self.resource: amount}}
             handle = remote.options(
-                num_cpus=0, **need, max_restarts=-1, max_task_retries=0, max_concurrency=RUNNER_THREADS,
+                num_cpus=0, **need, max_restarts=-1, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
             ).remote(str(self.run.root), name, self.launch)
             self.state.slots[name] = NodeSlot(name, handle)
@@ -177,7 +188,9 @@ class RayCluster:
         while not self._stop.is_set():
             refs = list(self._lease_refs) + [s.probe for s in self.state.slots.values() if s.probe is not None]
             if refs:
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.2)
+                ready, rest = ray.wait(refs, num_returns=1, timeout=0.2)
+                if ready and rest:
+                    ready += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
             else:
                 ready = []
                 time.sleep(0.2)
@@ -196,13 +209,10 @@ class RayCluster:
                 last_stats = now
                 self.write_stats()
 
-    def _slot_of(self, ref) -> NodeSlot:
-        return self.state.slots[self._lease_refs[ref][1]]
-
     def _lease_returned(self, ref) -> None:
         import ray
 
-        lease_id, node = self._lease_refs.pop(ref)
+        kind, lease_id, node = self._lease_refs.pop(ref)
         slot = self.state.slots[node]
         try:
             ray.get(ref)
@@ -215,20 +225,30 @@ class RayCluster:
             if all(s.state == "failed" for s in self.state.slots.values()):
                 raise ClusterError(f"every node failed; last: {slot.error}") from None
             return
-        self.book.finish(lease_id)
-        slot.leases_done += 1
+        if kind == "taken":
+            if lease_id in slot.untaken:
+                slot.untaken.discard(lease_id)
+                lease = self.book.out.get(lease_id)
+                slot.takes.append((time.monotonic(), len(lease.units) if lease else 0))
+        elif self.book.finish(lease_id) is not None:
+            slot.leases_done += 1
 
     def _lose(self, slot: NodeSlot, lease_id: int, why: str) -> None:
         release = self.book.lose(lease_id, lambda units: open_units(self.run, self.n, units))
+        if release is None:  # its other call already reported the loss
+            return
         slot.leases_lost += 1
+        slot.untaken.discard(lease_id)
         if slot.state != "failed":
             if slot.state != "dead":
                 slot.lost_at = time.time()
                 log.warning("%s (incarnation %s on %s) lost: %s; its open units are leased again", slot.name,
                             slot.incarnation, slot.host, why)
             slot.state = "dead"
+            slot.untaken.clear()
+            slot.takes.clear()
             slot.probe_after = time.monotonic() + PROBE_RETRY_S
-        if release is not None and release.units:
+        if release.units:
             log.info("%d unit(s) of %s's lease %d go back to the queue", release.units, slot.name, lease_id)
 
     def _probe_silent(self) -> None:
@@ -259,14 +279,20 @@ class RayCluster:
         slot.state = "alive"
 
     def _hand_out(self) -> None:
+        """Keep `cluster.leases_per_node` leases waiting at every live node, each about
+        `cluster.lease_seconds` of that node's recent pace (the smallest lease until it has one)."""
         alive = [s for s in self.state.slots.values() if s.state == "alive"]
+        seconds = float(self.ccfg.lease_seconds)
         for slot in alive:
-            while len(self.book.outstanding(slot.name)) < int(self.ccfg.leases_per_node):
-                lease = self.book.issue(slot.name, len(alive))
+            while len(slot.untaken) < int(self.ccfg.leases_per_node):
+                pace = slot.pace(2 * seconds)
+                lease = self.book.issue(slot.name, len(alive), self.book.min_units if pace is None else pace * seconds)
                 if lease is None:
                     return
                 slot.leased_units += len(lease.units)
-                self._lease_refs[slot.handle.run_lease.remote(lease.id, lease.units)] = (lease.id, slot.name)
+                slot.untaken.add(lease.id)
+                self._lease_refs[slot.handle.offer.remote(lease.id, lease.units)] = ("taken", lease.id, slot.name)
+                self._lease_refs[slot.handle.lease_done.remote(lease.id)] = ("done", lease.id, slot.name)
 
     def _discover(self) -> None:
         """A node that joined with the resource gets a runner of its own (a one-bundle placement group),
