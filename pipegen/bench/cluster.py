@@ -5,8 +5,8 @@ the other's; `python -m pipegen.launch ... cluster=ray` leases the units to both
 Both servers are the fake engine at a fixed pace (`--token-latency`, EOS off, so every unit is exactly
 `max_response_length` tokens); the slow node gets `--token-latency` x 4 through its environment
 (node_runner.NODE_SERVER_ARGS_ENV, as a `ray start` with that variable would). Measured from the actors'
-stats lines: the window starts when both nodes have sent their first request (units finished before it
-are left out of the work), and ends at the last finished unit; each node's capacity is its own units ÷
+stats lines (every 0.5 s): the window starts when both nodes have sent their first request (units
+finished before it are left out of the work), and ends with the line that shows the last finished unit; each node's capacity is its own units ÷
 its own busy time. A static half-and-half split would take (units ÷ 2) ÷ the slow node's rate: that
 ratio is shown beside it, from the same measured rates.
 
@@ -44,12 +44,12 @@ def measure(run: RunDir, total_units: int) -> tuple[float, float, float, dict[st
     lines = actor_lines(run)
     starts = {a: next(x["startup/first_request"] for x in ls if x.get("startup/first_request")) for a, ls in lines.items()}
     start = max(starts.values())
-    end = max(ls[-1]["time"] for ls in lines.values())
-    rates, before = {}, 0
+    rates, before, end = {}, 0, start
     for actor, ls in lines.items():
         done = ls[-1]["completed"]
         busy_end = next(x["time"] for x in ls if x["completed"] == done)  # the line where its last unit showed
         rates[actor] = done / max(1e-9, busy_end - starts[actor])
+        end = max(end, busy_end)
         before += max([x["completed"] for x in ls if x["time"] <= start] or [0])
     capacity = sum(rates.values())
     ideal = (total_units - before) / capacity

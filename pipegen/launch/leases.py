@@ -113,6 +113,14 @@ class LeaseBook:
             release.all_leased_at = release.lost_at
         return release
 
+    def take_back(self, node: str, units: list[int]) -> None:
+        """Units of `node`'s leases that its actors had not started: out of those leases, to the queue's
+        front (for a node that ran dry while this one still had a backlog)."""
+        back = set(units)
+        for lease in self.outstanding(node):
+            lease.units = [u for u in lease.units if u not in back]
+        self.queue.extendleft(reversed(units))
+
     def _mark_leased_again(self, leased: set[int]) -> None:
         for release, waiting in self._front:
             hit = waiting & leased

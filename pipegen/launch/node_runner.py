@@ -81,6 +81,17 @@ class NodeQueue:
             for waiting in self._open.values():
                 waiting -= finished
 
+    def take_back(self) -> list[int]:
+        """Every unit no actor has taken yet, out of the queue and out of its lease (the launcher gives
+        them to a node that ran dry)."""
+        with self._lock:
+            back = list(self._units)
+            self._units.clear()
+            for lease_id, unit in back:
+                self._untaken[lease_id] = 0
+                self._open[lease_id].discard(unit)
+            return [u for _, u in back]
+
     def is_taken(self, lease_id: int) -> bool:
         with self._lock:
             return self._untaken.get(lease_id, 0) <= 0
@@ -229,6 +240,9 @@ class NodeRunner:
         """Returns once every unit of the lease is in a shard (or a failure record): the lease is done."""
         await self._until(lambda: self.queue.is_done(lease_id))
         return lease_id
+
+    async def take_back(self) -> list[int]:
+        return self.queue.take_back()
 
     async def _until(self, condition) -> None:
         while not condition():

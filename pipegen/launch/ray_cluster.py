@@ -74,6 +74,8 @@ class NodeSlot:
     leases_lost: int = 0
     untaken: set[int] = field(default_factory=set)  # leases sent that its actors have not all taken yet
     takes: deque = field(default_factory=deque)  # (monotonic time, units) of leases its actors took
+    taking_back: Any = None  # the ObjectRef of a take_back in flight
+    units_taken_back: int = 0
 
     def pace(self, window_s: float) -> float | None:
         """Units per second its actors took over the last `window_s` (None before they took any)."""
@@ -186,7 +188,9 @@ class RayCluster:
 
         last_discover = last_stats = time.monotonic()
         while not self._stop.is_set():
-            refs = list(self._lease_refs) + [s.probe for s in self.state.slots.values() if s.probe is not None]
+            slots = self.state.slots.values()
+            refs = (list(self._lease_refs) + [s.probe for s in slots if s.probe is not None]
+                    + [s.taking_back for s in slots if s.taking_back is not None])
             if refs:
                 ready, rest = ray.wait(refs, num_returns=1, timeout=0.2)
                 if ready and rest:
@@ -197,6 +201,8 @@ class RayCluster:
             for ref in ready:
                 if ref in self._lease_refs:
                     self._lease_returned(ref)
+                elif any(s.taking_back == ref for s in slots):
+                    self._taken_back(ref)
                 else:
                     self._probe_returned(ref)
             self._probe_silent()
@@ -288,11 +294,36 @@ class RayCluster:
                 pace = slot.pace(2 * seconds)
                 lease = self.book.issue(slot.name, len(alive), self.book.min_units if pace is None else pace * seconds)
                 if lease is None:
+                    self._balance_tail(alive)
                     return
                 slot.leased_units += len(lease.units)
                 slot.untaken.add(lease.id)
                 self._lease_refs[slot.handle.offer.remote(lease.id, lease.units)] = ("taken", lease.id, slot.name)
                 self._lease_refs[slot.handle.lease_done.remote(lease.id)] = ("done", lease.id, slot.name)
+
+    def _balance_tail(self, alive: list[NodeSlot]) -> None:
+        """The queue is empty: when a node has run dry while another still has units its actors have not
+        started, take those back (they go to whichever node asks next). The backlog of a slow node would
+        otherwise set the end of the run."""
+        if not any(not s.untaken for s in alive) or any(s.taking_back is not None for s in alive):
+            return
+        backlog = [s for s in alive if s.untaken]
+        if backlog:
+            slot = max(backlog, key=lambda s: len(s.untaken) / (s.pace(4 * float(self.ccfg.lease_seconds)) or 1e-3))
+            slot.taking_back = slot.handle.take_back.remote()
+
+    def _taken_back(self, ref) -> None:
+        import ray
+
+        slot = next(s for s in self.state.slots.values() if s.taking_back == ref)
+        slot.taking_back = None
+        try:
+            units = ray.get(ref)
+        except self._infra:
+            return  # its leases are lost (and leased again) through their own calls
+        if units:
+            self.book.take_back(slot.name, units)
+            slot.units_taken_back += len(units)
 
     def _discover(self) -> None:
         """A node that joined with the resource gets a runner of its own (a one-bundle placement group),
@@ -314,7 +345,8 @@ class RayCluster:
                                "leases_out": len(book.outstanding(s.name)) if book else 0,
                                "units_out": sum(len(x.units) for x in book.outstanding(s.name)) if book else 0,
                                "units_leased": s.leased_units, "leases_done": s.leases_done,
-                               "leases_lost": s.leases_lost, "error": s.error}
+                               "leases_lost": s.leases_lost, "units_taken_back": s.units_taken_back,
+                               "error": s.error}
                       for s in self.state.slots.values()},
             "units_queued": len(book.queue) if book else 0,
             "units_released": book.units_released() if book else 0,

@@ -348,7 +348,9 @@ def render_cluster(line: dict[str, Any]) -> list[str]:
         error = f" ({node['error']})" if node.get("error") else ""
         out.append(f"    {name:<8} {state}{error}{where}: {node.get('leases_out', 0)} lease(s) out "
                    f"({node.get('units_out', 0)} units), {node.get('leases_done', 0)} done, "
-                   f"{node.get('leases_lost', 0)} lost")
+                   f"{node.get('leases_lost', 0)} lost"
+                   + (f", {node['units_taken_back']} unstarted unit(s) taken back for idle nodes"
+                      if node.get("units_taken_back") else ""))
     for release in line.get("releases") or []:
         if release.get("units"):
             after = release.get("all_leased_again_after_s")
