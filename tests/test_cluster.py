@@ -28,6 +28,14 @@ def shard_lines(out: Path) -> dict[str, int]:
             for actor, shards in list_shards(RunDir(out).rollouts).items()}
 
 
+def running(pid: int) -> bool:
+    """A live process (a zombie, dead but not reaped yet, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def units_of(data) -> list[tuple[int, int]]:
     return sorted((int(i), int(s)) for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"]))
 
@@ -121,6 +129,7 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         wait_for(lambda: len([a for a, n in shard_lines(out).items() if n > 0]) >= 2 and sum(shard_lines(out).values()) >= 12,
                  240, "both nodes writing units", launcher)
         first_actors = set(shard_lines(out))
+        records = {path.stem: RunDir(out).read_node(path.stem) for path in RunDir(out).nodes.glob("*.json")}
         removed_at = time.time()
         ray_cluster.remove_node(workers[0], allow_graceful=False)
         wait_for(lambda: cluster_line(out).get("units_released", 0) > 0, 60, "the lost node's units leased again",
@@ -143,5 +152,11 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
           f"{final['units_released']} unit(s) leased again")
     new_actors = {a: n for a, n in shard_lines(out).items() if a not in first_actors}
     assert sum(new_actors.values()) > 0, (new_actors, final)  # the node that joined mid-run got work
-    states = {name: node["state"] for name, node in final["nodes"].items()}
-    assert any(node["incarnations"] > 1 or node["leases_lost"] for node in final["nodes"].values()), states
+    lost = [name for name, node in final["nodes"].items() if node["leases_lost"]]
+    assert lost, final["nodes"]
+    assert not [pid for pid in records[lost[0]].server_pgids if running(pid)]  # the lost runner left no server
+    from pipegen.observe.status import gather, render
+
+    shown = render(gather(RunDir(out)))  # what `python -m pipegen.status DIR` prints
+    assert "all leased again" in shown, shown
+    assert any(f"{lost[0]:<8} {state}" in shown for state in ("dead", "rejoined")), shown

@@ -263,14 +263,21 @@ class RayCluster:
             if slot.state in ("starting", "dead") and slot.probe is None and now >= slot.probe_after:
                 slot.probe = slot.handle.ping.remote()
 
-    def _probe_returned(self, ref) -> None:
+    def _answer(self, ref, call: str) -> tuple[NodeSlot, Any]:
+        """The slot whose `call` ("probe" or "taking_back") returned `ref`, that call cleared, and its value:
+        None after an infrastructure error (a lease's own calls report the loss)."""
         import ray
 
-        slot = next(s for s in self.state.slots.values() if s.probe == ref)
-        slot.probe = None
+        slot = next(s for s in self.state.slots.values() if getattr(s, call) == ref)
+        setattr(slot, call, None)
         try:
-            info = ray.get(ref)
+            return slot, ray.get(ref)
         except self._infra:
+            return slot, None
+
+    def _probe_returned(self, ref) -> None:
+        slot, info = self._answer(ref, "probe")
+        if info is None:
             slot.probe_after = time.monotonic() + PROBE_RETRY_S
             return
         if info["error"]:
@@ -313,14 +320,7 @@ class RayCluster:
             slot.taking_back = slot.handle.take_back.remote()
 
     def _taken_back(self, ref) -> None:
-        import ray
-
-        slot = next(s for s in self.state.slots.values() if s.taking_back == ref)
-        slot.taking_back = None
-        try:
-            units = ray.get(ref)
-        except self._infra:
-            return  # its leases are lost (and leased again) through their own calls
+        slot, units = self._answer(ref, "taking_back")
         if units:
             self.book.take_back(slot.name, units)
             slot.units_taken_back += len(units)
