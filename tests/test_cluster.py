@@ -126,8 +126,8 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
                                  f"model_path={tiny_model}", *overrides], cwd=REPO, stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        wait_for(lambda: len([a for a, n in shard_lines(out).items() if n > 0]) >= 2 and sum(shard_lines(out).values()) >= 12,
-                 240, "both nodes writing units", launcher)
+        wait_for(lambda: len([a for a, n in shard_lines(out).items() if n > 0]) >= 2
+                 and sum(shard_lines(out).values()) >= 12, 240, "both nodes writing units", launcher)
         first_actors = set(shard_lines(out))
         records = {path.stem: RunDir(out).read_node(path.stem) for path in RunDir(out).nodes.glob("*.json")}
         removed_at = time.time()

@@ -6,8 +6,8 @@ Both servers are the fake engine at a fixed pace (`--token-latency`, EOS off, so
 `max_response_length` tokens); the slow node gets `--token-latency` x 4 through its environment
 (node_runner.NODE_SERVER_ARGS_ENV, as a `ray start` with that variable would). Measured from the actors'
 stats lines (every 0.5 s): the window starts when both nodes have sent their first request (units
-finished before it are left out of the work), and ends with the line that shows the last finished unit; each node's capacity is its own units ÷
-its own busy time. A static half-and-half split would take (units ÷ 2) ÷ the slow node's rate: that
+finished before it are left out of the work), and ends with the line that shows the last finished unit;
+each node's capacity is its own units ÷ its own busy time. A static half-and-half split would take (units ÷ 2) ÷ the slow node's rate: that
 ratio is shown beside it, from the same measured rates.
 
 Owns: this scenario's sizes and its row in the table.
@@ -42,7 +42,8 @@ def actor_lines(run: RunDir) -> dict[str, list[dict]]:
 def measure(run: RunDir, total_units: int) -> tuple[float, float, float, dict[str, float]]:
     """(makespan s, ideal s, static-split s, units/s per actor) from the actors' stats lines."""
     lines = actor_lines(run)
-    starts = {a: next(x["startup/first_request"] for x in ls if x.get("startup/first_request")) for a, ls in lines.items()}
+    starts = {actor: next(x["startup/first_request"] for x in ls if x.get("startup/first_request"))
+              for actor, ls in lines.items()}
     start = max(starts.values())
     rates, before, end = {}, 0, start
     for actor, ls in lines.items():

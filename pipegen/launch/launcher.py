@@ -175,8 +175,8 @@ class Launcher:
                         break
                     if writer is not None and writer.standing_by and self.outside_writer_done(writer, total):
                         break
-                    if writer is None and (self.cluster.done() if self.cluster is not None else
-                                           all(r.finished for name, r in self.sup.roles.items() if name.startswith("actor_"))):
+                    if writer is None and (self.cluster.done() if self.cluster is not None else all(
+                            r.finished for name, r in self.sup.roles.items() if name.startswith("actor_"))):
                         break
                     time.sleep(0.2)
                 exit_code = 0
@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     except OmegaConfBaseException as e:  # a missing mandatory value (llm.urls), an interpolation
         return fail(describe_config_error(e, argv))
     try:
-        launcher_lock = one_launcher(run)  # noqa: F841  (held until this process exits; the kernel releases it even on SIGKILL)
+        # held until this process exits (the kernel releases it even on SIGKILL)
+        launcher_lock = one_launcher(run)  # noqa: F841
     except ValueError as e:
         return fail(str(e))
     problem = prepare_run(cfg, run)

@@ -209,17 +209,18 @@ class RayCluster(LocalCluster):
 
     kind: str = key("ray", "local = this node alone | ray = several nodes through a Ray cluster",
                     choices=("local", "ray"))
-    address: str = key("${oc.env:RAY_ADDRESS,auto}", "cluster=ray: the Ray cluster to join: RAY_ADDRESS, else auto",
-                       non_empty=True)
-    node_resource: str = key("GPU", "cluster=ray: a node with this Ray resource is a generation node (gets a node runner)",
-                             non_empty=True)
-    leases_per_node: int = key(2, "cluster=ray: leases waiting at a node that its actors have not taken yet", at_least=1)
-    lease_seconds: float = key(2.0, "cluster=ray: a lease is about this many seconds of its node's recent pace (at most what "
-                                    "is left / (2 x nodes): smaller toward the tail)", above=0)
+    address: str = key("${oc.env:RAY_ADDRESS,auto}",
+                       "cluster=ray: the Ray cluster to join: RAY_ADDRESS, else auto", non_empty=True)
+    node_resource: str = key("GPU", "cluster=ray: a node with this Ray resource is a generation node (gets a "
+                                    "node runner)", non_empty=True)
+    leases_per_node: int = key(2, "cluster=ray: leases waiting at a node that its actors have not taken yet",
+                               at_least=1)
+    lease_seconds: float = key(2.0, "cluster=ray: a lease is about this many seconds of its node's recent pace "
+                                    "(at most what is left / (2 x nodes): smaller toward the tail)", above=0)
     lease_min_units: int = key(4, "cluster=ray: the smallest lease (units)", at_least=1)
     lease_max_units: int = key(4096, "cluster=ray: the largest lease (units)", at_least=1)
-    stats_interval_s: float = key(2.0, "cluster=ray: how often the launcher appends its line to streams/stats/cluster.jsonl",
-                                  above=0)
+    stats_interval_s: float = key(2.0, "cluster=ray: how often the launcher appends its line to "
+                                       "streams/stats/cluster.jsonl", above=0)
 
 
 CLUSTER_KINDS: dict[str, type[LocalCluster]] = {"local": LocalCluster, "ray": RayCluster}
