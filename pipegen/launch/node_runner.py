@@ -35,6 +35,7 @@ import orjson
 from omegaconf import OmegaConf
 
 from pipegen.actor.units import DONE_PATH, NEXT_PATH
+from pipegen.launch.leases import open_units
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import NodeRecord, RunDir, node_actor_role
 
@@ -58,6 +59,7 @@ class NodeQueue:
         self._units: deque[tuple[int, int]] = deque()  # (lease id, unit key), in lease order
         self._untaken: dict[int, int] = {}  # lease id -> its units no actor has taken yet
         self._open: dict[int, set[int]] = {}  # lease id -> its units not reported done
+        self._held: dict[str, set[int]] = {}  # actor -> units it took and has not reported done
         self.finished = False  # the launcher needs nothing more from this node
 
     def add(self, lease_id: int, units: list[int]) -> None:
@@ -66,12 +68,26 @@ class NodeQueue:
             self._untaken[lease_id] = len(units)
             self._open[lease_id] = set(units)
 
-    def take(self, want: int) -> list[int]:
+    def take(self, actor: str, want: int) -> list[int]:
         with self._lock:
             taken = [self._units.popleft() for _ in range(min(want, len(self._units)))]
             for lease_id, _ in taken:
                 self._untaken[lease_id] -= 1
-            return [u for _, u in taken]
+            units = [u for _, u in taken]
+            self._held.setdefault(actor, set()).update(units)
+            return units
+
+    def held_by(self, actor: str) -> list[int]:
+        with self._lock:
+            return sorted(self._held.get(actor, ()))
+
+    def give_back(self, actor: str, units: list[int]) -> None:
+        """`actor` died holding `units` (still open: not in a shard): first in line for the others."""
+        with self._lock:
+            self._held.pop(actor, None)
+            lease_of = {u: lease_id for lease_id, waiting in self._open.items() for u in waiting}
+            back = [(lease_of[u], u) for u in units if u in lease_of]
+            self._units.extendleft(reversed(back))
 
     def done(self, units: list[int]) -> None:
         if not units:
@@ -80,6 +96,8 @@ class NodeQueue:
             finished = set(units)
             for waiting in self._open.values():
                 waiting -= finished
+            for held in self._held.values():
+                held -= finished
 
     def take_back(self) -> list[int]:
         """Every unit no actor has taken yet, out of the queue and out of its lease (the launcher gives
@@ -114,7 +132,6 @@ class LeaseEndpoint:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.taken: dict[str, int] = {}  # units handed to each actor, for the runner's log
         threading.Thread(target=self._serve, name="lease-endpoint", daemon=True).start()
 
     def _serve(self) -> None:
@@ -125,11 +142,10 @@ class LeaseEndpoint:
             self.queue.done(body.get("done") or [])
             deadline = time.monotonic() + LONG_POLL_S
             while True:
-                units = self.queue.take(int(body.get("want") or 1))
+                units = self.queue.take(body["actor"], int(body.get("want") or 1))
                 if units or self.queue.finished or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
-            self.taken[body["actor"]] = self.taken.get(body["actor"], 0) + len(units)
             return web.Response(body=orjson.dumps({"units": units, "finished": self.queue.finished and not units}),
                                 content_type="application/json")
 
@@ -166,6 +182,7 @@ class NodeRunner:
         for var in NODE_RANK_VARS:
             os.environ.pop(var, None)
         cfg = load_run_config(self.run)
+        self.n = int(cfg.actor_rollout_ref.rollout.n)
         plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), cfg.actors.num_actors)
         name = f"{node}-{self.incarnation}"
         extra = shlex.split(os.environ.get(NODE_SERVER_ARGS_ENV, ""))
@@ -213,14 +230,32 @@ class NodeRunner:
                 pass
 
     def _supervise(self) -> None:
+        actors = {name: role for name, role in self.launcher.sup.roles.items() if name.startswith("actor_")}
+        seen = {name: role.proc.pid if role.proc else None for name, role in actors.items()}
         while self.error is None:
             try:
                 self.launcher.sup.poll()
+                for name, role in actors.items():  # a crashed actor's units go to the others (and to its restart)
+                    pid = role.proc.pid if role.proc else None
+                    if pid != seen[name]:
+                        seen[name] = pid
+                        self._recover_units_of(name)
                 self.launcher.check_servers()
             except Exception as e:  # CrashLoop, ServerNotReady: this node cannot work; the launcher hears it
                 self.error = f"{self.node}: {e}"
                 log.error("%s", self.error)
             time.sleep(0.2)
+
+    def _recover_units_of(self, actor: str) -> None:
+        """An actor exited: the units it took are done if their line is in a shard, else queued again."""
+        held = self.queue.held_by(actor)
+        if not held:
+            return
+        still_open = open_units(self.run, self.n, held)
+        self.queue.done(sorted(set(held) - set(still_open)))
+        self.queue.give_back(actor, still_open)
+        log.warning("%s exited holding %d unit(s): %d queued again for this node's actors", actor, len(held),
+                    len(still_open))
 
     # ---- called by the launcher through Ray (async: a wait holds no thread, so leases may pile up) ----
     async def ping(self) -> dict:

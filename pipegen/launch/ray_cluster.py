@@ -314,9 +314,17 @@ class RayCluster:
         otherwise set the end of the run."""
         if not any(not s.untaken for s in alive) or any(s.taking_back is not None for s in alive):
             return
-        backlog = [s for s in alive if s.untaken]
+        # only leases that waited a while: a lease just handed out is not a backlog yet (and taking it back at
+        # once would bounce units between two nodes on every turn of the loop)
+        seconds, now = float(self.ccfg.lease_seconds), time.time()
+        backlog = [s for s in alive if any(now - self.book.out[i].issued_at > seconds
+                                           for i in s.untaken if i in self.book.out)]
         if backlog:
-            slot = max(backlog, key=lambda s: len(s.untaken) / (s.pace(4 * float(self.ccfg.lease_seconds)) or 1e-3))
+            def backlog_s(slot: NodeSlot) -> float:  # seconds of unstarted work at the node's recent pace
+                units = sum(len(self.book.out[i].units) for i in slot.untaken if i in self.book.out)
+                return units / (slot.pace(4 * seconds) or 1e-3)
+
+            slot = max(backlog, key=backlog_s)
             slot.taking_back = slot.handle.take_back.remote()
 
     def _taken_back(self, ref) -> None:
