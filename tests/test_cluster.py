@@ -4,6 +4,7 @@ the lease book, and (slow) a real loopback Ray cluster losing a node mid-run and
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -110,7 +111,7 @@ def cluster_line(out: Path) -> dict:
     return orjson.loads(lines[-1]) if lines else {}
 
 
-@pytest.mark.slow  # a 3-node Ray cluster and a 96-unit run with a node lost and one added: ~90 s on 2 cores
+@pytest.mark.slow  # 3-node Ray cluster, 96 units, a node lost, one added, an actor killed: ~2 min on 2 cores
 def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_model, ray_cluster):
     out = tmp_path / "run"
     workers = [add_generation_node(ray_cluster, NODE_RESOURCE) for _ in range(2)]
@@ -135,6 +136,10 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         wait_for(lambda: cluster_line(out).get("units_released", 0) > 0, 60, "the lost node's units leased again",
                  launcher)
         add_generation_node(ray_cluster, NODE_RESOURCE)
+        # and an actor of the surviving node crashes: the units it held go back to its node's queue
+        survivor = next(name for name, node in cluster_line(out)["nodes"].items() if not node["leases_lost"])
+        actor_stats = next(RunDir(out).stats.glob(f"actor_{survivor}-*.jsonl"))
+        os.kill(orjson.loads(actor_stats.read_bytes().splitlines()[-1])["pid"], signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0
     finally:
         if launcher.poll() is None:
@@ -152,6 +157,7 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
           f"{final['units_released']} unit(s) leased again")
     new_actors = {a: n for a, n in shard_lines(out).items() if a not in first_actors}
     assert sum(new_actors.values()) > 0, (new_actors, final)  # the node that joined mid-run got work
+    assert "queued again for this node's actors" in RunDir(out).role_log(f"runner_{survivor}").read_text()
     lost = [name for name, node in final["nodes"].items() if node["leases_lost"]]
     assert lost, final["nodes"]
     assert not [pid for pid in records[lost[0]].server_pgids if running(pid)]  # the lost runner left no server
