@@ -49,6 +49,17 @@ def test_node_variables_without_ray_are_refused_in_one_line_naming_cluster_ray(t
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+def test_an_unreachable_ray_address_is_one_line_naming_it(tmp_path, tiny_model):
+    from pipegen.launch.world import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    result = launch(tmp_path / "run", f"model_path={tiny_model}", "cluster=ray", f"cluster.address={address}",
+                    timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cluster.address={address}" in lines[0] and "ray start" in lines[0], result.stderr
+
+
 def test_lease_book_shrinks_toward_the_tail_and_releases_only_open_units():
     book = LeaseBook(list(range(100)), min_units=2, max_units=20)
     first = book.issue("node0", nodes=2)

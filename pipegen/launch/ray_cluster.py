@@ -54,6 +54,18 @@ def infrastructure_errors() -> tuple[type[BaseException], ...]:
     return tuple(getattr(rx, name) for name in names if hasattr(rx, name))
 
 
+def answers(address: str, timeout_s: float = 5.0) -> bool:
+    """Something accepts TCP connections at a Ray address (`host:port`, optionally `ray://host:port`)."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass
 class NodeSlot:
     """One runner: a bundle of a placement group, and what the launcher knows of it."""
@@ -115,7 +127,10 @@ class RayCluster:
     def connect(self) -> None:
         import ray
 
-        address = str(self.ccfg.address or "auto")
+        address = str(self.ccfg.address)
+        if address != "auto" and not answers(address):  # ray.init would retry an unreachable GCS for minutes
+            raise ClusterError(f"cluster=ray: nothing answers at cluster.address={address}; start the cluster with "
+                               f"`ray start --head` (README: Several nodes) or set cluster.address / RAY_ADDRESS")
         try:
             ray.init(address=address, namespace="pipegen", logging_level=logging.WARNING, log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
