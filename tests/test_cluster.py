@@ -81,6 +81,24 @@ def test_lease_book_shrinks_toward_the_tail_and_releases_only_open_units():
     assert book.done and book.units_released() == 15
 
 
+def test_node_queue_shares_leases_between_actors_and_gets_a_dead_actors_units_back():
+    from pipegen.launch.node_runner import NodeQueue
+
+    queue = NodeQueue()
+    queue.add(0, [10, 11, 12])
+    queue.add(1, [13, 14])
+    assert queue.take("actor_a", 2) == [10, 11] and queue.take("actor_b", 2) == [12, 13]
+    assert queue.is_taken(0) and not queue.is_taken(1)
+    queue.done([10, 12])
+    assert not queue.is_done(0)  # 11 is still out with actor_a
+    queue.give_back("actor_a", [11])  # actor_a died before writing 11
+    assert queue.take("actor_b", 5) == [11, 14]  # first in line, then the rest of lease 1
+    queue.done([11, 13, 14])
+    assert queue.is_done(0) and queue.is_done(1)
+    queue.add(2, [20, 21])
+    assert queue.take_back() == [20, 21] and queue.is_done(2)  # nothing started: nothing left to wait for
+
+
 @pytest.mark.slow  # one whole run (~30 s on 2 quiet cores) beside a second launcher's refusal
 def test_two_launchers_on_one_output_dir_exactly_one_generates(tmp_path, tiny_model):
     out = tmp_path / "run"
