@@ -17,4 +17,5 @@ SCENARIOS = {
     "outputs": "pipegen.bench.outputs",
     "gpu": "pipegen.bench.gpu",
     "vllm": "pipegen.bench.engine_vllm",
+    "cluster": "pipegen.bench.cluster",
 }
