@@ -1,5 +1,5 @@
 """A launch's start-up phases, read from the actors' stats lines: when the actors were ready, when a server
-first answered /health_generate, when the first request went out and when the first unit reached a shard.
+first answered its health route (SGLang /health_generate, vLLM /health), when the first request went out and when the first unit reached a shard.
 
 Each actor writes its wall-clock phase times into its stats line (`startup/<phase>`, pipegen/actor/
 startup.py); this module turns the latest lines of one launch into seconds since the launch started,
@@ -25,7 +25,7 @@ class StartupPhases:
     actors: int  # actors of this launch that have reported
     actors_ready_first: float | None = None
     actors_ready_last: float | None = None
-    server_ready: float | None = None  # the first time any actor saw a server answer /health_generate
+    server_ready: float | None = None  # the first time any actor saw a server answer its health route
     first_request: float | None = None
     first_unit: float | None = None
     server_was_first: bool = False  # a server answered the actors' very first poll: the actors were the wait
