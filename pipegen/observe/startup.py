@@ -1,5 +1,6 @@
 """A launch's start-up phases, read from the actors' stats lines: when the actors were ready, when a server
-first answered its health route (SGLang /health_generate, vLLM /health), when the first request went out and when the first unit reached a shard.
+first answered its engine's health route, when the first request went out and when the first unit reached a
+shard.
 
 Each actor writes its wall-clock phase times into its stats line (`startup/<phase>`, pipegen/actor/
 startup.py); this module turns the latest lines of one launch into seconds since the launch started,
