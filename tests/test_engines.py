@@ -88,7 +88,7 @@ def test_vllm_servers_go_on_gpus_by_tp_or_on_the_cpu_without_gpus():
     llm = {**llm_defaults("vllm"), "python": "/venvs/vllm/bin/python", "max_running_requests": 64}
     argv, env = vllm_server_command(on_gpus.servers[1], "/models/m", llm, seed=3)
     assert argv[:3] == ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs" and "--skip-tokenizer-init" in argv
     assert argv[argv.index("--max-num-seqs") + 1] == "64" and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     argv, env = vllm_server_command(on_cpu.servers[0], "/models/m", llm, seed=3)

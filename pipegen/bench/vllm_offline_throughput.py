@@ -5,8 +5,8 @@
 
 FILE.json: a list of vLLM /v1/completions bodies (what pipegen sent: `prompt` ids, `max_tokens`, `seed`,
 sampling knobs, `logprobs`). Each becomes a TokensPrompt with the same SamplingParams, so vLLM generates the
-same tokens it generated for pipegen; with --cpu, the settings pipegen gives a CPU server
-(launch/servers.py's vllm_server_command). One warm-up request first (the sampler is compiled on the first use),
+same tokens it generated for pipegen, without a tokenizer as pipegen's servers run; with --cpu, the
+settings pipegen gives a CPU server (launch/servers.py's vllm_server_command). One warm-up request first (the sampler is compiled on the first use),
 then, R times, every request in one `generate` call from a cold prefix cache, timed. Writes
 {"output_tokens", "seconds": [one per repetition]} to OUT.json (vLLM logs to stdout).
 
@@ -36,7 +36,7 @@ def main() -> None:
     bodies = json.load(open(args.requests))
     cpu = {"enforce_eager": True, "enable_chunked_prefill": False} if args.cpu else {}
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0,
-              logprobs_mode="processed_logprobs", **cpu)
+              logprobs_mode="processed_logprobs", skip_tokenizer_init=True, **cpu)
     keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids", "logprobs")
     params = [SamplingParams(max_tokens=b["max_tokens"], **{k: b[k] for k in keys if b.get(k) is not None})
               for b in bodies]

