@@ -58,7 +58,8 @@ def default_llm(python: str) -> dict:
 
 def warm_up(url: str) -> None:
     """One short request: vLLM compiles its sampler on the first one (14 s cold on a CPU)."""
-    c.post_all(url, [{"prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 0}], 1, path="/v1/completions")
+    c.post_all(url, [{"prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 0, "return_tokens_as_token_ids": True}], 1,
+               path="/v1/completions")
 
 
 def reset_prefix_cache(url: str) -> None:
