@@ -93,6 +93,11 @@ def validate(cfg: DictConfig) -> None:
 
 def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
     """Save config + fingerprint for a new run, or check them for a resumed one. Returns an error."""
+    legacy = run.legacy_batch_files()
+    if legacy:
+        from pipegen.run.batchfile import legacy_format_message  # numpy and pyarrow: only when needed
+
+        return legacy_format_message(run.root, legacy)
     current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
     if run.fingerprint_file.exists():
         problem = mismatch_message(orjson.loads(run.fingerprint_file.read_bytes()), current, run.root)

@@ -173,7 +173,13 @@ def gather(run: RunDir) -> RunStatus:
 
     anything_alive = bool(lock.held) or any(r.alive for r in roles if r.pid is not None)
     committed_all = snap.total > 0 and snap.committed >= snap.total
-    if snap.complete and committed_all:
+    legacy = run.legacy_batch_files()
+    if legacy:
+        from pipegen.run.batchfile import legacy_format_message  # numpy and pyarrow: only when needed
+
+        state = "refused: batch files in the old pickle format"
+        hint = legacy_format_message(run.root, legacy)
+    elif snap.complete and committed_all:
         state = "finished"
         hint = (f"trajectories: {run.merged_output() or run.trajectories}" if snap.merged
                 else f"batches: {run.root / BATCH_GLOB} (not merged: generation.final_merge=false)")

@@ -155,7 +155,7 @@ def has_output(run) -> bool:
     batch file, or a checkpoint. Until then nothing can mix, so any setting may still change."""
     from pipegen.run.layout import list_shards
 
-    if run.checkpoint.exists() or run.batch_files_on_disk():
+    if run.checkpoint.exists() or run.batch_files_on_disk() or run.legacy_batch_files():
         return True
     return any(shard.stat().st_size > 0 for topic in (run.rollouts, run.failures)
                for shards in list_shards(topic).values() for shard in shards)

@@ -11,7 +11,7 @@ DIR/
   streams/failures/actor_<k>/<seq>.jsonl   FailureRecord lines
   streams/stats/<role>.jsonl               periodic metrics lines
   checkpoint.json         the writer's commit record (checkpoint.py)
-  batch_00000.pkl ...     padded DataProto batches
+  batch_00000.arrow ...   padded DataProto batches (batchfile.py: Arrow IPC, nothing in one executes on load)
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
   trajectories/           the sharded output instead (part_00000.pkl ..., index.json), for runs larger than RAM
   trajectories.parquet    the export (or trajectories.jsonl), one row per trajectory
@@ -34,10 +34,15 @@ import orjson
 from pipegen.run.atomic import atomic_write_bytes
 
 SHARD_SUFFIX = ".jsonl"
-BATCH_GLOB = "batch_*.pkl"
+BATCH_GLOB = "batch_*.arrow"
+LEGACY_BATCH_GLOB = "batch_*.pkl"  # pickles, written by pipegen before the Arrow batch file: refused, or converted
 
 
 def batch_file_name(number: int) -> str:
+    return f"batch_{number:05d}.arrow"
+
+
+def legacy_batch_file_name(number: int) -> str:
     return f"batch_{number:05d}.pkl"
 
 
@@ -199,6 +204,13 @@ class RunDir:
 
     def batch_files_on_disk(self) -> list[Path]:
         return sorted(self.root.glob(BATCH_GLOB))
+
+    def legacy_batch_file(self, number: int) -> Path:
+        return self.root / legacy_batch_file_name(number)
+
+    def legacy_batch_files(self) -> list[Path]:
+        """Batch files in pipegen's old pickle format: a run that has them is refused until they are converted."""
+        return sorted(self.root.glob(LEGACY_BATCH_GLOB))
 
     # ---- the small files every role reads ----
     def run_key(self) -> str:

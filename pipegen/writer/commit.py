@@ -6,13 +6,14 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  1. read new complete lines from every shard from the checkpoint's byte offsets;
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
-    batch_NNNNN.pkl. A partial batch is written only when every unit is settled, or after
+    batch_NNNNN.arrow (pipegen/run/batchfile.py). A partial batch is written only when every unit is settled, or after
     pull_timeout seconds (minutes by default) without new lines: each sample is already durable in
     its shard line, so small batches would buy nothing but files;
  4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
     fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
  5. on start: take the lock, load the checkpoint, delete batch files it does not list;
- 6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete.
+ 6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete; then
+    the export, when configured, as its own process (`python -m pipegen.export`).
 
 Steps 3-4 (the disk half) run on one background thread while the main loop parses the next lines:
 `Committer` takes commits strictly in order, and when several queued up behind a slow fsync it writes
@@ -22,7 +23,7 @@ is not followed by a directory fsync, because losing it in a power cut leaves th
 which is safe (its batches are durable; the newer batch files are orphans, deleted at start, and their
 lines are read again); the next commit's directory fsync, or the final checkpoint, makes it durable.
 
-Owns: checkpoint.json, batch_*.pkl, trajectories.pkl/.zip and the writer lock.
+Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
 whole run in memory before the merge (at most `MAX_QUEUED_BATCHES` encoded batches wait for the
 disk), or run twice on one directory.
@@ -34,6 +35,7 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +48,7 @@ from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
 from pipegen.run.atomic import (DirectoryLock, LockHeld, fsync_dir, remove_stale_temporaries, temporary_sibling,
                                 write_synced)
+from pipegen.run.batchfile import CONVERT_FLAG, legacy_format_message
 from pipegen.run.checkpoint import failure_reason, load_checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import check_fingerprint
@@ -297,6 +300,22 @@ class Writer:
             for unit, info in list(ckpt.failed.items())[:20]:
                 log.error("  unit %s: %s", unit, failure_reason(info))
 
+    def export(self, only_if_missing: bool = False) -> None:
+        """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it
+        reads the run directory, nothing of the writer's). A failed export never fails the run: the
+        merged output is complete, and the log names the command that retries it."""
+        fmt = self.gen.get("export_format")
+        if not fmt or not self.ckpt.merged or (only_if_missing and self.run.export_file(str(fmt)).exists()):
+            return
+        command = [sys.executable, "-m", "pipegen.export", str(self.run.root), "--format", str(fmt)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            log.error("export to %s failed (%s); retry with: python -m pipegen.export %s --format %s",
+                      self.run.export_file(str(fmt)), (done.stderr.strip().splitlines() or ["no output"])[-1],
+                      self.run.root, fmt)
+        else:
+            log.info("%s", done.stdout.strip())
+
     def write_stats(self, final: bool = False) -> None:
         self.stats.append(
             {
@@ -322,6 +341,7 @@ class Writer:
         self.recover()
         if self.ckpt.complete and self.ckpt.num_committed == self.total_units:
             log.info("run already complete: %s", self.run.trajectories)
+            self.export(only_if_missing=True)  # a crash may have cut the last launch short after its merge
             return 0
         idle_since = time.monotonic()
         sleep = 0.005
@@ -344,6 +364,7 @@ class Writer:
                 await self.committer.wait()
                 self.finalize()
                 self.write_stats(final=True)
+                self.export()
                 return 0 if self.ckpt.complete else EXIT_FAILED_UNITS
             await asyncio.sleep(sleep)
 
@@ -387,8 +408,20 @@ def main(argv: list[str] | None = None) -> int:
     except LockHeld as e:
         print(f"pipegen.writer: {e}", file=sys.stderr)
         return EXIT_LOCKED
-    problem = check_fingerprint(cfg, run)
+    if CONVERT_FLAG in argv:
+        from pipegen.writer.convert import convert_pickle_batches
+
+        try:
+            count = convert_pickle_batches(run)
+        finally:
+            lock.release()
+        print(f"pipegen.writer: converted {count} pickle batch file(s) of {run.root} to Arrow batch files; "
+              f"continue the run as before (python -m pipegen.launch output_dir={run.root})")
+        return 0
+    legacy = run.legacy_batch_files()
+    problem = legacy_format_message(run.root, legacy) if legacy else check_fingerprint(cfg, run)
     if problem:
+        lock.release()
         print(f"pipegen.writer: {problem}", file=sys.stderr)
         return 2
     import uvloop
