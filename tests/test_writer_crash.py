@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
+from pipegen.run.layout import BATCH_GLOB, batch_file_name
 
 # The fake engine's output depends only on (seed, sampling_seed, context), not on its latency, so the
 # reference run can be instant while the killed run generates slowly enough to be killed 20+ times.
@@ -109,8 +110,8 @@ def test_writer_killed_over_and_over_gives_the_uninterrupted_output(tmp_path, ti
         assert kills[point] >= 1, kills
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
     assert ckpt["complete"] and ckpt["num_committed"] == 32
-    listed = {f"batch_{i:05d}.pkl" for i in range(ckpt["batches"]["count"])}
-    assert {p.name for p in out.glob("batch_*.pkl")} == listed  # no orphan batch survived
+    listed = {batch_file_name(i) for i in range(ckpt["batches"]["count"])}
+    assert {p.name for p in out.glob(BATCH_GLOB)} == listed  # no orphan batch survived
     assert not list(out.glob(".*.tmp-*"))  # no temporary left behind
     _assert_same_trajectories(load_trajectories(out / "trajectories.pkl"),
                               load_trajectories(reference / "trajectories.pkl"))

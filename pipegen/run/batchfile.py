@@ -95,7 +95,8 @@ def legacy_format_message(root: Path, legacy: list[Path]) -> str:
 
 def encode_batch_file(tensors: dict[str, np.ndarray], non_tensor: dict[str, np.ndarray], meta_info: dict[str, Any],
                       int32: bool, derived_known: dict[str, Any] | None = None) -> list[Any]:
-    """A batch as the bytes of its file (a list of buffers, written one after the other).
+    """A batch as the bytes of its file: a list of buffers (views of the arrays, no copy), written one
+    after the other.
 
     tensors: in the batch's key order. int32: token tensors are stored as int32 (and read back so).
     derived_known: tensors the caller built as `read_batch` derives them (for attention_mask its (prompt
@@ -165,10 +166,36 @@ def encode_batch_file(tensors: dict[str, np.ndarray], non_tensor: dict[str, np.n
         raise ValueError(f"meta_info holds a value a batch file cannot store ({exc}): JSON values and numpy only")
     record = pa.RecordBatch.from_arrays(arrays, names=names).replace_schema_metadata(
         {META_KEY: orjson.dumps(info, option=orjson.OPT_SERIALIZE_NUMPY)})
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, record.schema) as writer:
+    sink = _Chunks()
+    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), record.schema) as writer:
         writer.write_batch(record)
-    return [sink.getvalue()]
+    return sink.chunks
+
+
+class _Chunks:
+    """A file-like sink that keeps what Arrow writes as a list of chunks: Arrow hands over each column's
+    data as a zero-copy view of the numpy array, so encoding copies no tensor bytes (a copy of every
+    batch cost the writer ~8% at 4k tokens); the committer writes them with writev."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Any] = []
+        self.position = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        size = memoryview(data).nbytes
+        self.chunks.append(data)
+        self.position += size
+        return size
+
+    def tell(self) -> int:
+        return self.position
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def _tensor_column(arr: np.ndarray) -> pa.Array:

@@ -25,7 +25,7 @@ import zipfile
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Optional, Sequence
 
 import orjson
 import torch
@@ -67,6 +67,10 @@ class MergePlan(SortedRows):
     """A run's sorted rows (pipegen/run/sorted_rows.py) as verl DataProtos, with the run's meta_info."""
 
     meta: dict[str, Any] = field(default_factory=dict)  # meta_info every output piece carries
+
+    @classmethod
+    def scan(cls, paths: Sequence[Path], meta: Optional[dict[str, Any]] = None) -> "MergePlan":
+        return super().scan(paths, meta=dict(meta or {}))
 
     def run_meta(self) -> dict[str, Any]:
         """meta_info of every output piece: the run's (so sharded parts concatenate with DataProto.concat)."""
