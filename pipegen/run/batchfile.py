@@ -154,7 +154,7 @@ def encode_batch_file(tensors: dict[str, np.ndarray], non_tensor: dict[str, np.n
     for name, arr in extra.items():
         names.append(name)
         arrays.append(pa.array(arr))
-    kinds, column_names, columns = _encode_columns(non_tensor, rows)
+    kinds, column_names, columns = _encode_columns(non_tensor)
     names += column_names
     arrays += columns
     info = {"format": FORMAT, "rows": rows, "keys": keys, "dtypes": dtypes,
@@ -203,9 +203,9 @@ def _tensor_column(arr: np.ndarray) -> pa.Array:
     return flat if arr.ndim == 1 else pa.FixedSizeListArray.from_arrays(flat, int(np.prod(arr.shape[1:])))
 
 
-def _encode_columns(non_tensor: dict[str, np.ndarray], rows: int) -> tuple[dict[str, str], list[str], list[pa.Array]]:
-    """(each column's kind, Arrow names, Arrow columns): a plain numpy dtype as itself, an object column
-    of Python ints as int64 (the row keys read without JSON), every other object column in one JSON
+def _encode_columns(non_tensor: dict[str, np.ndarray]) -> tuple[dict[str, str], list[str], list[pa.Array]]:
+    """(each column's kind, Arrow names, Arrow columns): a plain numpy dtype as itself, a row key column
+    of Python ints as int64 (so the row keys are read without JSON), every other object column in one JSON
     array per row (one `orjson.dumps` per row: a JSON column each cost twice the CPU of the whole batch's
     other encoding, and the writer's main loop pays for it)."""
     kinds: dict[str, str] = {}
@@ -215,17 +215,16 @@ def _encode_columns(non_tensor: dict[str, np.ndarray], rows: int) -> tuple[dict[
             kinds[key] = values.dtype.str
             names.append(_COLUMN + key)
             arrays.append(pa.array(values))
-        elif all(type(v) is int for v in values) and _fits_int64(values):
+        elif key in ROW_KEYS and all(type(v) is int for v in values) and _fits_int64(values):
             kinds[key] = _INT
             names.append(_COLUMN + key)
             arrays.append(pa.array(values.astype(np.int64)))
         else:
             kinds[key] = _JSON
-            as_json.append(values)
+            as_json.append(values.tolist())
     if as_json:
         try:
-            texts = [orjson.dumps([column[i] for column in as_json], option=orjson.OPT_SERIALIZE_NUMPY)
-                     for i in range(rows)]
+            texts = [orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY) for row in zip(*as_json)]
         except TypeError:
             raise _unstorable(non_tensor, kinds) from None
         names.append(_JSON_ROWS)
