@@ -42,7 +42,7 @@ def _one_line(stderr: str) -> str:
 @pytest.fixture(scope="module")
 def committed_run(tmp_path_factory, tiny_model):
     """A run folder with one committed batch: config, manifest, checkpoint, and the batch as a DataProto."""
-    from pipegen.actor.dataset import load_tokenizer
+    from pipegen.inputs.dataset import load_tokenizer
     from pipegen.bench import common as c
     from pipegen.run.checkpoint import Checkpoint, save_checkpoint
     from pipegen.writer.batches import BatchBuilder
