@@ -173,7 +173,9 @@ def test_columns_round_trip_exactly_and_unstorable_values_are_refused(tmp_path):
         assert back.tensors[key].dtype == arr.dtype and np.array_equal(back.tensors[key], arr), key
         assert back.tensors[key].flags.writeable
     for key, values in non_tensor.items():
-        assert back.non_tensor[key].dtype == values.dtype and repr(back.non_tensor[key].tolist()) == repr(values.tolist())
+        assert back.non_tensor[key].dtype == values.dtype, key
+        assert repr(back.non_tensor[key].tolist()) == repr(values.tolist()), key
+        assert back.non_tensor[key].flags.writeable, key
     assert back.meta_info == meta
     assert read_row_keys(path)["index"].tolist() == [3, 1, 2, 0]
     with pytest.raises(ValueError, match="'row'"):
