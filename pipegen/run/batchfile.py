@@ -40,6 +40,7 @@ files are committed (the checkpoint does).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,7 @@ class _Chunks:
 
 def _tensor_column(arr: np.ndarray) -> pa.Array:
     flat = pa.array(arr.reshape(-1))  # zero-copy for numeric dtypes
-    return flat if arr.ndim == 1 else pa.FixedSizeListArray.from_arrays(flat, int(np.prod(arr.shape[1:])))
+    return flat if arr.ndim == 1 else pa.FixedSizeListArray.from_arrays(flat, math.prod(arr.shape[1:]))
 
 
 def _encode_columns(non_tensor: dict[str, np.ndarray]) -> tuple[dict[str, str], list[str], list[pa.Array]]:
