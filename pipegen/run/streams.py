@@ -33,7 +33,7 @@ from pipegen.run.records import read_head
 class ShardAppender:
     """Appends records to this actor's shards; opens a new shard at start and past max_bytes."""
 
-    def __init__(self, topic_dir: Path, actor_rank: int, max_bytes: int, fsync_interval_s: float):
+    def __init__(self, topic_dir: Path, actor_rank: int | str, max_bytes: int, fsync_interval_s: float):
         self.dir = actor_shard_dir(topic_dir, actor_rank)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -65,6 +65,12 @@ class ShardAppender:
         if now - self._last_fsync >= self.fsync_interval_s:
             os.fsync(self._fd)
             self._last_fsync = now
+
+    def sync(self) -> None:
+        """fsync what was appended so far (a caller about to say these lines exist: a lease report)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+            self._last_fsync = time.monotonic()
 
     def _seal(self) -> None:
         if self._fd is not None:
