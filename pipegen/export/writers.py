@@ -16,8 +16,8 @@ the writer (the export is a step after the merge, reading only the run directory
 
 from __future__ import annotations
 
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
