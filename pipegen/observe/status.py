@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from pipegen.run.checkpoint import failure_reason
+from pipegen.run.checkpoint import failure_reason, load_checkpoint
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.observe.progress import snapshot
@@ -145,6 +145,7 @@ def gather(run: RunDir) -> RunStatus:
         raise NotARun(f"{run.root} is not a pipegen run directory (no conf/config.yaml)")
     now = time.time()
     n = _n_from_config(run)
+    load_checkpoint(run.checkpoint)  # a damaged one is said (DamagedFile, with its fix), not shown as empty
     snap = snapshot(run, n)
     history = stats_history(run.stats)
     rates = history_rates(history)

@@ -55,28 +55,30 @@ def diagnose(data: bytes) -> str | None:
     return None
 
 
-def read_bytes(path: Path, missing_ok: bool = False) -> bytes | None:
-    """A file's bytes; None for a missing one when missing_ok, else a DamagedFile saying it is missing."""
+def read_text_bytes(path: Path, missing_ok: bool = False) -> bytes | None:
+    """A text file's bytes; None for a missing one when missing_ok; a DamagedFile when it is missing
+    otherwise, or when its bytes cannot be text (diagnose)."""
     try:
-        return Path(path).read_bytes()
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         if missing_ok:
             return None
         raise DamagedFile(path, "missing") from None
     except IsADirectoryError:
         raise DamagedFile(path, "a directory, not a file") from None
+    problem = diagnose(data)
+    if problem:
+        raise DamagedFile(path, problem)
+    return data
 
 
 def read_json_file(path: Path, validate: Callable[[Any], Any] | None = None, what: str = "JSON",
                    missing_ok: bool = False) -> Any:
     """The parsed JSON of path (None when missing and missing_ok), through validate when given;
     any decode or validation error becomes a DamagedFile naming the path."""
-    data = read_bytes(path, missing_ok)
+    data = read_text_bytes(path, missing_ok)
     if data is None:
         return None
-    problem = diagnose(data)
-    if problem:
-        raise DamagedFile(path, problem)
     try:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as e:
@@ -90,12 +92,9 @@ def read_yaml_file(path: Path, end_marker: str, validate: Callable[[Any], Any] |
     which often still parses, is told apart from a whole one)."""
     from omegaconf import OmegaConf
 
-    data = read_bytes(path, missing_ok)
+    data = read_text_bytes(path, missing_ok)
     if data is None:
         return None
-    problem = diagnose(data)
-    if problem:
-        raise DamagedFile(path, problem)
     if data.rstrip().splitlines()[-1:] != [end_marker.encode()]:
         raise DamagedFile(path, f"does not end with its end line {end_marker!r}: truncated or overwritten")
     try:
