@@ -15,7 +15,7 @@ import sys
 import orjson
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipegen.run.config import CONF_DIR, compose, describe_config_error, help_text, save_run_config
+from pipegen.run.config import CONF_DIR, compose, describe_config_error, help_text, load_run_config, save_run_config
 from pipegen.run.checkpoint import check_listed_batches, load_checkpoint
 from pipegen.run.fingerprint import (OVERRIDE_KEY, compute_fingerprint, has_output, load_fingerprint, mismatch_message,
                                      run_key_of, save_fingerprint)
@@ -120,6 +120,7 @@ def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
             log.warning("%s=true: continuing despite: %s", OVERRIDE_KEY, problem)
     run.root.mkdir(parents=True, exist_ok=True)
     run.logs.mkdir(parents=True, exist_ok=True)
+    set_aside_if_damaged(run.config_file, lambda: load_run_config(run), "this launch writes it again")
     save_run_config(run, cfg)  # also what restores a damaged or missing config.yaml
     save_fingerprint(run.fingerprint_file, current)
     return None
@@ -165,22 +166,23 @@ def restore_fingerprint(cfg: DictConfig, run: RunDir, current: dict, damage: Dam
             f"or add {OVERRIDE_KEY}=true to continue with this setup (its output would mix both setups)")
 
 
+def set_aside_if_damaged(path, read, what_next: str) -> None:
+    """A file the launcher writes anyway: when read() finds it damaged, keep it beside (never delete)."""
+    if not path.exists():
+        return
+    try:
+        read()
+    except DamagedFile as e:
+        log.warning("%s is damaged (%s): kept as %s; %s", path, e.problem, set_aside(path).name, what_next)
+
+
 def check_run_files(run: RunDir) -> str | None:
     """Before any process starts: what the launcher cannot re-derive is checked (the checkpoint and
     the batch files it lists: a damaged one is refused with the rebuild command, never overwritten or
     deleted); what it can is set aside and written again (a damaged unit manifest is read again from
     the dataset; launch.json is written by every launch). Returns an error."""
-    try:
-        run.read_manifest()
-    except DamagedFile as e:
-        if e.problem != "missing":
-            log.warning("%s is damaged (%s): kept as %s; reading the dataset again for it", run.units_file,
-                        e.problem, set_aside(run.units_file).name)
-    try:
-        run.read_launch()
-    except DamagedFile as e:
-        log.warning("%s is damaged (%s): kept as %s; this launch writes it again", run.launch_file, e.problem,
-                    set_aside(run.launch_file).name)
+    set_aside_if_damaged(run.units_file, run.read_manifest, "reading the dataset again for it")
+    set_aside_if_damaged(run.launch_file, run.read_launch, "this launch writes it again")
     try:
         check_listed_batches(run.root, load_checkpoint(run.checkpoint))
     except DamagedFile as e:
