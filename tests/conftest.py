@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 FAKE_ENGINE = f"llm.engine={FAKE_ENGINE_CLASS}"
 
 # Small, fast defaults for pipeline tests: a handful of demo prompts, short answers, small batches.
-# save_batch_size=4 and pull_timeout=0.3 (defaults 64 and 300 s) make a 12-row run write several batch
+# save_batch_size=4 and partial_batch_quiet_s=0.3 (defaults 64 and 300 s) make a 12-row run write several batch
 # files, so these tests exercise multi-batch commits and merges; batch boundaries never change what
 # trajectories.pkl holds (merge sorts rows by index, sample, trajectory). test_writer_batches.py runs
 # the writer with the real defaults.
@@ -31,7 +31,7 @@ FAST = [
     "actors.concurrency=8",
     "actors.stats_interval_s=0.5",
     "generation.save_batch_size=4",
-    "generation.pull_timeout=0.3",
+    "generation.partial_batch_quiet_s=0.3",
     "generation.show_progress=false",
 ]
 

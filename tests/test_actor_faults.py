@@ -265,7 +265,7 @@ def test_actor_sigkill_mid_run_loses_nothing_duplicates_nothing_and_never_resend
     # the writer commits nothing before the end (big batches, long pull timeout): the restarted actor can
     # only learn what is done from the shard lines themselves
     overrides = [f"model_path={tiny_model}", *FAST_EXTERNAL, "max_samples=16", "actors.concurrency=4", "seed=3",
-                 "generation.save_batch_size=1000", "generation.pull_timeout=60",
+                 "generation.save_batch_size=1000", "generation.partial_batch_quiet_s=60",
                  "llm=external", f"llm.urls=[{proxy.url}]"]
     launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -37,7 +37,7 @@ BASE = [
     "actors.concurrency=8",
     "actors.stats_interval_s=0.5",
     "generation.save_batch_size=4",
-    "generation.pull_timeout=0.3",
+    "generation.partial_batch_quiet_s=0.3",
     "generation.show_progress=false",
     "max_samples=-1",
     "llm.request_timeout_s=30",
@@ -160,7 +160,9 @@ def test_a_trajectory_is_recorded_as_pydantic_would_dump_it():
 
 
 def test_yaml_registration_and_output_checks(tmp_path):
-    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput, _agent_loop_registry
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from pipegen.verl_private import agent_loop_registry
 
     from pipegen.actor.rollout import InvalidTrajectory, check_trajectories, register_agent_loops
 
@@ -168,9 +170,9 @@ def test_yaml_registration_and_output_checks(tmp_path):
     cfg.write_text("- name: my_snapshots\n  _target_: pipegen.agent_loops.snapshot.ContextSnapshotAgentLoop\n"
                    "  snapshot_every: 2\n")
     register_agent_loops(str(cfg))
-    assert _agent_loop_registry["my_snapshots"]["snapshot_every"] == 2
+    assert agent_loop_registry()["my_snapshots"]["snapshot_every"] == 2
     register_agent_loops("conf/agent_loops/examples.yaml")  # shipped example, relative to pipegen's folder
-    assert "context_snapshot_agent" in _agent_loop_registry
+    assert "context_snapshot_agent" in agent_loop_registry()
     (tmp_path / "bad.yaml").write_text("- name: nothing_to_build\n")
     with pytest.raises(ValueError, match="_target_"):
         register_agent_loops(str(tmp_path / "bad.yaml"))

@@ -16,7 +16,8 @@ from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
 from test_status import kill_orphans_of, wait_for
 from test_supervision import _committed as committed
 
-from pipegen.observe.status import writer_lock_holder
+from pipegen.inputs.demo import DEMO_PARQUET
+from pipegen.run.ownership import lock_holder
 from pipegen.run.layout import RunDir
 
 # 12 prompts x 2 samples, ~2.4 s per unit on the fake engine, 8 at a time: long enough to act mid-run.
@@ -44,12 +45,12 @@ def test_writer_started_by_hand_under_a_live_launcher_finishes_the_run(tmp_path,
         for _ in range(3):
             # kill the launcher's writer, start one by hand; the launcher restarts its own after a
             # backoff, so the hand-started one usually wins the lock, and is refused (exit 3) if not
-            victim = writer_lock_holder(run)
+            victim = lock_holder(run.writer_lock)
             os.kill(victim, signal.SIGKILL)
-            wait_for(lambda: writer_lock_holder(run) != victim, 10, "the killed writer's lock to go")
+            wait_for(lambda: lock_holder(run.writer_lock) != victim, 10, "the killed writer's lock to go")
             hand = subprocess.Popen([sys.executable, "-m", "pipegen.writer", f"output_dir={out}"], cwd=REPO,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            holder = wait_for(lambda: writer_lock_holder(run) or (hand.poll() is not None and -1), 60,
+            holder = wait_for(lambda: lock_holder(run.writer_lock) or (hand.poll() is not None and -1), 60,
                               "a writer to take the lock")
             if holder == hand.pid:
                 break
@@ -93,7 +94,7 @@ def one_line_error(result: subprocess.CompletedProcess) -> str:
 def test_user_errors_are_one_line_naming_the_fix(tmp_path, tiny_model):
     import pandas as pd
 
-    demo = pd.read_parquet(REPO / "pipegen" / "data" / "demo_arith.parquet").head(3)
+    demo = pd.read_parquet(DEMO_PARQUET).head(3)
     demo.rename(columns={"prompt": "messages"}).to_parquet(wrong_column := tmp_path / "wrong_column.parquet")
     demo.head(0).to_parquet(empty := tmp_path / "empty.parquet")
     (garbage := tmp_path / "garbage.parquet").write_bytes(b"this is not parquet")

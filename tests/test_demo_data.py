@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipegen.data import DEMO_PARQUET, resolve_train_files
-from pipegen.data.make_demo import FEW_SHOT, INSTRUCTION, make_rows, write_parquet
+from pipegen.inputs.demo import DEMO_PARQUET, resolve_train_files
+from pipegen.inputs.make_demo import FEW_SHOT, INSTRUCTION, make_rows, write_parquet
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_make_demo_cli_writes_requested_count(tmp_path: Path) -> None:
     import sys
 
     out = tmp_path / "d.parquet"
-    proc = subprocess.run([sys.executable, "-m", "pipegen.data.make_demo", "--out", str(out), "--count", "70"],
+    proc = subprocess.run([sys.executable, "-m", "pipegen.inputs.make_demo", "--out", str(out), "--count", "70"],
                           cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert len(pd.read_parquet(out)) == 70

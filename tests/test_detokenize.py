@@ -36,7 +36,7 @@ def random_responses(vocab: int, count: int = 300) -> list[list[int]]:
 def tokenizers(tiny_model):
     from transformers import AutoTokenizer
 
-    from pipegen.models import resolve_model_path
+    from pipegen.inputs.models import resolve_model_path
 
     return {"tiny-qwen": AutoTokenizer.from_pretrained(tiny_model),
             "smollm2-135m": AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))}

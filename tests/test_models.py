@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pipegen import models
-from pipegen.models import build_folder_once, resolve_model_path
+from pipegen.inputs import models
+from pipegen.inputs.models import build_folder_once, resolve_model_path
 from pipegen.testing.tiny_models import build_tiny_llama_smol, build_tiny_qwen, tiny_model_path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -187,7 +187,7 @@ def test_build_folder_once_failure_leaves_nothing_behind(tmp_path: Path) -> None
 def test_build_folder_once_concurrent_builders_build_once(tmp_path: Path) -> None:
     dest, log = tmp_path / "m", tmp_path / "builds.log"
     script = (
-        "import sys, time; from pathlib import Path; from pipegen.models import build_folder_once\n"
+        "import sys, time; from pathlib import Path; from pipegen.inputs.models import build_folder_once\n"
         "def build(tmp):\n"
         f"    open({str(log)!r}, 'a').write('built\\n'); time.sleep(1.5); (tmp / 'w').write_text('ok')\n"
         f"print(build_folder_once(Path({str(dest)!r}), build, 'r/v1'))\n"
@@ -260,14 +260,14 @@ def test_missing_embedded_package_names_the_install_command(tmp_path: Path, monk
 
 
 def test_cli_reports_errors_on_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pipegen.models", str(tmp_path / "nope")], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "pipegen.inputs.models", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and "no such folder" in proc.stderr
 
 
 def test_importing_models_stays_cheap() -> None:
-    code = "import sys, pipegen.models; print(sorted(m for m in ('torch', 'transformers', 'gguf') if m in sys.modules))"
+    code = "import sys, pipegen.inputs.models; print(sorted(m for m in ('torch', 'transformers', 'gguf') if m in sys.modules))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stderr
 
@@ -317,7 +317,7 @@ def test_embedded_smollm2_conversion_answers_paris(tmp_path: Path) -> None:
     # demo prompts stay short under the SmolLM2 chat template (the CPU demo prefills every one of them)
     import pandas as pd
 
-    from pipegen.data import DEMO_PARQUET
+    from pipegen.inputs.demo import DEMO_PARQUET
 
     prompts = pd.read_parquet(DEMO_PARQUET)["prompt"]
     token_lengths = [len(tok.apply_chat_template(list(p), add_generation_prompt=True, return_dict=True)["input_ids"])

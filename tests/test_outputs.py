@@ -114,7 +114,7 @@ def test_merge_sorts_batches_committed_out_of_order(tmp_path):
     import pyarrow.parquet as pq
     from verl import DataProto
 
-    from pipegen.actor.dataset import load_tokenizer
+    from pipegen.inputs.dataset import load_tokenizer
     from pipegen.bench import common as c
     from pipegen.export.writers import export_plan
     from pipegen.run.atomic import atomic_write_bytes

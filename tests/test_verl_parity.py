@@ -29,7 +29,7 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
     from verl.utils.dataset.rl_dataset import collate_fn
 
     from pipegen.actor.client import ClientLimits, ServerPool
-    from pipegen.actor.dataset import load_dataset, load_tokenizer
+    from pipegen.inputs.dataset import load_dataset, load_tokenizer
 
     dataset = load_dataset(cfg, load_tokenizer(cfg))
     batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))

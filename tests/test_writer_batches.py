@@ -16,11 +16,12 @@ import torch
 
 from pipegen.bench import common as c
 from pipegen.run.records import RolloutRecord
+from pipegen.verl_private import postprocess_batch
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_model):
-    from pipegen.actor.dataset import load_tokenizer
+    from pipegen.inputs.dataset import load_tokenizer
     from pipegen.writer.batches import BatchBuilder
 
     cfg, run = c.prepare_run(tmp_path_factory.mktemp("run"), "n=2", "max_samples=40", "max_prompt_length=300",
@@ -74,8 +75,8 @@ def test_fast_rows_equal_verls_per_trajectory_postprocess(setup, with_logprobs):
     fast = asyncio.run(builder.build(fast_records))
     plain = [RolloutRecord.from_line(rec.to_line()) for rec in records]
     row_keys = [*plain[0].agent_kwargs(builder.default_agent), "sample", "trajectory", "seed"]
-    reference = builder.worker._postprocess(_verl_rows(builder, plain), validate=False,
-                                            input_non_tensor_batch={k: fast.non_tensor_batch[k] for k in row_keys})
+    reference = postprocess_batch(builder.worker, _verl_rows(builder, plain),
+                                  {k: fast.non_tensor_batch[k] for k in row_keys})
     _assert_same(fast, reference)
     _assert_same(from_storage(asyncio.run(builder.build(fast_records, int32=True))), reference)
 
@@ -128,7 +129,7 @@ def test_a_run_with_pauses_writes_full_batches_and_one_partial_last(setup):
     from pipegen.writer.commit import Writer
 
     cfg, run, builder = setup
-    assert int(cfg.generation.save_batch_size) == 64 and float(cfg.generation.pull_timeout) >= 60
+    assert int(cfg.generation.save_batch_size) == 64 and float(cfg.generation.partial_batch_quiet_s) >= 60
     records = c.RecordFactory(cfg).records(80, 64, seed=5)
 
     async def scenario():

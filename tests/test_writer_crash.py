@@ -24,7 +24,7 @@ from conftest import FAKE_ENGINE, FAST, REPO, assert_same_trajectories, launch, 
 # The fake engine's output depends only on (seed, sampling_seed, context), not on its latency, so the
 # reference run can be instant while the killed run generates slowly enough to be killed 20+ times.
 RUN = [FAKE_ENGINE, "max_samples=16", "n=2", "actors.concurrency=4", "generation.save_batch_size=2",
-       "generation.pull_timeout=0.2"]
+       "generation.partial_batch_quiet_s=0.2"]
 # Slow enough that the actors generate through most of the kills below (a writer start costs ~3 s of imports).
 SLOW = ["llm.engine_args=[--token-latency,0.5]"]
 

@@ -35,6 +35,8 @@ from typing import Any, Callable
 import orjson
 from omegaconf import OmegaConf
 
+from pipegen.verl_private import copy_agent_loop, replace_token_builder_factory
+
 log = logging.getLogger("pipegen.actor")
 
 
@@ -110,23 +112,23 @@ def share_text_token_builders() -> None:
     construction (a tokenizer call per unit). With the same tokenizer, model type and chat-template
     arguments the builders are interchangeable, so the one in verl's agent-loop module is wrapped to
     return one shared builder for text loops (a processor, i.e. a multimodal loop, always gets its own)."""
-    from verl.experimental.agent_loop import agent_loop as verl_agent_loop
+    def sharing(create: Callable[..., Any]) -> Callable[..., Any]:
+        if getattr(create, "pipegen_shared", False):
+            return create
+        shared: dict[tuple, Any] = {}
 
-    create = verl_agent_loop.create_continuous_token_builder
-    if getattr(create, "pipegen_shared", False):
-        return
-    shared: dict[tuple, Any] = {}
+        def create_shared(tokenizer, *args, processor=None, **kwargs):
+            if processor is not None or args:
+                return create(tokenizer, *args, processor=processor, **kwargs)
+            key = (id(tokenizer), orjson.dumps(kwargs, default=str, option=orjson.OPT_SORT_KEYS))
+            if key not in shared:
+                shared[key] = create(tokenizer, processor=None, **kwargs)
+            return shared[key]
 
-    def create_shared(tokenizer, *args, processor=None, **kwargs):
-        if processor is not None or args:
-            return create(tokenizer, *args, processor=processor, **kwargs)
-        key = (id(tokenizer), orjson.dumps(kwargs, default=str, option=orjson.OPT_SORT_KEYS))
-        if key not in shared:
-            shared[key] = create(tokenizer, processor=None, **kwargs)
-        return shared[key]
+        create_shared.pipegen_shared = True
+        return create_shared
 
-    create_shared.pipegen_shared = True
-    verl_agent_loop.create_continuous_token_builder = create_shared
+    replace_token_builder_factory(sharing)
 
 
 class InlineExecutorLoop:
@@ -198,8 +200,7 @@ class AgentLoops:
         loop = asyncio.get_running_loop()
         prototype = self._prototypes.get(agent_name)
         if prototype is not None and prototype[0] is loop:
-            agent = object.__new__(type(prototype[1]))
-            agent.__dict__.update(prototype[1].__dict__)
+            agent = copy_agent_loop(prototype[1])
             agent.server_manager = server_manager
             return agent
         agent = self._factory(agent_name)(server_manager=server_manager, tools=self._tool_list_wrap(self._tools),
@@ -209,8 +210,7 @@ class AgentLoops:
             agent.continuous_token_builder = self.prompt_tokens.wrap(builder)
             if _is_text_single_turn(agent):
                 agent.loop = InlineExecutorLoop(agent.loop)
-                prototype = object.__new__(type(agent))
-                prototype.__dict__.update(agent.__dict__)
+                prototype = copy_agent_loop(agent)
                 prototype.server_manager = None
                 prototype.rollout_config = self._typed_rollout_config(agent.rollout_config)
                 prototype.mm_processor_kwargs = _plain(agent.mm_processor_kwargs)

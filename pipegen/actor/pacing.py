@@ -33,6 +33,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pipegen.run.schema import Actors, Servers
+
 log = logging.getLogger("pipegen.client")
 
 DEFAULT_MAX_RUNNING = 256  # a server that reports no limit (an external server without /get_server_info)
@@ -43,10 +45,10 @@ P90_REFRESH = 32  # a full latency window is sorted again for its p90 after 1/32
 
 @dataclass
 class WatchdogLimits:
-    stall_floor_s: float = 30.0  # fixed part of every deadline: prefill, a short queue, the network
-    stall_margin: float = 3.0  # x the expected decode time (max_new_tokens x observed s/token)
+    stall_floor_s: float = Servers.stall_floor_s  # fixed part of every deadline: prefill, a short queue, the network
+    stall_margin: float = Servers.stall_margin  # x the expected decode time (max_new_tokens x observed s/token)
     prior_s_per_token: float = 0.1  # before a server answered anything: a slow GPU under a full batch
-    hedge: bool = True  # re-send the oldest requests to idle capacity when nothing else is left to run
+    hedge: bool = Actors.hedge  # re-send the oldest requests to idle capacity when nothing else is left to run
     hedge_factor: float = 1.0  # in the tail, a request older than the recent p90 latency may be hedged
     hedge_min_s: float = 1.0
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipegen.actor.pacing import WatchdogLimits
+from pipegen.run.schema import CpuServers, Generation
 
 _FIRST = operator.itemgetter(0)
 
@@ -30,8 +31,8 @@ class ClientLimits:
     prompt_length: int
     response_length: int
     max_model_len: int
-    request_timeout_s: float = 600.0
-    max_attempts: int = 4  # tries per request (over servers) before RetriesExhausted
+    request_timeout_s: float = CpuServers.request_timeout_s  # the schema's defaults: one place for each
+    max_attempts: int = Generation.max_attempts  # tries per request (over servers) before RetriesExhausted
     backoff_base_s: float = 0.2
     backoff_max_s: float = 5.0
     quarantine_after: int = 3  # consecutive failures that take a server out of rotation

@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.actor.dataset import dataset_indices, load_dataset, load_tokenizer
+from pipegen.inputs.dataset import dataset_indices, load_dataset, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
+from pipegen.verl_private import agent_loop_registry
 from pipegen.run.records import RolloutRecord, UnitKeys, prompt_uid, unit_seed
 
 
@@ -66,13 +67,11 @@ def register_agent_loops(config_path: str | None) -> None:
     AgentLoopWorker.__init__ does; extra keys reach the loop's constructor."""
     if not config_path:
         return
-    from verl.experimental.agent_loop import agent_loop as verl_agent_loop
-
     loops = OmegaConf.load(resolve_user_path(config_path))
     for loop_cfg in loops:
         if "name" not in loop_cfg or "_target_" not in loop_cfg:
             raise ValueError(f"{config_path}: every agent loop entry needs 'name' and '_target_', got {dict(loop_cfg)}")
-        verl_agent_loop._agent_loop_registry[loop_cfg.name] = loop_cfg
+        agent_loop_registry()[loop_cfg.name] = loop_cfg
 
 
 def check_trajectories(result: Any, prompt_length: int, response_length: int) -> list:
@@ -185,7 +184,7 @@ class UnitRunner:
         )
         # verl adds YAML-registered loops only inside AgentLoopWorker.__init__; do the same here.
         register_agent_loops(rollout.agent.agent_loop_config_path)
-        self.registry = verl_agent_loop._agent_loop_registry
+        self.registry = agent_loop_registry()
         self.loops = AgentLoops(self.registry, dict(
             trainer_config=verl_agent_loop.DictConfigWrap(cfg),  # verl only reads through these wrappers
             tokenizer=self.tokenizer,

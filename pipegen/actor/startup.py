@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipegen.observe.startup import ACTOR_PHASES
-from pipegen.run.layout import RunDir
 
 log = logging.getLogger("pipegen.actor")
 
@@ -78,30 +77,9 @@ class StartupClock:
                      self.since("first_request", "server_ready") if "first_request" in self.times else float("nan"))
 
 
-MANIFEST_WAIT_S = 1800.0  # as long as the slowest dataset read a launcher may do; a hand-started actor gets a clear exit
-
-
 # What building an actor imports: nearly all of its start-up (verl's agent loop pulls in torch and ray).
 ACTOR_IMPORTS = ("transformers", "verl.experimental.agent_loop.agent_loop", "verl.tools.tool_registry",
                  "verl.utils.dataset.rl_dataset")
-
-
-def import_then_wait_for_manifest(run: RunDir, modules: tuple[str, ...] = ACTOR_IMPORTS,
-                                  timeout_s: float = MANIFEST_WAIT_S) -> None:
-    """Import `modules` (what the process needs: the slow part of its start-up), then wait until the
-    launcher has written the unit manifest: it reads the dataset meanwhile. The writer uses it too."""
-    import importlib
-
-    for module in modules:
-        importlib.import_module(module)
-    started = time.monotonic()
-    if not run.units_file.exists():
-        log.info("imports done; waiting for the launcher to write %s", run.units_file)
-    while not run.units_file.exists():
-        if time.monotonic() - started > timeout_s:
-            raise SystemExit(f"no unit manifest {run.units_file} after {timeout_s:.0f}s; it is written by "
-                             f"python -m pipegen.launch output_dir={run.root}, which starts actors and writer")
-        time.sleep(0.05)
 
 
 async def _answers(session, url: str) -> bool:

@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from pipegen.actor.rollout import UnitRunner
-from pipegen.actor.startup import StartupClock, import_then_wait_for_manifest, wait_for_first_server
+from pipegen.actor.startup import ACTOR_IMPORTS, StartupClock, wait_for_first_server
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
+from pipegen.run.handshake import import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.records import FailureRecord, RolloutRecord
@@ -169,9 +170,8 @@ class Actor:
             request_timeout_s=float(self.cfg.llm.request_timeout_s),
             max_attempts=int(self.cfg.generation.max_attempts),
             vocab_size=self.runner.vocab_size,
-            watchdog=WatchdogLimits(stall_floor_s=float(self.cfg.llm.get("stall_floor_s", 30.0)),
-                                    stall_margin=float(self.cfg.llm.get("stall_margin", 3.0)),
-                                    hedge=bool(self.cfg.actors.get("hedge", True))),
+            watchdog=WatchdogLimits(stall_floor_s=float(self.cfg.llm.stall_floor_s),
+                                    stall_margin=float(self.cfg.llm.stall_margin), hedge=bool(self.cfg.actors.hedge)),
         )
         stats = StatsAppender(self.run.stats, actor_role(self.rank))
         connector = aiohttp.TCPConnector(limit=0)
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_run_config(run)
         import uvloop
 
-        import_then_wait_for_manifest(run)  # the launcher may still be reading the dataset
+        import_then_wait_for_manifest(run, ACTOR_IMPORTS)  # the launcher may still be reading the dataset
         actor = Actor(cfg, run, rank, world_actor_count(num_actors_arg, run, cfg))
         actor.clock.mark("ready")
         log.info("actor %d ready %.1fs after its process started (pid %d)", rank, actor.clock.since("ready"),

@@ -158,7 +158,7 @@ def bench_config(run_root: Path, *overrides: str):
     """The resolved run config for a run folder (tiny test model, demo data), as the launcher saves it."""
     from omegaconf import open_dict
 
-    from pipegen.data import resolve_train_files
+    from pipegen.inputs.demo import resolve_train_files
     from pipegen.run.config import compose, resolved
 
     model = tiny_model()
@@ -174,7 +174,7 @@ def bench_config(run_root: Path, *overrides: str):
 
 def prepare_run(root: Path, *overrides: str, servers: list[str] | None = None) -> tuple[Any, RunDir]:
     """A run folder as the launcher leaves it for actors and writer: config, unit manifest, launch record."""
-    from pipegen.actor.dataset import dataset_indices, load_dataset, load_tokenizer
+    from pipegen.inputs.dataset import dataset_indices, load_dataset, load_tokenizer
     from pipegen.run.config import save_run_config
 
     cfg = bench_config(root, *overrides)
@@ -191,7 +191,7 @@ class RecordFactory:
     derived as the actor derives them."""
 
     def __init__(self, cfg):
-        from pipegen.actor.dataset import dataset_indices, load_dataset, load_tokenizer
+        from pipegen.inputs.dataset import dataset_indices, load_dataset, load_tokenizer
         from pipegen.actor.rollout import row_fields
 
         self.keys = UnitKeys(int(cfg.actor_rollout_ref.rollout.n))

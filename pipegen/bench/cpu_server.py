@@ -67,7 +67,7 @@ def run(quick: bool) -> c.ScenarioResult:
         if quick:
             measure(res, tmp, "tiny model", c.tiny_model(), 64, 48, per_c1=3, per_c8=16, reps=2)
         else:
-            from pipegen.models import resolve_model_path
+            from pipegen.inputs.models import resolve_model_path
 
             measure(res, tmp, "tiny model", c.tiny_model(), 64, 96, per_c1=4, per_c8=32, reps=4)
             measure(res, tmp, "SmolLM2-135M", resolve_model_path("smollm2-135m"), 64, 96, per_c1=2, per_c8=8,

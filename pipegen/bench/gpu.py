@@ -173,8 +173,8 @@ def run_sglang_offline(python: str, model: str, dataset: Path, prompts: int, max
 
 def measure(res: c.ScenarioResult, tmp: Path, python: str, quick: bool) -> None:
     from pipegen.bench.end_to_end import raw_bodies
-    from pipegen.data import resolve_train_files
-    from pipegen.models import resolve_model_path
+    from pipegen.inputs.demo import resolve_train_files
+    from pipegen.inputs.models import resolve_model_path
     from pipegen.run.layout import RunDir
 
     model = resolve_model_path(os.environ.get("PIPEGEN_BENCH_MODEL", "smollm2-135m"))

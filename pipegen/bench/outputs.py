@@ -38,7 +38,7 @@ def prepare(root: Path, rows: int):
 
     import numpy as np
 
-    from pipegen.actor.dataset import load_tokenizer
+    from pipegen.inputs.dataset import load_tokenizer
     from pipegen.run.atomic import atomic_write_bytes
     from pipegen.run.checkpoint import Checkpoint
     from pipegen.writer.batches import BatchBuilder, encode_batch

@@ -97,7 +97,7 @@ def run(quick: bool) -> c.ScenarioResult:
 
 
 def _run(quick: bool) -> c.ScenarioResult:
-    from pipegen.actor.dataset import load_tokenizer
+    from pipegen.inputs.dataset import load_tokenizer
     from pipegen.run.records import RolloutRecord
     from pipegen.writer.batches import BatchBuilder
 

@@ -20,6 +20,7 @@ from pipegen.cpu_server.engine import load_engine_class
 from pipegen.cpu_server.lifecycle import serve
 from pipegen.cpu_server.server import CRASH_EXIT_CODE
 from pipegen.observe.logs import watch_parent
+from pipegen.run.schema import CpuServers
 
 PROG = "python -m pipegen.cpu_server"
 
@@ -47,10 +48,10 @@ def build_parser(engine: str) -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None, help="default: from config.json")
     p.add_argument("--seed", type=int, default=0, help="server seed (engine draws without a sampling_seed, "
                                                        "fault draws)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is best on small boxes)")
+    p.add_argument("--threads", type=int, default=CpuServers.threads, help="torch intra-op threads (1 is best on small boxes)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="auto = bfloat16 where the CPU has avx512_bf16/amx_bf16, else float32")
-    p.add_argument("--max-batch", type=int, default=8, help="max requests running together")
+    p.add_argument("--max-batch", type=int, default=CpuServers.max_batch, help="max requests running together")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--unknown-key-status", type=int, choices=(400, 500), default=400,
                    help="unknown sampling_params key: 400 (SGLang 0.5.23) or bare 500 (0.5.12)")

@@ -130,7 +130,7 @@ class HFEngine(Engine):
         except RuntimeError:
             pass  # already set / parallel work started: harmless
         torch_dtype = getattr(torch, self.dtype_name)
-        from pipegen.models import quiet_progress_bars  # keeps the weight-loading bar out of the server log
+        from pipegen.inputs.models import quiet_progress_bars  # keeps the weight-loading bar out of the server log
 
         with quiet_progress_bars():
             self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype).eval()

@@ -27,7 +27,7 @@ log = logging.getLogger("pipegen.cpu_server")
 async def serve(args: argparse.Namespace) -> int:
     """Bind, then load, then serve until SIGTERM/SIGINT. Returns the exit code."""
     if args.model_path and not Path(args.model_path).is_dir():
-        from pipegen.models import resolve_model_path
+        from pipegen.inputs.models import resolve_model_path
 
         args.model_path = resolve_model_path(args.model_path)
     facts = read_model_facts(args.model_path)

@@ -99,7 +99,7 @@ class RowBuilder:
     """DataProto pieces -> export columns (python lists / numpy per column, shared by both formats)."""
 
     def __init__(self, cfg: DictConfig, plan: MergePlan):
-        from pipegen.actor.dataset import load_tokenizer
+        from pipegen.inputs.dataset import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg)
         self.eos_ids = _eos_ids(cfg, self.tokenizer)

@@ -23,12 +23,12 @@ from omegaconf.errors import OmegaConfBaseException
 from pipegen.launch.supervise import Role, Supervisor
 from pipegen.observe.logs import setup_logging
 from pipegen.run.checkpoint import failure_reason
-from pipegen.launch.prepare import (build_manifest, check_run_files, fail, prepare_run, print_help, resolve_inputs,
-                                    validate)
-from pipegen.run.diskfull import disk_full_message, is_disk_full
+from pipegen.launch.prepare import build_manifest, check_run_files, fail, prepare_run, print_help, resolve_inputs
 from pipegen.run.config import check_types, compose, describe_config_error, resolved
+from pipegen.run.diskfull import disk_full_message, is_disk_full
 from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
-from pipegen.writer.commit import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED
+from pipegen.run.ownership import lock_holder
+from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED
 
 log = logging.getLogger("pipegen.launch")
 
@@ -192,13 +192,12 @@ class Launcher:
         """Our writer stood by because another writer (started by hand) holds the directory: that one
         is the run's writer while it lives. True once it has completed the run; if it exits before
         that, our writer starts again (not a crash: nothing failed)."""
-        from pipegen.observe.status import writer_lock_holder
         from pipegen.run.checkpoint import load_checkpoint
 
         if time.monotonic() - self._outside_checked < 1.0:
             return False
         self._outside_checked = time.monotonic()
-        holder = writer_lock_holder(self.run)
+        holder = lock_holder(self.run.writer_lock)
         if holder is not None:
             if holder != self._outside_writer:
                 self._outside_writer = holder
@@ -281,21 +280,25 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose(argv)
     except Exception as e:  # Hydra's override errors are long: one line naming the key and the fix
-        return fail(describe_config_error(e))
+        return fail(describe_config_error(e, argv))
+    try:
+        check_types(cfg)  # every key, output_dir first among them, before any path is resolved or written
+    except ValueError as e:
+        return fail(str(e))
+    except OmegaConfBaseException as e:  # an interpolation that cannot resolve
+        return fail(describe_config_error(e, argv))
     run = RunDir(Path(cfg.output_dir).expanduser().resolve())
     if run.root.exists() and not run.root.is_dir():
         return fail(f"output_dir={run.root} is a file; output_dir names a directory (new or a run's): pick another path")
     with open_dict(cfg):
         cfg.output_dir = str(run.root)
     try:
-        check_types(cfg)
         resolve_inputs(cfg)
-        validate(cfg)
         cfg = resolved(cfg)
     except (ValueError, RuntimeError) as e:
         return fail(str(e))
     except OmegaConfBaseException as e:  # a missing mandatory value (llm.urls), an interpolation
-        return fail(describe_config_error(e))
+        return fail(describe_config_error(e, argv))
     problem = prepare_run(cfg, run) or check_run_files(run)
     if problem:
         return fail(problem)
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         except ServerNotReady as e:
             return fail(str(e))
     if not run.units_file.exists():
-        from pipegen.actor.dataset import check_files
+        from pipegen.inputs.dataset import check_files
 
         try:
             check_files(cfg)  # the parquet footers: seconds, before any process starts

@@ -13,9 +13,9 @@ import os
 import sys
 
 import orjson
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-from pipegen.run.config import CONF_DIR, compose, describe_config_error, help_text, load_run_config, save_run_config
+from pipegen.run.config import compose, describe_config_error, help_text, load_run_config, save_run_config
 from pipegen.run.checkpoint import check_listed_batches, load_checkpoint
 from pipegen.run.fingerprint import (OVERRIDE_KEY, compute_fingerprint, has_output, load_fingerprint, mismatch_message,
                                      run_key_of, save_fingerprint)
@@ -53,7 +53,7 @@ def print_help(overrides: list[str]) -> None:
         try:
             cfg = compose([o for o in overrides if o not in ("--help", "-h")] + ["output_dir=DIR"])
             print(help_text(cfg))
-            print(f"\nComments in {CONF_DIR}/pipegen.yaml explain pipegen's keys.")
+            print("\nEach key's one default, type and rule live in pipegen/run/schema.py.")
         except Exception as e:  # help must print even when an override is broken
             print(f"(could not compose the config: {describe_config_error(e)})")
         sys.stdout.flush()
@@ -69,8 +69,8 @@ def fail(message: str) -> int:
 
 def resolve_inputs(cfg: DictConfig) -> None:
     """Short names -> real paths, so every child reads concrete paths from the saved config."""
-    from pipegen.data import resolve_train_files
-    from pipegen.models import resolve_model_path
+    from pipegen.inputs.demo import resolve_train_files
+    from pipegen.inputs.models import resolve_model_path
 
     with open_dict(cfg):
         model = resolve_model_path(str(cfg.actor_rollout_ref.model.path))
@@ -80,18 +80,6 @@ def resolve_inputs(cfg: DictConfig) -> None:
         resolved = resolve_train_files(files if isinstance(files, str) else list(files))
         cfg.train_files = resolved[0] if len(resolved) == 1 else resolved
         cfg.data.train_files = cfg.train_files
-
-
-def validate(cfg: DictConfig) -> None:
-    rollout = cfg.actor_rollout_ref.rollout
-    if int(rollout.n) < 1:
-        raise ValueError(f"n={rollout.n}: samples per prompt must be at least 1")
-    if int(cfg.generation.save_batch_size) < 1:
-        raise ValueError("generation.save_batch_size must be at least 1")
-    for key in ("actors.num_actors", "actors.concurrency"):
-        value = str(OmegaConf.select(cfg, key)).strip().lower()
-        if value != "auto" and (not value.isdigit() or int(value) < 1):
-            raise ValueError(f"{key}={value}: use auto or a whole number of at least 1")
 
 
 def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
@@ -129,7 +117,7 @@ def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:
 def recorded_run_keys(run: RunDir) -> set[str]:
     """The run keys the run recorded where they survive: the checkpoint's and the last launch's."""
     keys = set()
-    for read in (lambda: load_checkpoint(run.checkpoint).fingerprint, lambda: run.read_launch().run_key):
+    for read in (lambda: load_checkpoint(run.checkpoint).run_key, lambda: run.read_launch().run_key):
         try:
             keys.add(read())
         except DamagedFile:
@@ -192,7 +180,7 @@ def check_run_files(run: RunDir) -> str | None:
 
 def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     """Load the dataset once through verl, check it, and record its unit indices."""
-    from pipegen.actor.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
+    from pipegen.inputs.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
 
     check_files(cfg)  # seconds before verl is imported
     tokenizer = load_tokenizer(cfg)

@@ -42,14 +42,14 @@ def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: in
         "--model-path", str(model_path),
         "--host", plan.host,
         "--port", str(plan.port),
-        "--engine", str(llm.get("engine", "hf")),
-        "--threads", str(llm.get("threads", 1)),
-        "--dtype", str(llm.get("dtype", "auto")),
-        "--max-batch", str(llm.get("max_batch", 8)),
+        "--engine", str(llm["engine"]),
+        "--threads", str(llm["threads"]),
+        "--dtype", str(llm["dtype"]),
+        "--max-batch", str(llm["max_batch"]),
         "--seed", str(seed),
-        *[str(a) for a in (llm.get("engine_args") or [])],
+        *[str(a) for a in llm["engine_args"]],
     ]
-    return argv, {"OMP_NUM_THREADS": str(llm.get("threads", 1))}
+    return argv, {"OMP_NUM_THREADS": str(llm["threads"])}
 
 
 def sglang_python(llm: Mapping) -> str:

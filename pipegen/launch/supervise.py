@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipegen.observe.logs import PARENT_ENV
-from pipegen.run.diskfull import EXIT_DISK_FULL, disk_full_message
+from pipegen.run.diskfull import disk_full_message
+from pipegen.run.handshake import EXIT_DISK_FULL
 from pipegen.run.layout import RunDir
 
 log = logging.getLogger("pipegen.supervise")

@@ -16,7 +16,6 @@ write anything when reading.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,8 @@ from typing import Any
 import orjson
 
 from pipegen.run.layout import stats_file, stats_files
+from pipegen.run.ownership import HOST, pid_alive
 
-HOST = socket.gethostname()
 # Cumulative counters that get a `<name>_per_s` companion (the rate since this process's previous line).
 RATE_COUNTERS = ("completed", "output_tokens", "requests", "committed", "lines")
 RATE_WINDOW_S = 60.0  # "recent" rates are measured over about this much of the newest history
@@ -137,32 +136,6 @@ def stats_history(stats_dir: Path, max_bytes: int = 32 << 20) -> dict[str, list[
     if not stats_dir.is_dir():
         return {}
     return {p.stem: read_stats(p, max_bytes) for p in stats_files(stats_dir)}
-
-
-def pid_alive(pid: Any, host: str | None = None) -> bool | None:
-    """True/False for a pid on this host (a reused pid that is not a pipegen process counts as dead);
-    None when the line came from another host (multi-node runs): unknown from here."""
-    if host and host != HOST:
-        return None
-    try:
-        pid = int(pid)
-        os.kill(pid, 0)
-    except (TypeError, ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        return False  # exited between the two checks
-    except OSError:
-        return True  # no /proc (macOS): trust kill(0)
-    if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X"):
-        return False  # a zombie: exited, not yet reaped by its parent
-    if not cmdline:
-        return True  # in the middle of exec(): nothing to check yet
-    return b"pipegen" in cmdline
 
 
 def line_alive(line: dict[str, Any]) -> bool | None:

@@ -28,9 +28,10 @@ import orjson
 from pipegen.run.checkpoint import failure_reason, load_checkpoint
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
+from pipegen.run.ownership import LockStatus, lock_status
 from pipegen.observe.progress import snapshot
 from pipegen.observe.startup import startup_phases
-from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive, pid_alive,
+from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive,
                                    stats_history)
 
 
@@ -45,13 +46,6 @@ class RoleStatus:
     log: str | None = None
     log_age_s: float | None = None
     cpu_busy: float | None = None  # an actor's CPU time / wall time over its last stats interval
-
-
-@dataclass
-class LockStatus:
-    path: str
-    pid: int | None = None  # the pid written into the lock file by its last holder
-    held: bool | None = None  # None: cannot tell (no /proc/locks and the pid is on another host)
 
 
 @dataclass
@@ -82,49 +76,6 @@ def _n_from_config(run: RunDir) -> int:
     return int(load_run_config(run).actor_rollout_ref.rollout.n)
 
 
-def writer_lock_status(run: RunDir) -> LockStatus:
-    """Who holds the writer lock, without touching it: the pid in the file, and /proc/locks."""
-    path = run.writer_lock
-    status = LockStatus(str(path))
-    try:
-        text = path.read_text().strip()
-        st = path.stat()
-    except OSError:
-        return status
-    status.pid = int(text) if text.isdigit() else None
-    try:
-        locks = Path("/proc/locks").read_text()
-    except OSError:
-        status.held = pid_alive(status.pid) if status.pid else None
-        return status
-    status.held = False
-    for line in locks.splitlines():
-        parts = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (a blocked waiter has "->" after the number)
-        if len(parts) < 6 or "->" in parts[1]:
-            continue
-        if parts[1] != "FLOCK":
-            continue
-        try:
-            inode = int(parts[5].rsplit(":", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if inode == st.st_ino:
-            status.held = True
-            if parts[4].isdigit() and int(parts[4]) > 0:
-                status.pid = int(parts[4])
-            break
-    return status
-
-
-def writer_lock_holder(run: RunDir) -> int | None:
-    """The pid of the live process that holds the writer lock, or None when the lock is free."""
-    lock = writer_lock_status(run)
-    if lock.held is None:  # no /proc/locks: trust the pid the holder wrote, if that process lives
-        return lock.pid if lock.pid is not None and pid_alive(lock.pid) else None
-    return lock.pid if lock.held else None
-
-
 def _log_files(run: RunDir, now: float) -> list[dict[str, Any]]:
     out = []
     if run.logs.is_dir():
@@ -150,7 +101,7 @@ def gather(run: RunDir) -> RunStatus:
     history = stats_history(run.stats)
     rates = history_rates(history)
     snap.metrics = aggregate(across_processes(history))  # outputs of every launch, not the newest only
-    lock = writer_lock_status(run)
+    lock = lock_status(run.writer_lock)
     logs = _log_files(run, now)
     log_by_role = {Path(entry["file"]).stem: entry for entry in logs if entry["file"].endswith(".log")}
 

@@ -1,6 +1,8 @@
-"""Crash-safe file primitives: write-to-temp + fsync + rename + directory fsync, and the writer lock.
+"""Crash-safe file primitives: write-to-temp + fsync + rename + directory fsync.
 
-Owns: the only way pipegen replaces a file that a reader may look at after a crash.
+Owns: the primitives every crash-safe replacement in pipegen is built from (a temporary sibling, a synced
+write, a rename, a directory fsync) and `atomic_write`, their single-file form. The writer's group commit
+(writer/commit.py) composes the same primitives so that one directory fsync covers many renames.
 Must never: leave a half-written file under its final name, or hold state between calls.
 """
 
@@ -10,7 +12,6 @@ import os
 from pathlib import Path
 from typing import IO, Callable
 
-from filelock import FileLock, Timeout
 
 
 def fsync_dir(path: Path) -> None:
@@ -58,36 +59,3 @@ def remove_stale_temporaries(directory: Path) -> int:
         p.unlink(missing_ok=True)
         removed += 1
     return removed
-
-
-class DirectoryLock:
-    """An exclusive OS lock (filelock's flock) on a file: released by the kernel when the holder dies.
-
-    The holder's pid is written into the file so a refused process, and `pipegen.status`, can name it.
-    """
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self._lock = FileLock(str(self.path))
-
-    def acquire(self) -> None:
-        try:
-            self._lock.acquire(timeout=0)
-        except Timeout:
-            try:
-                holder = self.path.read_text().strip() or "unknown"
-            except OSError:
-                holder = "unknown"
-            raise LockHeld(self.path, holder) from None
-        with open(self.path, "r+") as f:  # the lock is on the inode, so a second descriptor may write
-            f.truncate()
-            f.write(f"{os.getpid()}\n")
-
-    def release(self) -> None:
-        self._lock.release()
-
-
-class LockHeld(RuntimeError):
-    def __init__(self, path: Path, holder: str):
-        super().__init__(f"another writer (pid {holder}) already owns {path.parent}; stop it first or wait for it")
-        self.holder = holder

@@ -107,7 +107,7 @@ class BatchLedger:
 
 @dataclass
 class Checkpoint:
-    fingerprint: str = ""
+    run_key: str = ""  # the run key (layout.RunDir.run_key) of the run whose units this checkpoint commits
     committed: RangeSet = field(default_factory=RangeSet)
     batches: BatchLedger = field(default_factory=BatchLedger)
     rollout_offsets: dict[str, int] = field(default_factory=dict)
@@ -135,7 +135,7 @@ class Checkpoint:
         return orjson.dumps(
             {
                 "version": VERSION,
-                "fingerprint": self.fingerprint,
+                "run_key": self.run_key,
                 "launch": self.launch,
                 "complete": self.complete,
                 "merged": self.merged,
@@ -163,7 +163,7 @@ class Checkpoint:
             raise ValueError(f"checkpoint format {d.get('version')} is not {VERSION}; this run was written by "
                              "another pipegen version: finish it with that version or start a new output_dir")
         return cls(
-            fingerprint=d.get("fingerprint", ""),
+            run_key=d.get("run_key", d.get("fingerprint", "")),  # "fingerprint": its name before 2026-11
             committed=RangeSet(d.get("committed_ranges", [])),
             batches=BatchLedger(d.get("batches", {}).get("sizes", [])),
             rollout_offsets=d.get("rollout_offsets", {}),

@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.integrity import DamagedFile, read_yaml_file, relaunch_advice
 from pipegen.run.layout import RunDir
+from pipegen.run.schema import LLM_KINDS, check_values, describe_keys, key_info
+from pipegen.run.schema import register as register_schema
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 PRIMARY = "pipegen"
@@ -37,6 +39,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    register_schema()
     search = f"hydra.searchpath=[file://{verl_config_dir()}]"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = hydra_compose(config_name=PRIMARY, overrides=[search, *overrides])
@@ -81,16 +84,19 @@ def save_run_config(run: RunDir, cfg: DictConfig) -> None:
 
 
 HELP = "python -m pipegen.launch --help"
-# keys the launcher and every child read as numbers: a wrong type is said here, naming the key
-INTEGER_KEYS = ("n", "max_samples", "seed", "max_prompt_length", "max_response_length",
-                "actors.shard_max_bytes", "generation.save_batch_size",
-                "generation.max_attempts", "generation.restart_limit")
-FLOAT_KEYS = ("temperature", "actors.stats_interval_s", "actors.fsync_interval_s", "generation.pull_timeout",
-              "llm.ready_timeout_s", "llm.request_timeout_s")
-
-
-def describe_config_error(error: Exception) -> str:
-    """One line naming the fix for a Hydra / OmegaConf error (theirs span many lines)."""
+def describe_config_error(error: Exception, overrides: list[str] = ()) -> str:
+    """One line naming the fix for a Hydra / OmegaConf error (theirs span many lines); `overrides` tell
+    which llm kind's keys were composed."""
+    cause: BaseException | None = error
+    while cause is not None:  # a value of the wrong type for a schema key: OmegaConf names the key
+        full_key = getattr(cause, "full_key", None)
+        if full_key and type(cause).__name__ == "ValidationError":
+            kind = next((o.split("=", 1)[1] for o in overrides if o.startswith("llm=")), "cpu")
+            info = key_info(str(full_key), kind if kind in LLM_KINDS else None)
+            value = getattr(cause, "value", None)
+            allowed = info.allowed() if info is not None and info.allowed() else _type_name(cause)
+            return f"{full_key}={value} is not allowed: use {allowed}"
+        cause = cause.__cause__
     text = str(error).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     first = lines[0] if lines else type(error).__name__
@@ -109,25 +115,21 @@ def describe_config_error(error: Exception) -> str:
     return f"{first} (see {HELP})"
 
 
+def _type_name(error: BaseException) -> str:
+    m = re.search(r"could not be converted to (\w+)", str(error))
+    return {"Integer": "an integer", "Float": "a number", "Boolean": "true | false"}.get(m.group(1), m.group(1)) \
+        if m else "a value of the key's type"
+
+
 def check_types(cfg: DictConfig) -> None:
-    """Raise ValueError naming the key when a mandatory key is unset (`???`) or a number-valued key
-    holds something else."""
+    """Raise ValueError naming the key when a mandatory key is unset (`???`), or a pipegen key holds a value
+    its schema rule does not allow (OmegaConf has checked the types while composing)."""
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         key = missing[0]
         example = "'llm.urls=[http://HOST:PORT]'" if key == "llm.urls" else f"{key}=VALUE"
         raise ValueError(f"{key} must be set: add {example} to the command line")
-    for keys, kind, name in ((INTEGER_KEYS, int, "an integer"), (FLOAT_KEYS, float, "a number")):
-        for key in keys:
-            value = OmegaConf.select(cfg, key, default=None)
-            if value is None:
-                continue
-            try:
-                ok = not isinstance(value, bool) and kind(value) == float(value)
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise ValueError(f"{key}={value!r} must be {name}")
+    check_values(cfg)
 
 
 # verl's keys that users set most, shown by --help with their values (verl's groups hold ~200 more)
@@ -147,10 +149,8 @@ VERL_KEYS_SHOWN = (
 
 
 def help_text(cfg: DictConfig) -> str:
-    """pipegen's own keys as YAML, then verl's most used keys, each with its current value."""
-    verl_groups = ("actor_rollout_ref", "data", "distillation")
-    own = OmegaConf.create({k: cfg[k] for k in cfg if k not in verl_groups})
-    lines = [OmegaConf.to_yaml(own).rstrip(), "", "verl's keys users set most (verl's groups keep all of verl's keys "
+    """pipegen's own keys from the schema (value, help, allowed values), then verl's most used keys."""
+    lines = [describe_keys(cfg), "", "verl's keys users set most (verl's groups keep all of verl's keys "
              "and defaults; set any of them the same way):"]
     for key in VERL_KEYS_SHOWN:
         try:

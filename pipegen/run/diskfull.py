@@ -17,7 +17,8 @@ import os
 import shutil
 from pathlib import Path
 
-EXIT_DISK_FULL = 6
+from pipegen.run.handshake import EXIT_DISK_FULL
+
 _ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 

@@ -191,10 +191,6 @@ class RunDir:
         """The export in ``fmt`` (parquet or jsonl)."""
         return self.root / f"trajectories.{fmt}"
 
-    @property
-    def wandb(self) -> Path:
-        return self.root / "wandb"
-
     def batch_file(self, number: int) -> Path:
         return self.root / batch_file_name(number)
 

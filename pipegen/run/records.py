@@ -17,7 +17,7 @@ every unit that gave up becomes one `FailureRecord`; each is one JSON line in an
 
 Wire format: orjson of the dataclass, fields in declaration order, so `index` and `sample` lead the
 line and `read_head` can read them without parsing the rest. Dataclasses + orjson were measured
-against pydantic and msgspec on 1k-token records (ARCHITECTURE.md, "Records"): orjson serialises a
+against pydantic and msgspec on 1k-token records (ARCHITECTURE.md, "Stream lines"): orjson serialises a
 dataclass natively and decoding is one `orjson.loads` plus a constructor call, with no extra
 dependency and no validation cost on the hot path.
 

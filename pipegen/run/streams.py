@@ -11,8 +11,10 @@ Line rules (the whole crash-safety story of the stream layer):
 - in a sealed shard an unterminated last line is a torn write from a crash: skipped and counted.
 - `index` and `sample` lead every line so a resume scan can read them without parsing the record.
 
-Must never: fsync per record (30-40x slower), rewrite or truncate a shard, or parse lines the caller
-did not ask for.
+fsync: rollout shards on a timer and at seal, never per record (30-40x slower); the failures stream is
+opened with a zero interval, so each of its (rare) lines is fsynced as it is written.
+
+Must never: rewrite or truncate a shard, or parse lines the caller did not ask for.
 """
 
 from __future__ import annotations

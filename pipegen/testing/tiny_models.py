@@ -12,7 +12,7 @@ Must never:
   * download anything (no Hub, no npm) - the tokenizer is trained, not fetched;
   * be imported by production code paths (tests and demos only), or be used where meaningful text matters:
     random weights produce garbage, and EOS is rare (bound generations with max_new_tokens);
-  * leave a half-built folder under its final name (builds go through ``pipegen.models.build_folder_once``).
+  * leave a half-built folder under its final name (builds go through ``pipegen.inputs.models.build_folder_once``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import random
 import shutil
 from pathlib import Path
 
-from pipegen.models import build_folder_once, models_dir, quiet_progress_bars
+from pipegen.inputs.models import build_folder_once, models_dir, quiet_progress_bars
 
 TINY_QWEN_FOLDER = "tiny-qwen"
 # Bump when anything below changes the produced bytes: cached folders with another stamp are rebuilt.

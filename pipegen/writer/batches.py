@@ -43,6 +43,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipegen.run.records import RolloutRecord
+from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 
 ROW_ORDER = ("index", "sample", "trajectory")  # the non-tensor columns trajectories.pkl is sorted by
 INT_TENSORS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
@@ -62,17 +63,7 @@ def object_array(values: list[Any]) -> np.ndarray:
 
 class BatchBuilder:
     def __init__(self, cfg: DictConfig, tokenizer):
-        from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-        from verl.utils.config import omega_conf_to_dataclass
-
-        worker = AgentLoopWorker.__new__(AgentLoopWorker)
-        worker.config = cfg
-        worker.rollout_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
-        worker.tokenizer = tokenizer
-        worker.processor = None
-        worker.mm_processor_kwargs = {}
-        worker.reward_loop_worker_handles = None
-        worker.distillation_enabled = False
+        worker = postprocess_worker(cfg, tokenizer)
         self.worker = worker
         self.default_agent = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
         self.prompt_length = int(worker.rollout_config.prompt_length)
@@ -126,14 +117,14 @@ class BatchBuilder:
         for k in dict.fromkeys([*kwargs_of[0], *per_row]):
             values = per_row[k] if k in per_row else [kwargs.get(k) for kwargs in kwargs_of]
             non_tensor[k] = np.array(values, dtype=np.int64) if k in INT64_COLUMNS else object_array(values)
-        return self.worker._postprocess(items, input_non_tensor_batch=non_tensor, validate=False), derived
+        return postprocess_batch(self.worker, items, non_tensor), derived
 
     async def _verl_postprocess(self, traj: dict[str, Any], kwargs: dict[str, Any]):
         from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
         plain = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in traj.items()}
         output = AgentLoopOutput.model_validate(plain)
-        return await self.worker._agent_loop_postprocess(output, False, **kwargs)
+        return await postprocess_trajectory(self.worker, output, **kwargs)
 
 
 @dataclass(slots=True)

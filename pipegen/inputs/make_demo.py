@@ -1,7 +1,7 @@
 """Generate the packaged demo data set: one-step arithmetic questions in verl's gsm8k parquet layout.
 
-Usage: ``python -m pipegen.data.make_demo [--out PATH] [--count 96] [--seed 0]``
-(default output: ``pipegen/data/demo_arith.parquet``, which ships with the package).
+Usage: ``python -m pipegen.inputs.make_demo [--out PATH] [--count 96] [--seed 0]``
+(default output: ``pipegen/inputs/demo_arith.parquet``, which ships with the package).
 
 Owns: the demo problems and their row layout, which mirrors verl's ``examples/data_preprocess/gsm8k.py`` so that
 verl's ``RLHFDataset`` loads the file and ``default_compute_score("openai/gsm8k", ...)`` scores it:
@@ -111,7 +111,7 @@ def write_parquet(rows: list[dict[str, object]], out: str | os.PathLike[str]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipegen.data.make_demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pipegen.inputs.make_demo", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="output parquet (default: the packaged demo file)")
     parser.add_argument("--count", type=int, default=96, help="number of problems (default 96)")
     parser.add_argument("--seed", type=int, default=0, help="RNG seed (default 0)")

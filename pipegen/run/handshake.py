@@ -1,0 +1,40 @@
+"""How roles meet at the edges of their lives: the wait for the unit manifest at start, the exit codes at end.
+
+Owns: the exit codes a role returns that another role acts on (the launcher reads the writer's), and the
+start-up wait every role does for `conf/units.json`, which the launcher writes once it has read the dataset.
+Must never: import verl or torch itself (a role names the modules it wants imported before the wait), or
+write into the run directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+
+from pipegen.run.layout import RunDir
+
+log = logging.getLogger("pipegen.run")
+
+EXIT_LOCKED = 3  # the writer found another writer holding the directory: it stands by
+EXIT_FAILED_UNITS = 4  # settled, but some units failed in this launch: a restart would not change that
+EXIT_DAMAGED = 5  # the writer found a run-directory file damaged: refused with one line, a restart would too
+EXIT_DISK_FULL = 6  # a role could not write for lack of space (run/diskfull.py): the launcher stops the run
+
+MANIFEST_WAIT_S = 1800.0  # as long as the slowest dataset read a launcher may do; a hand-started role gets a clear exit
+
+
+def import_then_wait_for_manifest(run: RunDir, modules: tuple[str, ...],
+                                  timeout_s: float = MANIFEST_WAIT_S) -> None:
+    """Import `modules` (what the process needs: the slow part of its start-up), then wait until the
+    launcher has written the unit manifest: it reads the dataset meanwhile, so the two overlap."""
+    for module in modules:
+        importlib.import_module(module)
+    started = time.monotonic()
+    if not run.units_file.exists():
+        log.info("imports done; waiting for the launcher to write %s", run.units_file)
+    while not run.units_file.exists():
+        if time.monotonic() - started > timeout_s:
+            raise SystemExit(f"no unit manifest {run.units_file} after {timeout_s:.0f}s; it is written by "
+                             f"python -m pipegen.launch output_dir={run.root}, which starts actors and writer")
+        time.sleep(0.05)

@@ -1,0 +1,335 @@
+"""pipegen's config schema: every pipegen key, its one default, its type, its allowed values and its help.
+
+Owns: the dataclasses Hydra composes pipegen's keys from (registered in Hydra's ConfigStore, so the YAML in
+`conf/pipegen.yaml` holds only the defaults list and the interpolations into verl's keys), the check of
+every value before any process starts (`check_values`), and the `--help` listing (`describe_keys`).
+Must never: import verl or torch, hold a default that code elsewhere repeats (code reads `cfg.KEY`, never
+`cfg.get(KEY, default)` for a key defined here), or describe verl's own keys (verl's groups keep theirs).
+
+OmegaConf types each field, so a value of the wrong type fails while Hydra composes, with the key in the
+error (`run/config.py` turns that into one line). What a type cannot say (a range, a choice, "auto or a
+whole number") is in each field's `Rule`, checked by `check_values`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Iterator, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a key accepts beyond its type, and the one line --help shows for it."""
+
+    help: str
+    choices: tuple[Any, ...] | None = None  # the value must be one of these
+    at_least: float | None = None  # numbers: the smallest allowed value
+    above: float | None = None  # numbers: the value must be greater than this
+    auto_or_count: bool = False  # "auto" or a whole number >= 1
+    items: tuple[str, ...] | None = None  # lists: every item must be one of these
+    non_empty: bool = False  # strings and lists: must not be empty
+
+    def allowed(self, type_name: str = "") -> str:
+        """The allowed values in words, for error lines and --help (`type_name`: the field's annotation)."""
+        noun = {"int": "an integer", "float": "a number", "Optional[int]": "null or an integer"}.get(
+            type_name, "a list, as in '[a,b]'" if type_name.startswith("list") else "")
+        if self.choices is not None:
+            return " | ".join(_shown(c) for c in self.choices)
+        if self.auto_or_count:
+            return "auto | a whole number >= 1"
+        if self.items is not None:
+            return f"a list of {' | '.join(self.items)}"
+        if self.at_least is not None:
+            return f"{noun or 'a number'} >= {self.at_least:g}"
+        if self.above is not None:
+            return f"{noun or 'a number'} > {self.above:g}"
+        if self.non_empty:
+            return "a non-empty list, as in '[a,b]'" if type_name.startswith("list") else "a non-empty value"
+        return noun
+
+
+def _shown(value: Any) -> str:
+    """A value as a user types it on the command line."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def key(default: Any, help: str, **rule: Any) -> Any:
+    """A schema field: its default and its Rule (mutable defaults are copied per instance)."""
+    meta = {"rule": Rule(help, **rule)}
+    if default is MISSING:  # a mandatory key: OmegaConf's "???" (a dataclass field needs some default)
+        return field(default="???", metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+TRACKING_BACKENDS = ("console", "file", "wandb", "tensorboard", "mlflow", "swanlab", "clearml", "trackio",
+                     "vemlp_wandb")  # verl's Tracking backends
+
+
+@dataclass
+class Actors:
+    """actors.*: the actor processes of each node."""
+
+    num_actors: Any = key("auto", "actor processes per node: auto = one per GPU server (at most half the CPU cores), "
+                                  "1 for llm=cpu", auto_or_count=True)
+    concurrency: Any = key("auto", "units waiting on a server per actor: auto follows each server's running limit "
+                                   "and load", auto_or_count=True)
+    max_memory_mb: int = key(2048, "bound on what an actor's units may hold (auto concurrency stays under it)",
+                             at_least=1)
+    hedge: bool = key(True, "in the tail, re-send requests far older than the recent p90 to idle capacity",
+                      choices=(True, False))
+    shard_max_bytes: int = key(64 << 20, "rotate a stream shard after this many bytes", at_least=4096)
+    fsync_interval_s: float = key(1.0, "fsync shards on this timer (never per record) and at seal", above=0)
+    scoring: bool = key(True, "attach verl's default_compute_score when the row has a ground truth",
+                        choices=(True, False))
+    per_unit_seed: bool = key(True, "send each (index, sample) its own sampling seed (reproducible reruns)",
+                              choices=(True, False))
+    stats_interval_s: float = key(2.0, "how often each actor appends a line to streams/stats/", above=0)
+
+
+@dataclass
+class Generation:
+    """generation.*: the writer and the launcher's view of the run."""
+
+    save_batch_size: int = key(64, "rows per batch file", at_least=1)
+    partial_batch_quiet_s: float = key(
+        300.0, "seconds without a new line before the rows gathered so far are saved as a partial batch (the "
+               "last batch of a run is saved when every unit is settled; each sample is durable in its shard line "
+               "already, so a short quiet period would only split the output into many small files)", above=0)
+    final_merge: bool = key(True, "merge batches into trajectories.pkl (false keeps batch files only)",
+                            choices=(True, False))
+    merge_output: str = key("single", "single = one trajectories.pkl (~1x the output in RAM); sharded = "
+                                      "trajectories/part_NNNNN.pkl + index.json", choices=("single", "sharded"))
+    merge_shard_rows: int = key(65536, "rows per part when merge_output=sharded", at_least=1)
+    export_format: Optional[str] = key(None, "also write trajectories.parquet / .jsonl after the merge",
+                                       choices=(None, "parquet", "jsonl"))
+    show_progress: bool = key(True, "tqdm progress bar on the launcher", choices=(True, False))
+    tracking_interval_s: float = key(10.0, "seconds between metric logs (trainer.logger backends and "
+                                           "streams/stats/launch.jsonl)", above=0)
+    upload_artifact: bool = key(True, "upload trajectories.zip to wandb when wandb is in trainer.logger",
+                                choices=(True, False))
+    batch_int32: bool = key(True, "store token tensors as int32 in batch files (the merge restores int64)",
+                            choices=(True, False))
+    max_attempts: int = key(8, "tries per request before its unit goes to the failures stream", at_least=1)
+    restart_limit: int = key(5, "restarts per role before the run stops with that role's log", at_least=0)
+    run_writer: bool = key(True, "false: start no writer here (run python -m pipegen.writer output_dir=DIR)",
+                           choices=(True, False))
+
+
+@dataclass
+class Trainer:
+    """trainer.*: verl's tracking keys, which pipegen's launcher uses as verl's trainer does."""
+
+    project_name: str = key("pipegen", "the tracking project", non_empty=True)
+    experiment_name: str = key("generate", "the tracking run name", non_empty=True)
+    logger: list[str] = key(["console"], "verl Tracking backends", items=TRACKING_BACKENDS)
+
+
+@dataclass
+class Servers:
+    """What every llm kind shares: how long to wait for a server and for one request."""
+
+    kind: str = key("cpu", "which servers: cpu | sglang | external", choices=("cpu", "sglang", "external"))
+    urls: list[str] = key([], "server URLs (set for llm=external; filled in by the launcher otherwise)")
+    ready_timeout_s: float = key(300.0, "the launcher waits this long for each server to answer", above=0)
+    request_timeout_s: float = key(600.0, "outer bound per /generate request", above=0)
+    stall_floor_s: float = key(30.0, "a request is stalled after this + stall_margin x max_new_tokens x the "
+                                     "server's observed s/token: aborted there and re-sent", above=0)
+    stall_margin: float = key(3.0, "see stall_floor_s", above=0)
+
+
+@dataclass
+class CpuServers(Servers):
+    """llm=cpu: pipegen's CPU reference server (SGLang's /generate protocol served with transformers)."""
+
+    num_servers: int = key(1, "servers on this node", at_least=1)
+    host: str = key("127.0.0.1", "the address servers bind (loopback only by default)", non_empty=True)
+    threads: int = key(1, "torch intra-op threads per server (1 degrades best on small shared machines)",
+                       at_least=1)
+    dtype: str = key("auto", "auto = bfloat16 where the CPU has native bf16, else float32",
+                     choices=("auto", "float32", "bfloat16"))
+    max_batch: int = key(16, "concurrent requests batched into one decode loop", at_least=1)
+    engine: str = key("hf", "hf = the real model; or module:Class of a test double", non_empty=True)
+    engine_args: list[str] = key([], "extra CLI flags for every server (e.g. fault injection in tests)")
+    server_args: list[Any] = key([], "extra CLI flags per server: [[flags of server 0], [flags of server 1], ...]")
+
+
+@dataclass
+class ExternalServers(Servers):
+    """llm=external: SGLang-protocol servers someone else runs; pipegen starts none."""
+
+    kind: str = key("external", "which servers: cpu | sglang | external", choices=("cpu", "sglang", "external"))
+    urls: list[str] = key(MISSING, "the servers, e.g. '[http://127.0.0.1:30000]'", non_empty=True)
+    ready_timeout_s: float = key(120.0, "the launcher waits this long for each URL; actors start meanwhile",
+                                 above=0)
+    request_timeout_s: float = key(1800.0, "outer bound per /generate request", above=0)
+
+
+@dataclass
+class SglangServers(Servers):
+    """llm=sglang: SGLang servers on this node's GPUs, one per tensor-parallel group."""
+
+    kind: str = key("sglang", "which servers: cpu | sglang | external", choices=("cpu", "sglang", "external"))
+    python: Optional[str] = key("${oc.env:PIPEGEN_SGLANG_PYTHON,null}",
+                                "the interpreter that runs -m sglang.launch_server (SGLang's own environment; "
+                                "./launch.sh creates it on a GPU machine); null = the launcher's python")
+    tp: int = key(1, "tensor-parallel size; visible GPUs must divide by it", at_least=1)
+    dp: int = key(1, "data-parallel replicas inside one server (SGLang --dp-size)", at_least=1)
+    host: str = key("127.0.0.1", "the address servers bind (loopback unless several nodes share the work)",
+                    non_empty=True)
+    mem_fraction_static: float = key(0.85, "SGLang --mem-fraction-static", above=0)
+    context_length: Optional[int] = key(None, "null = the model's own")
+    max_running_requests: Optional[int] = key(None, "null = SGLang's own limit")
+    deterministic_inference: bool = key(False, "SGLang honours per-unit sampling seeds only with "
+                                               "--enable-deterministic-inference", choices=(True, False))
+    extra_args: list[str] = key([], "passed verbatim to python -m sglang.launch_server (every server)")
+    server_args: list[Any] = key([], "extra flags per server: [[flags of server 0], ...]")
+    ready_timeout_s: float = key(900.0, "the launcher waits this long for each server to answer", above=0)
+    request_timeout_s: float = key(1800.0, "outer bound per /generate request", above=0)
+
+
+LLM_KINDS: dict[str, type[Servers]] = {"cpu": CpuServers, "external": ExternalServers, "sglang": SglangServers}
+
+
+@dataclass
+class PipegenConfig:
+    """The root: pipegen's short knobs (interpolated into verl's keys by conf/pipegen.yaml) and its groups."""
+
+    output_dir: str = key(MISSING, "the run directory: streams, batches, checkpoint, trajectories.pkl",
+                          non_empty=True)
+    model_path: str = key("smollm2-135m", "a local Hugging Face folder, or smollm2-135m (embedded)", non_empty=True)
+    train_files: Any = key("demo", "verl-format parquet file(s); demo = 96 arithmetic problems shipped with "
+                                   "pipegen", non_empty=True)
+    n: int = key(2, "samples per prompt", at_least=1)
+    max_samples: int = key(32, "prompts to use from the dataset (-1 = all)", at_least=-1)
+    seed: int = key(0, "base sampling seed; each (index, sample) gets its own derived seed")
+    max_prompt_length: int = key(256, "prompt tokens at most", at_least=1)
+    max_response_length: int = key(32, "response tokens at most (fits the demo's answers; raise it for real "
+                                       "tasks)", at_least=1)
+    temperature: float = key(1.0, "sampling temperature", at_least=0)
+    resume_with_changes: bool = key(False, "true = continue a run whose fingerprint changed (mixes two setups)",
+                                    choices=(True, False))
+    actors: Actors = field(default_factory=Actors)
+    generation: Generation = field(default_factory=Generation)
+    trainer: Trainer = field(default_factory=Trainer)
+    llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
+    # verl's groups, composed from verl's own YAML in verl's layout: verl owns their keys and defaults
+    actor_rollout_ref: Any = None
+    data: Any = None
+    distillation: Any = None
+
+
+def register() -> None:
+    """Put the schema into Hydra's ConfigStore (idempotent): conf/pipegen.yaml's defaults list names it."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="pipegen_schema", node=PipegenConfig)
+    for kind, schema in LLM_KINDS.items():
+        store.store(group="llm", name=kind, node=schema)
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    path: str
+    default: Any
+    rule: Rule
+    type_name: str  # the field's annotation as written ("int", "list[str]", ...)
+
+    def allowed(self) -> str:
+        return self.rule.allowed(self.type_name)
+
+
+def _walk(schema: type, prefix: str = "") -> Iterator[KeyInfo]:
+    for f in fields(schema):
+        path = f"{prefix}{f.name}"
+        if "rule" in f.metadata:
+            default = f.default if f.default is not MISSING else f.default_factory()
+            yield KeyInfo(path, default, f.metadata["rule"], str(f.type))
+        elif isinstance(f.default_factory, type) and is_dataclass(f.default_factory):
+            yield from _walk(f.default_factory, f"{path}.")
+
+
+def schema_keys(llm_kind: str | None = None) -> list[KeyInfo]:
+    """Every pipegen key: the root's and its groups', then llm.* of one kind (every kind's when None)."""
+    keys = list(_walk(PipegenConfig))
+    kinds = [llm_kind] if llm_kind is not None else list(LLM_KINDS)
+    seen: set[str] = set()
+    for kind in kinds:
+        for info in _walk(LLM_KINDS[kind], "llm."):
+            if llm_kind is not None or info.path not in seen:
+                seen.add(info.path)
+                keys.append(info)
+    return keys
+
+
+def key_info(path: str, llm_kind: str | None = None) -> KeyInfo | None:
+    return next((k for k in schema_keys(llm_kind) if k.path == path), None)
+
+
+class ConfigValueError(ValueError):
+    """A key holds a value it does not accept: one line naming the key and the allowed values."""
+
+
+def _is_count(value: Any) -> bool:
+    return not isinstance(value, bool) and (isinstance(value, int) or (isinstance(value, str) and value.isdigit())) \
+        and int(value) >= 1
+
+
+def _problem(rule: Rule, value: Any) -> bool:
+    if value is None:
+        return rule.choices is not None and None not in rule.choices
+    if rule.auto_or_count:
+        return not (str(value).strip().lower() == "auto" or _is_count(value))
+    if rule.choices is not None:
+        return value not in rule.choices or (isinstance(value, bool) != any(isinstance(c, bool) for c in rule.choices))
+    if rule.non_empty and (value == "" or value == [] or (isinstance(value, str) and not value.strip())):
+        return True
+    if rule.items is not None:
+        return not isinstance(value, (list, tuple)) or any(str(v) not in rule.items for v in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if rule.at_least is not None and value < rule.at_least:
+            return True
+        if rule.above is not None and value <= rule.above:
+            return True
+    return False
+
+
+def _unset(cfg: DictConfig, path: str) -> bool:
+    parent, _, name = path.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return not OmegaConf.is_config(node) or name not in node or OmegaConf.is_missing(node, name)
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Raise ConfigValueError for the first pipegen key whose value its rule does not allow."""
+    kind = str(OmegaConf.select(cfg, "llm.kind", default="cpu"))
+    for info in schema_keys(kind if kind in LLM_KINDS else None):
+        if _unset(cfg, info.path):
+            continue  # an unset mandatory key: run/config.check_types names it with an example
+        value = OmegaConf.select(cfg, info.path, default=None, throw_on_missing=False)
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value, resolve=True)
+        if _problem(info.rule, value):
+            raise ConfigValueError(f"{info.path}={_shown(value)} is not allowed: use {info.allowed()}")
+
+
+def describe_keys(cfg: DictConfig) -> str:
+    """--help's listing: every pipegen key of this config's llm kind, its current value, its allowed values
+    and what it does."""
+    kind = str(OmegaConf.select(cfg, "llm.kind", default="cpu"))
+    lines = []
+    for info in schema_keys(kind if kind in LLM_KINDS else None):
+        try:
+            value = OmegaConf.select(cfg, info.path, default=info.default, throw_on_missing=False)
+            if OmegaConf.is_config(value):
+                value = OmegaConf.to_container(value, resolve=True)
+        except Exception:  # an interpolation that cannot resolve yet (an unset environment variable)
+            value = "?"
+        allowed = info.allowed()
+        lines.append(f"  {info.path}={_shown(value)}")
+        lines.append(f"      {info.rule.help}" + (f" [{allowed}]" if allowed else ""))
+    return "\n".join(lines)
