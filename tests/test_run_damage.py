@@ -178,11 +178,11 @@ def test_every_damage_is_recovered_or_refused_with_a_fix_that_works(runs, launch
     assert_verified(out)
 
 
-# One case per recovery path, as a user meets it: the same command again, real processes.
+# One case per recovery path, as a user meets it: the same command again, real processes (a config.yaml
+# is written again by every launch, before any process reads it: the in-process test covers it).
 END_TO_END = [
     ("checkpoint", "garbage"),  # refused before any process starts; --rebuild; the same command finishes
     ("checkpoint", "missing"),  # the writer rebuilds it from the batch files
-    ("config", "truncated"),  # the launcher writes it again
     ("fingerprint", "zero-filled"),  # restored: this launch's setup reproduces the recorded run key
     ("units", "garbage"),  # set aside, read again from the dataset
     ("batch", "truncated"),  # refused when the merge reads it; --rebuild; its units come from the shards
