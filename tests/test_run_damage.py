@@ -280,3 +280,23 @@ def test_verify_fails_on_a_batch_file_the_checkpoint_does_not_list(complete_copy
     shutil.copy(complete_copy / "batch_00001.pkl", complete_copy / "batch_00003.pkl")
     report = verify_in_process(complete_copy)
     assert "batch_00003.pkl is on disk but checkpoint.json does not list it (an orphan)" in report, report
+
+
+def test_a_new_shard_never_reuses_the_name_of_a_read_shard_that_is_gone(tmp_path):
+    """An actor's newest shard deleted after the writer read it: the next shard must get a new number,
+    or the writer would skip its first bytes as read (units in a shard, never committed: a hang)."""
+    from pipegen.run.records import encode_record
+    from pipegen.run.streams import ShardAppender, ShardTailer, next_free_seq
+
+    topic = tmp_path / "rollouts"
+    first = ShardAppender(topic, 0, 1 << 20, 1.0)
+    first.append(encode_record(0, 0, {"text": "read by the writer"}))
+    first.close()
+    tailer = ShardTailer(topic)
+    assert len(list(tailer.lines())) == 1
+    first.path.unlink()  # lost in a copy
+    second = ShardAppender(topic, 0, 1 << 20, 1.0, next_free_seq(tailer.offsets, tailer.sealed, "actor_0"))
+    second.append(encode_record(1, 0, {"text": "new"}))
+    second.close()
+    assert second.path.name != first.path.name
+    assert [line for _, _, line in tailer.lines()] == [encode_record(1, 0, {"text": "new"})]
