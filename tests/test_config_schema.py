@@ -59,6 +59,8 @@ def test_a_bad_value_fails_in_one_line_before_anything_starts(kind: str, info: K
     args = [f"output_dir={out}", f"llm={kind}"]
     if kind == "external" and info.path != "llm.urls":
         args.append("llm.urls=[http://127.0.0.1:9]")
+    if info.path.startswith("cluster.") and info.path != "cluster.kind":
+        args.append("cluster=ray")  # keys of that kind only
     if info.path != "output_dir":
         args.append(f"{info.path}={bad}")
     else:

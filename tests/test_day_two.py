@@ -104,7 +104,7 @@ def test_user_errors_are_one_line_naming_the_fix(tmp_path, tiny_model):
         f"train_files={empty}": ["no rows", str(empty)],
         f"train_files={garbage}": ["not a readable parquet file", str(garbage)],
         "nosuch_key=1": ["unknown key 'nosuch_key'", "--help"],
-        "n=many": ["n='many' must be an integer"],
+        "n=many": ["n=many is not allowed", "an integer >= 1"],  # the schema's line: the key and what it accepts
         "llm=gpu": ["llm=gpu does not exist", "llm=cpu", "llm=sglang"],
         "llm=external": ["llm.urls must be set", "llm.urls=[http://HOST:PORT]"],
     }

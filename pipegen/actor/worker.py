@@ -1,7 +1,9 @@
 """The actor process: its share of the pending units, run with bounded concurrency, one line per unit.
 
 `python -m pipegen.actor output_dir=DIR rank=K [num_actors=A]` (started by the launcher; restartable
-by hand: it resumes with what is still pending).
+by hand: it resumes with what is still pending). With cluster=ray a node runner starts it as
+`rank=NODE-INCARNATION-K node=NODE leases=URL`: it reads its node's own launch record and pulls its units
+from the runner (actor/units.py) instead of taking a fixed share.
 
 Pending = the actor's share of all units (every A-th dataset position from K) - units the checkpoint
 has committed - units already in a complete shard line past the checkpoint's offsets. Units run
@@ -28,6 +30,7 @@ from omegaconf import DictConfig
 
 from pipegen.actor.rollout import UnitRunner
 from pipegen.actor.startup import ACTOR_IMPORTS, StartupClock, wait_for_first_server
+from pipegen.actor.units import FixedUnits, LeasedUnits
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
@@ -92,12 +95,16 @@ def pending_units(runner: UnitRunner, run: RunDir, rank: int, num_actors: int) -
 
 
 class Actor:
-    def __init__(self, cfg: DictConfig, run: RunDir, rank: int, num_actors: int):
+    def __init__(self, cfg: DictConfig, run: RunDir, rank: int | str, num_actors: int, node: str | None = None,
+                 leases_url: str | None = None):
         self.cfg = cfg
         self.run = run
         self.rank = rank
-        self.num_actors = num_actors
-        self.launch = run.read_launch()
+        self.num_actors = num_actors  # actors sharing this node's servers
+        self.leases_url = leases_url
+        # a node's actors read only their own node's record (its servers), never another node's
+        self.launch = (run.read_node(node) if node else None) or run.read_launch()
+        self.units: FixedUnits | LeasedUnits = FixedUnits([])  # set in main()
         self.runner = UnitRunner(cfg, run, self.launch, who=f"actor {rank}")
         self.counters = ActorCounters()
         self.clock = StartupClock()  # start-up phases, in every stats line (pipegen.status shows them)
@@ -132,10 +139,12 @@ class Actor:
                                           seed=runner.seed(index, sample), agent_name=runner.agent_name(pos),
                                           reason=reason, attempt=attempt).to_line())
             self.failed_tries[(index, sample)] = attempt + 1
+            self.units.done(index, sample)
             return
         finally:
             self.counters.in_flight -= 1
         rollouts.append(line)
+        self.units.done(index, sample)
         self.clock.unit_written()
         self.counters.count_record(record)
 
@@ -145,10 +154,11 @@ class Actor:
         from pipegen.actor.client import ClientLimits, ServerPool
         from pipegen.actor.pacing import ConcurrencyControl, Slots, WatchdogLimits, unit_memory_bytes
 
-        todo = pending_units(self.runner, self.run, self.rank, self.num_actors)
-        log.info("actor %d: %d units pending", self.rank, len(todo))
-        if not todo:
-            return 0
+        if self.leases_url is None:
+            todo = pending_units(self.runner, self.run, int(self.rank), self.num_actors)
+            log.info("actor %s: %d units pending", self.rank, len(todo))
+            if not todo:
+                return 0
         # What start-up loaded (torch, verl, transformers, the dataset: ~500k objects) lives as long as the
         # process; frozen, a full collection no longer walks it (~0.1 s each, every thousand units or so).
         # Units in flight keep thousands of young containers alive, so the default young-generation
@@ -176,9 +186,14 @@ class Actor:
         stats = StatsAppender(self.run.stats, actor_role(self.rank))
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
+            if self.leases_url is None:
+                self.units = FixedUnits(todo)
+            else:
+                self.units = LeasedUnits(self.leases_url, actor_role(self.rank), session, self.runner.keys,
+                                         self.runner.indices, lambda: (rollouts.sync(), failures.sync()))
             pool = ServerPool(list(self.launch.servers), limits, session)
             pool.on_first_request = lambda: self.clock.mark("first_request")
-            reporter = asyncio.create_task(self._report(pool, stats, len(todo)))
+            reporter = asyncio.create_task(self._report(pool, stats))
             # servers may still be loading (the launcher starts actors beside them): send once one answers,
             # then read the limits of those that answer (a late one starts at the default; /get_load adapts it)
             await wait_for_first_server(session, pool, self.clock)
@@ -207,7 +222,7 @@ class Actor:
                     lost_writes.append(task.exception())
                 wake.set()
 
-            for pos, sample in todo:
+            while True:
                 while (holding() >= control.total()
                        or len(running) >= Slots.held_cap(control.total(), control.memory_cap)):
                     slots.round_done()
@@ -215,6 +230,10 @@ class Actor:
                     await wake.wait()
                 if lost_writes:
                     raise lost_writes[0]
+                unit = await self.units.next(control.total() - holding())
+                if unit is None:
+                    break
+                pos, sample = unit
                 task = asyncio.create_task(self.run_unit(pool, pos, sample, rollouts, failures, slots.admitted()))
                 running.add(task)
                 task.add_done_callback(finished)
@@ -226,19 +245,20 @@ class Actor:
                 raise lost_writes[0]
             follower.cancel()
             reporter.cancel()
-            self._write_stats(pool, stats, len(todo), final=True)
+            await self.units.close()
+            self._write_stats(pool, stats, final=True)
             pool.close()
         rollouts.close()
         failures.close()
-        log.info("actor %d done: %d completed, %d failed; %d requests (%d retries), errors %s", self.rank,
+        log.info("actor %s done: %d completed, %d failed; %d requests (%d retries), errors %s", self.rank,
                  self.counters.completed, self.counters.failed, pool.requests_sent, pool.retries,
                  pool.error_summary() or "none")
         return 0
 
-    async def _report(self, pool, stats: StatsAppender, total: int) -> None:
+    async def _report(self, pool, stats: StatsAppender) -> None:
         while True:
             await asyncio.sleep(float(self.cfg.actors.stats_interval_s))
-            self._write_stats(pool, stats, total)
+            self._write_stats(pool, stats)
 
     def cpu_busy(self) -> float:
         """Share of the wall clock this process spent on CPU since the last stats line: near 1.0, the
@@ -251,11 +271,11 @@ class Actor:
         """Once per process: the actor's one core, not the servers, has set the pace for two intervals."""
         self._busy_intervals = self._busy_intervals + 1 if busy >= CPU_BOUND and not draining else 0
         if self._busy_intervals == 2:
-            log.warning("actor %d is %.0f%% busy on its CPU core: it, not the servers, limits this run; more "
+            log.warning("actor %s is %.0f%% busy on its CPU core: it, not the servers, limits this run; more "
                         "actors go faster (actors.num_actors=%d on the next launch)", self.rank, 100 * busy,
                         2 * self.num_actors)
 
-    def _write_stats(self, pool, stats: StatsAppender, total: int, final: bool = False) -> None:
+    def _write_stats(self, pool, stats: StatsAppender, final: bool = False) -> None:
         c = self.counters
         busy = self.cpu_busy()
         if not final:
@@ -266,7 +286,7 @@ class Actor:
         stats.append(
             {
                 "final": final,
-                "units_total": total,
+                "units_total": self.units.total,
                 "completed": c.completed,
                 "failed": c.failed,
                 "in_flight": c.in_flight,
@@ -313,7 +333,8 @@ def world_actor_count(arg: str | None, run: RunDir, cfg: DictConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     run = RunDir(output_dir_from_args(argv))
-    rank = int(arg_value(argv, "rank", "0"))
+    rank_arg = arg_value(argv, "rank", "0")
+    rank: int | str = int(rank_arg) if rank_arg.isdigit() else rank_arg  # NODE-INCARNATION-K under cluster=ray
     num_actors_arg = arg_value(argv, "num_actors")
     setup_logging(actor_role(rank))
     # verl logs some warnings per agent-loop instance, i.e. once per unit (e.g. "No model-specific
@@ -327,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         import_then_wait_for_manifest(run, ACTOR_IMPORTS)  # the launcher may still be reading the dataset
-        actor = Actor(cfg, run, rank, world_actor_count(num_actors_arg, run, cfg))
+        actor = Actor(cfg, run, rank, world_actor_count(num_actors_arg, run, cfg), node=arg_value(argv, "node"),
+                      leases_url=arg_value(argv, "leases"))
         actor.clock.mark("ready")
-        log.info("actor %d ready %.1fs after its process started (pid %d)", rank, actor.clock.since("ready"),
+        log.info("actor %s ready %.1fs after its process started (pid %d)", rank, actor.clock.since("ready"),
                  os.getpid())
         return uvloop.run(actor.main())
     except DamagedFile as e:  # the launcher checks these files first: this is a role started by hand

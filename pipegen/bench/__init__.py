@@ -16,4 +16,5 @@ SCENARIOS = {
     "cpu_server": "pipegen.bench.cpu_server",
     "outputs": "pipegen.bench.outputs",
     "gpu": "pipegen.bench.gpu",
+    "cluster": "pipegen.bench.cluster",
 }

@@ -27,7 +27,7 @@ from pipegen.launch.prepare import build_manifest, check_run_files, fail, prepar
 from pipegen.run.config import check_types, compose, describe_config_error, resolved
 from pipegen.run.diskfull import disk_full_message, is_disk_full
 from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
-from pipegen.run.ownership import lock_holder
+from pipegen.run.ownership import DirectoryLock, lock_holder
 from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED
 
 log = logging.getLogger("pipegen.launch")
@@ -45,6 +45,7 @@ class Launcher:
         self.launch_started = run.read_launch().started  # the origin of every start-up phase
         self._startup_logged = False
         self._actors_started = 0
+        self.cluster = None  # ray_cluster.RayCluster under cluster=ray: it leases the units to the nodes
 
     def _role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
         return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
@@ -166,6 +167,8 @@ class Launcher:
                 while True:
                     finished = self.sup.poll()
                     self.check_servers()
+                    if self.cluster is not None:
+                        self.cluster.check()
                     if time.monotonic() - last >= 0.5:
                         refresh()
                         last = time.monotonic()
@@ -173,7 +176,8 @@ class Launcher:
                         break
                     if writer is not None and writer.standing_by and self.outside_writer_done(writer, total):
                         break
-                    if writer is None and all(r.finished for name, r in self.sup.roles.items() if name.startswith("actor_")):
+                    if writer is None and (self.cluster.done() if self.cluster is not None else all(
+                            r.finished for name, r in self.sup.roles.items() if name.startswith("actor_"))):
                         break
                     time.sleep(0.2)
                 exit_code = 0
@@ -228,6 +232,40 @@ class Launcher:
         self.sup.stop_all()
         if servers:
             log.info("stopped %s (SIGTERM, a normal stop)", ", ".join(r.name for r in servers))
+
+
+def refuse_node_variables(cfg: DictConfig) -> None:
+    """torchrun/Slurm node variables without cluster=ray are refused (ValueError, one line): nodes launched
+    that way would share one launch record and split the units statically, so a lost node's units
+    would wait for its relaunch."""
+    import os
+
+    from pipegen.launch.world import node_info
+
+    node = node_info(os.environ)
+    if node.world_size > 1 and cfg.cluster.kind != "ray":
+        raise ValueError(f"this environment says node {node.rank} of {node.world_size} (WORLD_SIZE/RANK or "
+                         f"SLURM_NNODES): several nodes run through a Ray cluster, started once on the head with "
+                         f"cluster=ray (README: Several nodes); unset those variables to run on this node alone")
+
+
+def one_launcher(run: RunDir) -> DirectoryLock:
+    """The launcher lock of `run` (ValueError naming the first launcher, pid and host, when it is held)."""
+    from pipegen.run.ownership import LockHeld
+
+    run.root.mkdir(parents=True, exist_ok=True)
+    lock = DirectoryLock(run.launcher_lock, role="launcher", name_host=True)
+    try:
+        lock.acquire()
+    except LockHeld as e:
+        raise ValueError(str(e)) from None
+    return lock
+
+
+def stop_all(launcher: Launcher) -> None:
+    if launcher.cluster is not None:
+        launcher.cluster.stop()
+    launcher.stop()
 
 
 def report(run: RunDir, n: int) -> int:
@@ -293,12 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     with open_dict(cfg):
         cfg.output_dir = str(run.root)
     try:
+        refuse_node_variables(cfg)
         resolve_inputs(cfg)
         cfg = resolved(cfg)
     except (ValueError, RuntimeError) as e:
         return fail(str(e))
     except OmegaConfBaseException as e:  # a missing mandatory value (llm.urls), an interpolation
         return fail(describe_config_error(e, argv))
+    try:
+        # held until this process exits (the kernel releases it even on SIGKILL)
+        launcher_lock = one_launcher(run)  # noqa: F841
+    except ValueError as e:
+        return fail(str(e))
     problem = prepare_run(cfg, run) or check_run_files(run)
     if problem:
         return fail(problem)
@@ -330,13 +374,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipegen: {run.root} is already complete.")
         return report(run, n)
 
-    from pipegen.launch.world import PlanError, current_plan
+    from pipegen.launch.world import NodeInfo, PlanError, WorldPlan, current_plan
 
     try:
-        plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), cfg.actors.num_actors)
+        # cluster=ray: the head runs the writer only; each node runner plans its own node
+        plan = (WorldPlan(NodeInfo(), num_actors=0) if cfg.cluster.kind == "ray" else
+                current_plan(OmegaConf.to_container(cfg.llm, resolve=True), cfg.actors.num_actors))
     except PlanError as e:
         return fail(str(e))
-    run.write_launch(LaunchRecord(launch=uuid.uuid4().hex, run_key=run.run_key(), servers=plan.urls,
+    launch_id = uuid.uuid4().hex
+    run.write_launch(LaunchRecord(launch=launch_id, run_key=run.run_key(), servers=plan.urls,
                                   node_rank=plan.node.rank, num_actors=plan.num_actors * plan.node.world_size))
     launcher = Launcher(cfg, run)
 
@@ -349,24 +396,33 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     started = time.monotonic()
     try:
-        # Servers first: they take longest (SGLang ~100 s). Then the actors and the writer, which import
-        # verl (~6-17 s) while the servers load and the dataset is read here, then wait for the manifest.
-        launcher.start_servers(plan)
-        launcher.start_actors(plan)
+        if cfg.cluster.kind == "ray":
+            from pipegen.launch.ray_cluster import RayCluster
+
+            launcher.cluster = RayCluster(cfg, run, launch_id)
+            launcher.cluster.connect()
+            launcher.cluster.place()  # the runners start their nodes' servers and actors meanwhile
+        else:
+            # Servers first: they take longest (SGLang ~100 s). Then the actors and the writer, which import
+            # verl (~6-17 s) while the servers load and the dataset is read here, then wait for the manifest.
+            launcher.start_servers(plan)
+            launcher.start_actors(plan)
         writer = launcher.start_writer(plan)
         if not run.units_file.exists():
             log.info("reading the dataset %s", cfg.data.train_files)
             rows = build_manifest(cfg, run)
             log.info("%d prompts x %d samples = %d units", rows, n, rows * n)
+        if launcher.cluster is not None:
+            launcher.cluster.start()
         launcher.supervise(writer, run.total_units(n))
     except KeyboardInterrupt:
         print("\npipegen: interrupted; stopping every process. Run the same command to resume.", file=sys.stderr)
-        launcher.stop()
+        stop_all(launcher)
         return 130
-    except Exception as e:  # CrashLoop, ServerNotReady, DiskFull, ...: each says what failed and where
-        launcher.stop()
+    except Exception as e:  # CrashLoop, ServerNotReady, ClusterError, DiskFull...: each says what failed and where
+        stop_all(launcher)
         return fail(disk_full_message(run.root, "launcher") if is_disk_full(e) else str(e))
-    launcher.stop()
+    stop_all(launcher)
     log.info("run took %.1fs", time.monotonic() - started)
     if writer is not None and writer.last_rc == EXIT_DAMAGED:
         from pipegen.observe.stats import latest_stats

@@ -63,6 +63,7 @@ class RunStatus:
     logs_files: list[dict[str, Any]] = field(default_factory=list)
     servers: list[dict[str, Any]] = field(default_factory=list)  # {"url", "answering"}
     startup: dict[str, Any] | None = None  # this launch's start-up phases (pipegen/observe/startup.py)
+    cluster: dict[str, Any] | None = None  # cluster=ray: the launcher's latest cluster line (launch/ray_cluster.py)
 
 
 class NotARun(Exception):
@@ -162,7 +163,7 @@ def gather(run: RunDir) -> RunStatus:
     phases = startup_phases(snap.roles, run.read_launch().started)
     return RunStatus(str(run.root), state, hint, progress, rates, snap.metrics, roles, lock,
                      dict(snap.failed_units), str(run.logs), logs, servers,
-                     {**phases.as_dict(), "text": phases.render()} if phases else None)
+                     {**phases.as_dict(), "text": phases.render()} if phases else None, snap.roles.get("cluster"))
 
 
 def _answers(url: str, timeout_s: float = 0.3) -> bool | None:
@@ -241,6 +242,8 @@ def render(st: RunStatus) -> str:
                    f"unknown units {m.get('writer/unknown_units', 0)}")
     if st.startup:
         out.append("  start-up   " + st.startup["text"] + "  (seconds since the launch started)")
+    if st.cluster:
+        out += render_cluster(st.cluster)
     out.append("  processes  (pid from each role's latest stats line)")
     for role in st.roles:
         if role.pid is None:
@@ -286,6 +289,28 @@ def render(st: RunStatus) -> str:
     out.append(f"  logs       {st.logs}/  {files}")
     out.append(f"  stats      {RunDir(Path(st.root)).stats}/  (tail -f one of them to watch)")
     return "\n".join(out)
+
+
+def render_cluster(line: dict[str, Any]) -> list[str]:
+    """cluster=ray: each node's state and leases out, and the units leased again after a loss."""
+    out = [f"  cluster    {len(line.get('nodes') or {})} node runner(s) | units not leased yet "
+           f"{line.get('units_queued', 0)} | leased again after a loss {line.get('units_released', 0)}"]
+    for name, node in sorted((line.get("nodes") or {}).items()):
+        state = "rejoined" if node.get("rejoined") else node.get("state", "?")
+        where = f" on {node['host']}, incarnation {node['incarnation']}" if node.get("host") else ""
+        error = f" ({node['error']})" if node.get("error") else ""
+        out.append(f"    {name:<8} {state}{error}{where}: {node.get('leases_out', 0)} lease(s) out "
+                   f"({node.get('units_out', 0)} units), {node.get('leases_done', 0)} done, "
+                   f"{node.get('leases_lost', 0)} lost"
+                   + (f", {node['units_taken_back']} unstarted unit(s) taken back for idle nodes"
+                      if node.get("units_taken_back") else ""))
+    for release in line.get("releases") or []:
+        if release.get("units"):
+            after = release.get("all_leased_again_after_s")
+            when = (f"all leased again {after:.1f}s after the loss" if after is not None
+                    else f"{release.get('left', 0)} still waiting")
+            out.append(f"    lost lease of {release['node']}: {release['units']} open unit(s), {when}")
+    return out
 
 
 USAGE = ("usage: python -m pipegen.status DIR [--json | --verify]   (DIR: a run's output_dir; --verify checks it "

@@ -6,6 +6,8 @@ DIR/
   conf/fingerprint.json   what defines the data (the resume guard); its digest is the run key
   conf/units.json         the unit manifest: the dataset's indices in order (units = index x sample)
   conf/launch.json        the current launch: its id, the run key, the server URLs, this node's rank
+  conf/nodes/<node>.json  with cluster=ray, one per node runner: the launch id, its incarnation, host, servers, actors
+  .launcher.lock          held by the one launcher of this directory (its pid and host inside)
   logs/<role>.log         one log per process; logs/<role>.cmd.sh restarts that role by hand
   streams/rollouts/actor_<k>/<seq>.jsonl   RolloutRecord lines (records.py), one appender per file
   streams/failures/actor_<k>/<seq>.jsonl   FailureRecord lines
@@ -42,12 +44,18 @@ def batch_file_name(number: int) -> str:
     return f"batch_{number:05d}.pkl"
 
 
-def actor_role(rank: int) -> str:
+def actor_role(rank: int | str) -> str:
     """An actor's name: its log, its stats file and its shard folder under each topic."""
     return f"actor_{rank}"
 
 
-def actor_shard_dir(topic_dir: Path, actor_rank: int) -> Path:
+def node_actor_role(node: str, incarnation: str, k: int) -> str:
+    """An actor of a cluster=ray node runner: the runner's incarnation is in the name, so a restarted
+    runner never appends to its predecessor's shards (nor writes its log or stats file)."""
+    return actor_role(f"{node}-{incarnation}-{k}")  # type: ignore[arg-type]  (any str after actor_)
+
+
+def actor_shard_dir(topic_dir: Path, actor_rank: int | str) -> Path:
     return Path(topic_dir) / actor_role(actor_rank)
 
 
@@ -116,6 +124,18 @@ class RunDir:
     @property
     def launch_file(self) -> Path:
         return self.conf / "launch.json"
+
+    @property
+    def nodes(self) -> Path:
+        """cluster=ray: one launch record per node runner (`NodeRecord`)."""
+        return self.conf / "nodes"
+
+    def node_file(self, node: str) -> Path:
+        return self.nodes / f"{node}.json"
+
+    @property
+    def launcher_lock(self) -> Path:
+        return self.root / ".launcher.lock"
 
     @property
     def logs(self) -> Path:
@@ -232,6 +252,18 @@ class RunDir:
             raise e.with_advice("the checkpoint, batch files and shards", relaunch_advice(self.root)) from None
         return LaunchRecord(launch="", run_key="") if record is None else record
 
+    def write_node(self, record: "NodeRecord") -> None:
+        self.nodes.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.node_file(record.node), orjson.dumps(asdict(record), option=orjson.OPT_INDENT_2))
+
+    def read_node(self, node: str) -> "NodeRecord | None":
+        try:
+            data = orjson.loads(self.node_file(node).read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return None
+        known = NodeRecord.__dataclass_fields__
+        return NodeRecord(**{k: v for k, v in data.items() if k in known})
+
 
 @dataclass
 class LaunchRecord:
@@ -258,6 +290,19 @@ def _manifest_indices(data: dict) -> list[int]:
     if not isinstance(indices, list) or not indices or not all(isinstance(i, int) for i in indices):
         raise ValueError("indices is not a non-empty list of integers")
     return indices
+
+
+@dataclass
+class NodeRecord(LaunchRecord):
+    """`conf/nodes/<node>.json` (cluster=ray): one node runner's own launch record. `launch` and `run_key`
+    are the launcher's (one launch id for the whole run, so the writer settles failures of every node);
+    `servers` are this node's only, which its actors read and nothing else does."""
+
+    node: str = ""
+    incarnation: str = ""  # a fresh id per runner start; in every actor name of that start
+    host: str = ""
+    actors: list[str] = field(default_factory=list)  # role names
+    server_pgids: list[int] = field(default_factory=list)  # swept by the next incarnation on the same host
 
 
 def output_dir_from_args(args: list[str]) -> Path:

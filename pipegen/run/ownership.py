@@ -1,9 +1,9 @@
 """Who owns a run directory: the OS locks a role takes on it, and whether a recorded pid still lives.
 
-Owns: `DirectoryLock` (the writer lock: one writer per run directory), reading who holds a lock without
-touching it, and telling a live pipegen process from a dead or reused pid.
+Owns: `DirectoryLock` (the writer lock: one writer per run directory; the launcher lock: one launcher),
+reading who holds a lock without touching it, and telling a live pipegen process from a dead or reused pid.
 Must never: decide what a role does about a held lock (each role's main does), or write anything but the
-holder's pid into a lock file.
+holder's pid (and, for the launcher lock, its host) into a lock file.
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ HOST = socket.gethostname()
 class DirectoryLock:
     """An exclusive OS lock (filelock's flock) on a file: released by the kernel when the holder dies.
 
-    The holder's pid is written into the file so a refused process, and `pipegen.status`, can name it.
+    The holder's pid (and, with `name_host`, its host) is written into the file so a refused process, and
+    `pipegen.status`, can name it; `role` names the holder in the refusal ("writer", "launcher").
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, role: str = "writer", name_host: bool = False):
         self.path = Path(path)
+        self.role = role
+        self.name_host = name_host
         self._lock = FileLock(str(self.path))
 
     def acquire(self) -> None:
@@ -37,19 +40,21 @@ class DirectoryLock:
                 holder = self.path.read_text().strip() or "unknown"
             except OSError:
                 holder = "unknown"
-            raise LockHeld(self.path, holder) from None
+            raise LockHeld(self.path, holder, self.role) from None
         with open(self.path, "r+") as f:  # the lock is on the inode, so a second descriptor may write
             f.truncate()
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{os.getpid()} {HOST}\n" if self.name_host else f"{os.getpid()}\n")
 
     def release(self) -> None:
         self._lock.release()
 
 
 class LockHeld(RuntimeError):
-    def __init__(self, path: Path, holder: str):
-        super().__init__(f"another writer (pid {holder}) already owns {path.parent}; stop it first or wait for it")
-        self.holder = holder
+    def __init__(self, path: Path, holder: str, role: str = "writer"):
+        pid, _, host = holder.partition(" ")
+        who = f"pid {pid} on {host}" if host else f"pid {pid}"
+        super().__init__(f"another {role} ({who}) already owns {path.parent}; stop it first or wait for it")
+        self.holder = pid
 
 
 @dataclass
@@ -68,7 +73,8 @@ def lock_status(path: Path) -> LockStatus:
         st = path.stat()
     except OSError:
         return status
-    status.pid = int(text) if text.isdigit() else None
+    pid = text.split(" ", 1)[0]  # the launcher lock adds the host after the pid
+    status.pid = int(pid) if pid.isdigit() else None
     try:
         locks = Path("/proc/locks").read_text()
     except OSError:

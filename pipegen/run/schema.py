@@ -195,6 +195,38 @@ LLM_KINDS: dict[str, type[Servers]] = {"cpu": CpuServers, "external": ExternalSe
 
 
 @dataclass
+class LocalCluster:
+    """cluster=local: this node alone; the launcher starts its servers, actors and the writer."""
+
+    kind: str = key("local", "local = this node alone | ray = several nodes through a Ray cluster",
+                    choices=("local", "ray"))
+
+
+@dataclass
+class RayCluster(LocalCluster):
+    """cluster=ray: several nodes through an existing Ray cluster (launch/ray_cluster.py). The launcher runs
+    the writer where it runs and a node runner on every node with `node_resource`; their actors pull leases."""
+
+    kind: str = key("ray", "local = this node alone | ray = several nodes through a Ray cluster",
+                    choices=("local", "ray"))
+    address: str = key("${oc.env:RAY_ADDRESS,auto}",
+                       "cluster=ray: the Ray cluster to join: RAY_ADDRESS, else auto", non_empty=True)
+    node_resource: str = key("GPU", "cluster=ray: a node with this Ray resource is a generation node (gets a "
+                                    "node runner)", non_empty=True)
+    leases_per_node: int = key(2, "cluster=ray: leases waiting at a node that its actors have not taken yet",
+                               at_least=1)
+    lease_seconds: float = key(2.0, "cluster=ray: a lease is about this many seconds of its node's recent pace "
+                                    "(at most what is left / (2 x nodes): smaller toward the tail)", above=0)
+    lease_min_units: int = key(4, "cluster=ray: the smallest lease (units)", at_least=1)
+    lease_max_units: int = key(4096, "cluster=ray: the largest lease (units)", at_least=1)
+    stats_interval_s: float = key(2.0, "cluster=ray: how often the launcher appends its line to "
+                                       "streams/stats/cluster.jsonl", above=0)
+
+
+CLUSTER_KINDS: dict[str, type[LocalCluster]] = {"local": LocalCluster, "ray": RayCluster}
+
+
+@dataclass
 class PipegenConfig:
     """The root: pipegen's short knobs (interpolated into verl's keys by conf/pipegen.yaml) and its groups."""
 
@@ -216,6 +248,7 @@ class PipegenConfig:
     generation: Generation = field(default_factory=Generation)
     trainer: Trainer = field(default_factory=Trainer)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
+    cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
     # verl's groups, composed from verl's own YAML in verl's layout: verl owns their keys and defaults
     actor_rollout_ref: Any = None
     data: Any = None
@@ -230,6 +263,8 @@ def register() -> None:
     store.store(name="pipegen_schema", node=PipegenConfig)
     for kind, schema in LLM_KINDS.items():
         store.store(group="llm", name=kind, node=schema)
+    for kind, cluster in CLUSTER_KINDS.items():
+        store.store(group="cluster", name=kind, node=cluster)
 
 
 @dataclass(frozen=True)
@@ -253,16 +288,17 @@ def _walk(schema: type, prefix: str = "") -> Iterator[KeyInfo]:
             yield from _walk(f.default_factory, f"{path}.")
 
 
-def schema_keys(llm_kind: str | None = None) -> list[KeyInfo]:
-    """Every pipegen key: the root's and its groups', then llm.* of one kind (every kind's when None)."""
+def schema_keys(llm_kind: str | None = None, cluster_kind: str | None = None) -> list[KeyInfo]:
+    """Every pipegen key: the root's and its groups', then llm.* and cluster.* of one kind each (every kind's
+    when None)."""
     keys = list(_walk(PipegenConfig))
-    kinds = [llm_kind] if llm_kind is not None else list(LLM_KINDS)
-    seen: set[str] = set()
-    for kind in kinds:
-        for info in _walk(LLM_KINDS[kind], "llm."):
-            if llm_kind is not None or info.path not in seen:
-                seen.add(info.path)
-                keys.append(info)
+    for group, kinds, chosen in (("llm", LLM_KINDS, llm_kind), ("cluster", CLUSTER_KINDS, cluster_kind)):
+        seen: set[str] = set()
+        for kind in [chosen] if chosen is not None else list(kinds):
+            for info in _walk(kinds[kind], f"{group}."):
+                if chosen is not None or info.path not in seen:
+                    seen.add(info.path)
+                    keys.append(info)
     return keys
 
 
@@ -304,10 +340,16 @@ def _unset(cfg: DictConfig, path: str) -> bool:
     return not OmegaConf.is_config(node) or name not in node or OmegaConf.is_missing(node, name)
 
 
+def _kinds(cfg: DictConfig) -> tuple[str | None, str | None]:
+    """The config's llm and cluster kinds (None for one the schema does not know: every kind's keys)."""
+    llm = str(OmegaConf.select(cfg, "llm.kind", default="cpu"))
+    cluster = str(OmegaConf.select(cfg, "cluster.kind", default="local"))
+    return (llm if llm in LLM_KINDS else None), (cluster if cluster in CLUSTER_KINDS else None)
+
+
 def check_values(cfg: DictConfig) -> None:
     """Raise ConfigValueError for the first pipegen key whose value its rule does not allow."""
-    kind = str(OmegaConf.select(cfg, "llm.kind", default="cpu"))
-    for info in schema_keys(kind if kind in LLM_KINDS else None):
+    for info in schema_keys(*_kinds(cfg)):
         if _unset(cfg, info.path):
             continue  # an unset mandatory key: run/config.check_types names it with an example
         value = OmegaConf.select(cfg, info.path, default=None, throw_on_missing=False)
@@ -318,11 +360,10 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def describe_keys(cfg: DictConfig) -> str:
-    """--help's listing: every pipegen key of this config's llm kind, its current value, its allowed values
-    and what it does."""
-    kind = str(OmegaConf.select(cfg, "llm.kind", default="cpu"))
+    """--help's listing: every pipegen key of this config's llm kind (and of every cluster kind), its current
+    value, its allowed values and what it does."""
     lines = []
-    for info in schema_keys(kind if kind in LLM_KINDS else None):
+    for info in schema_keys(_kinds(cfg)[0]):  # every cluster kind's keys: cluster=ray's are its own to know
         try:
             value = OmegaConf.select(cfg, info.path, default=info.default, throw_on_missing=False)
             if OmegaConf.is_config(value):

@@ -33,7 +33,8 @@ from pipegen.run.records import read_head
 class ShardAppender:
     """Appends records to this actor's shards; opens a new shard at start and past max_bytes."""
 
-    def __init__(self, topic_dir: Path, actor_rank: int, max_bytes: int, fsync_interval_s: float, min_seq: int = 0):
+    def __init__(self, topic_dir: Path, actor_rank: int | str, max_bytes: int, fsync_interval_s: float,
+                 min_seq: int = 0):
         self.dir = actor_shard_dir(topic_dir, actor_rank)
         self.min_seq = min_seq  # never below a sequence number a reader has state for (next_free_seq)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -66,6 +67,12 @@ class ShardAppender:
         if now - self._last_fsync >= self.fsync_interval_s:
             os.fsync(self._fd)
             self._last_fsync = now
+
+    def sync(self) -> None:
+        """fsync what was appended so far (a caller about to say these lines exist: a lease report)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+            self._last_fsync = time.monotonic()
 
     def _seal(self) -> None:
         if self._fd is not None:

@@ -1,0 +1,116 @@
+"""Where an actor's units come from: a fixed share of the run (one node), or leases pulled from its node
+runner (cluster=ray), so that the actors of a node, and the nodes of a cluster, share work as they free up.
+
+The lease protocol is HTTP on the node's loopback, JSON both ways (the runner's side is
+launch/node_runner.py):
+- `POST /next {"actor": NAME, "want": K, "done": [keys]}` -> `{"units": [keys], "finished": bool}`: up to K
+  unit keys (an empty list after a wait of a few seconds when the node has none); `finished` once the
+  launcher has said the run needs nothing more from this node.
+- `POST /done {"actor": NAME, "done": [keys]}`: units whose record (or failure record) is in a shard.
+A unit is reported done only after the actor's shards were fsynced, so a completed lease is on disk.
+
+Owns: the actor's view of its pending units and the reports of finished ones.
+Must never: decide which units are pending in the cluster (the launcher does), or report a unit done
+before its line is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Callable
+
+import orjson
+
+from pipegen.run.records import UnitKeys
+
+log = logging.getLogger("pipegen.actor")
+
+NEXT_PATH = "/next"
+DONE_PATH = "/done"
+REPORT_INTERVAL_S = 0.5  # finished units reach the runner within this (one fsync per report)
+
+
+class FixedUnits:
+    """One node: the (position, sample) pairs worker.pending_units computed at start."""
+
+    def __init__(self, todo: list[tuple[int, int]]):
+        self._todo = deque(todo)
+        self.total = len(todo)
+
+    async def next(self, free: int) -> tuple[int, int] | None:
+        return self._todo.popleft() if self._todo else None
+
+    def done(self, index: int, sample: int) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+class LeasedUnits:
+    """cluster=ray: units pulled from the node runner's lease endpoint at `url`, a few at a time."""
+
+    def __init__(self, url: str, actor: str, session, keys: UnitKeys, indices: list[int],
+                 sync_shards: Callable[[], None]):
+        self.url = url.rstrip("/")
+        self.actor = actor
+        self.session = session
+        self.keys = keys
+        self.position = {index: pos for pos, index in enumerate(indices)}
+        self.sync_shards = sync_shards
+        self.total = 0  # units received so far
+        self._buffer: deque[int] = deque()
+        self._done: list[int] = []
+        self._finished = False
+        self._reporter: asyncio.Task | None = None
+
+    async def next(self, free: int) -> tuple[int, int] | None:
+        if self._reporter is None:
+            self._reporter = asyncio.create_task(self._report_loop())
+        while not self._buffer:
+            if self._finished:
+                return None
+            reply = await self._post(NEXT_PATH, {"want": max(1, free), "done": self._take_done()})
+            self._finished = bool(reply.get("finished"))
+            self._buffer.extend(reply.get("units") or [])
+            self.total += len(reply.get("units") or [])
+        index, sample = self.keys.unit(self._buffer.popleft())
+        return self.position[index], sample
+
+    def done(self, index: int, sample: int) -> None:
+        self._done.append(self.keys.key(index, sample))
+
+    async def close(self) -> None:
+        if self._reporter is not None:
+            self._reporter.cancel()
+        if self._done:
+            await self._post(DONE_PATH, {"done": self._take_done()})
+
+    def _take_done(self) -> list[int]:
+        if not self._done:
+            return []
+        self.sync_shards()  # the lines of these units are on disk before the runner hears of them
+        done, self._done = self._done, []
+        return done
+
+    async def _report_loop(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_INTERVAL_S)
+            if self._done:
+                await self._post(DONE_PATH, {"done": self._take_done()})
+
+    async def _post(self, path: str, body: dict) -> dict:
+        import aiohttp
+
+        body = {"actor": self.actor, **body}
+        while True:  # the runner is this process's parent: while it lives, it answers
+            try:
+                async with self.session.post(self.url + path, data=orjson.dumps(body),
+                                             timeout=aiohttp.ClientTimeout(total=60)) as resp:
+                    resp.raise_for_status()
+                    return orjson.loads(await resp.read())
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                log.warning("lease endpoint %s%s: %s; retrying in 1s", self.url, path, e)
+                await asyncio.sleep(1.0)
