@@ -1,8 +1,8 @@
 """A damaged run directory: every file, every way, after a partial run.
 
 One partial run is made once (the actors generate everything with the writer off, then a writer is
-SIGKILLed inside its second checkpoint write: one batch committed, two written but unlisted, a
-temporary file left). Each case copies it, damages one file one way (truncated, empty, zero-filled,
+SIGKILLed right after renaming its last batch file: one or two batch files committed, the rest written
+but unlisted). Each case copies it, damages one file one way (truncated, empty, zero-filled,
 garbage, missing) and relaunches the same command as a user would. The answer must be a full recovery
 (output equal to a clean run's) or one `pipegen: error:` line naming the file and a fix; then the fix
 and the same command again must give a clean run's output. Never a traceback, never a batch file lost
@@ -63,9 +63,12 @@ def runs(tmp_path_factory, tiny_model):
     assert actors.returncode == 0, actors.stderr[-2000:]
     writer = subprocess.run([sys.executable, "-m", "pipegen.writer", f"output_dir={partial}"], cwd=REPO,
                             capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PIPEGEN_WRITER_FAULT": "checkpoint_write:2"})
-    assert writer.returncode == -9, writer.stderr[-2000:]  # killed inside its second checkpoint write
-    assert len(list(partial.glob("batch_*.pkl"))) >= 2  # a listed batch file and at least one orphan
+                            env={**os.environ, "PIPEGEN_WRITER_FAULT": "after_batch_rename:3"})
+    # killed as its third (last) batch file got its name: the first was committed alone (the commit thread
+    # takes the first batch at once), the last is not listed yet, so every unit is in a batch file
+    assert writer.returncode == -9, writer.stderr[-2000:]
+    listed = orjson.loads((partial / "checkpoint.json").read_bytes())["batches"]["count"]
+    assert 1 <= listed < len(list(partial.glob("batch_*.pkl"))) == 3
     return overrides, base / "clean", partial
 
 
@@ -123,7 +126,8 @@ def finish_in_process(cfg, out: Path) -> str | None:
     threads = torch.get_num_threads()
     writer = Writer(load_run_config(run), run)
     try:
-        assert asyncio.run(writer.main()) == 0
+        # every unit of these cases is in a batch file or a shard line: the writer settles in seconds
+        assert asyncio.run(asyncio.wait_for(writer.main(), 120)) == 0
     except DamagedFile as e:
         return str(e)
     finally:
@@ -196,8 +200,9 @@ def test_a_damaged_file_end_to_end(runs, tmp_path, name, mode):
     overrides, clean, partial = runs
     out = tmp_path / "run"
     shutil.copytree(partial, out)
-    if name == "shard":
-        for orphan in sorted(out.glob("batch_*.pkl"))[1:]:  # as if the writer died before writing them
+    if name == "shard":  # as if the writer died before writing its unlisted batch files
+        listed = orjson.loads((out / "checkpoint.json").read_bytes())["batches"]["count"]
+        for orphan in sorted(out.glob("batch_*.pkl"))[listed:]:
             orphan.unlink()
     target = out / FILES[name]
     damage(target, mode)
