@@ -1,13 +1,8 @@
 """Where an actor's units come from: a fixed share of the run (one node), or leases pulled from its node
 runner (cluster=ray), so that the actors of a node, and the nodes of a cluster, share work as they free up.
 
-The lease protocol is HTTP on the node's loopback, JSON both ways (the runner's side is
-launch/node_runner.py):
-- `POST /next {"actor": NAME, "want": K, "done": [keys]}` -> `{"units": [keys], "finished": bool}`: up to K
-  unit keys (an empty list after a wait of a few seconds when the node has none); `finished` once the
-  launcher has said the run needs nothing more from this node.
-- `POST /done {"actor": NAME, "done": [keys]}`: units whose record (or failure record) is in a shard.
-A unit is reported done only after the actor's shards were fsynced, so a completed lease is on disk.
+The lease protocol (its routes and messages) is run/lease_protocol.py's; the runner's side is
+launch/node_runner.py.
 
 Owns: the actor's view of its pending units and the reports of finished ones.
 Must never: decide which units are pending in the cluster (the launcher does), or report a unit done
@@ -23,12 +18,11 @@ from typing import Callable
 
 import orjson
 
+from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
 from pipegen.run.records import UnitKeys
 
 log = logging.getLogger("pipegen.actor")
 
-NEXT_PATH = "/next"
-DONE_PATH = "/done"
 REPORT_INTERVAL_S = 0.5  # finished units reach the runner within this (one fsync per report)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import orjson
 from omegaconf import OmegaConf
 
-from pipegen.actor.units import DONE_PATH, NEXT_PATH
+from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
 from pipegen.launch.leases import open_units
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import NodeRecord, RunDir, node_actor_role
