@@ -11,17 +11,18 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
     is already durable in its shard line, so small batches would buy nothing but files;
  4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
     fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
- 5. on start: take the lock, load the checkpoint, delete batch files it does not list;
- 6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete; then
-    the export, when configured, as its own process (`python -m pipegen.export`).
+ 5. on start: take the lock, load the checkpoint (rebuilt from the batch files when it is missing; a
+    damaged one, or a listed batch file missing, is refused with one line), adopt the batch files it
+    does not list (orphans of a crash between 3 and 4: whole, since fsynced before their rename);
+ 6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete.
 
 Steps 3-4 (the disk half) run on one background thread while the main loop parses the next lines:
 `Committer` takes commits strictly in order, and when several queued up behind a slow fsync it writes
 all their batch files and then one checkpoint listing them all (group commit). The checkpoint is never
 renamed before every batch it lists is fsynced, renamed and its directory fsynced; the rename itself
 is not followed by a directory fsync, because losing it in a power cut leaves the previous checkpoint,
-which is safe (its batches are durable; the newer batch files are orphans, deleted at start, and their
-lines are read again); the next commit's directory fsync, or the final checkpoint, makes it durable.
+which is safe (its batches are durable; the newer batch files are orphans, adopted at start, and
+their lines are dropped as committed when read again); the next commit's directory fsync, or the final checkpoint, makes it durable.
 
 Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
@@ -41,18 +42,19 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import orjson
 from omegaconf import DictConfig
 
 from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
 from pipegen.run.atomic import fsync_dir, remove_stale_temporaries, temporary_sibling, write_synced
-from pipegen.run.handshake import EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
+from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
 from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.run.batchfile import CONVERT_FLAG, legacy_format_message
-from pipegen.run.checkpoint import failure_reason, load_checkpoint, save_checkpoint
+from pipegen.run.checkpoint import check_listed_batches, failure_reason, load_checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import check_fingerprint
+from pipegen.run.diskfull import exit_disk_full, is_disk_full
+from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, output_dir_from_args
 from pipegen.run.records import FailureRecord, RolloutRecord, UnitKeys, parse_unit_label, read_head, unit_label
 from pipegen.run.streams import ShardTailer
@@ -184,11 +186,24 @@ class Writer:
 
     # ---- start-up (step 5) ----
     def recover(self) -> None:
+        if not self.run.checkpoint.exists() and self.run.batch_files_on_disk():
+            # batch files without a checkpoint: it was lost (a copy without it) or never written (a crash
+            # before the first one). Either way the batch files are the truth: rebuild, never delete.
+            from pipegen.writer.rebuild import rebuild
+
+            log.warning("no %s beside %d batch file(s): rebuilding it from them", self.run.checkpoint.name,
+                        len(self.run.batch_files_on_disk()))
+            log.warning("%s", rebuild(self.run, self.keys.n).summary(self.run))
+            self.ckpt = load_checkpoint(self.run.checkpoint)
+        check_listed_batches(self.run.root, self.ckpt)
         listed = {self.run.batch_file(i) for i in self.ckpt.batches.numbers()}
         orphans = [p for p in self.run.batch_files_on_disk() if p not in listed]
-        for p in orphans:
-            log.warning("deleting %s: written before a crash, never committed by the checkpoint", p.name)
-            p.unlink()
+        if orphans:
+            from pipegen.writer.rebuild import adopt_orphans
+
+            for entry in adopt_orphans(self.run, self.ckpt, orphans, self.keys.n):
+                log.warning("set aside %s", entry)
+            save_checkpoint(self.run.checkpoint, self.ckpt)
         remove_stale_temporaries(self.run.root)
         self.ckpt.run_key = self.run.run_key()
         if self.ckpt.launch != self.launch:
@@ -209,7 +224,11 @@ class Writer:
         got = 0
         for _, _, line in self.failures.lines():
             got += 1
-            failure = FailureRecord.from_line(line)
+            try:
+                failure = FailureRecord.from_line(line)
+            except (ValueError, TypeError, AttributeError):  # a damaged line: its unit is retried anyway
+                log.error("unparseable line in a failure shard (skipped): %r", line[:120])
+                continue
             key = self.keys.key(failure.index, failure.sample)
             if failure.launch == self.launch and key not in self.ckpt.committed:
                 self.ckpt.mark_failed(unit_label(failure.index, failure.sample), failure.reason)
@@ -220,7 +239,7 @@ class Writer:
                 continue
             try:
                 rec = self.parser.record(line)
-            except (orjson.JSONDecodeError, TypeError):
+            except (ValueError, TypeError, AttributeError):  # orjson's, or a line of another shape
                 log.error("unparseable line in a rollout shard (skipped): %r", line[:120])
                 continue
             if head is None and self._skip(rec.index, rec.sample):
@@ -258,7 +277,7 @@ class Writer:
         path = self.run.batch_file(len(self.ckpt.batches))
         ckpt = self.ckpt
         ckpt.batches.add(len(batch), len(keys))
-        for start, end in _runs(keys):
+        for start, end in runs_of(keys):
             ckpt.committed.add_range(start, end)
         if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
             for k in keys:
@@ -293,7 +312,11 @@ class Writer:
         if complete and self.gen.final_merge and ckpt.batches:
             from pipegen.writer.merge import merge_run
 
-            merge_run(self.cfg, self.run, ckpt)
+            try:
+                merge_run(self.cfg, self.run, ckpt)
+            except Exception:
+                self._raise_damaged_batch()
+                raise
             ckpt.merged = True
         ckpt.complete = complete
         save_checkpoint(self.run.checkpoint, ckpt)
@@ -317,6 +340,13 @@ class Writer:
                       self.run.root, fmt)
         else:
             log.info("%s", done.stdout.strip())
+
+    def _raise_damaged_batch(self) -> None:
+        """After a failed merge: a DamagedFile for the first listed batch file that cannot be read."""
+        from pipegen.writer.rebuild import read_batch
+
+        for number in self.ckpt.batches.numbers():
+            read_batch(self.run.batch_file(number))
 
     def write_stats(self, final: bool = False) -> None:
         self.stats.append(
@@ -382,7 +412,7 @@ def _write_all(fd: int, chunks: list) -> None:
             views[0] = views[0][written:]
 
 
-def _runs(sorted_keys: list[int]) -> list[tuple[int, int]]:
+def runs_of(sorted_keys: list[int]) -> list[tuple[int, int]]:
     """Sorted distinct keys as half-open ranges of consecutive keys (one range-set add per run)."""
     runs: list[tuple[int, int]] = []
     start = prev = None
@@ -403,7 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     run = RunDir(output_dir_from_args(argv))
     setup_logging("writer")
     watch_parent()
-    cfg = load_run_config(run)
+    try:
+        cfg = load_run_config(run)
+    except DamagedFile as e:
+        return refuse(run, e)
     lock = DirectoryLock(run.writer_lock)
     try:
         lock.acquire()
@@ -428,13 +461,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
 
+
     writer = None
     try:
+        if "--rebuild" in argv:
+            from pipegen.writer.rebuild import rebuild
+
+            print(rebuild(run, int(cfg.actor_rollout_ref.rollout.n)).summary(run))
+            return 0
+        problem = check_fingerprint(cfg, run)
+        if problem:
+            print(f"pipegen.writer: {problem}", file=sys.stderr)
+            return 2
+        import uvloop
+
         import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
         writer = Writer(cfg, run)
         return uvloop.run(writer.main())
+    except DamagedFile as e:
+        return refuse(run, e)
+    except OSError as e:
+        if is_disk_full(e):
+            return exit_disk_full(run.root, "writer", "pipegen.writer")
+        raise
     finally:
         if writer is not None:
             writer.committer.close()
         lock.release()
+
+
+def refuse(run: RunDir, damage: DamagedFile) -> int:
+    """One line for a damaged run-directory file, also in the writer's final stats line (the launcher
+    closes with it); nothing on disk is touched."""
+    print(f"pipegen.writer: error: {damage}", file=sys.stderr)
+    try:
+        StatsAppender(run.stats, "writer").append({"final": True, "refused": str(damage)})
+    except OSError:
+        pass
+    return EXIT_DAMAGED
 
