@@ -45,11 +45,13 @@ def committed_run(tmp_path_factory, tiny_model):
     from pipegen.inputs.dataset import load_tokenizer
     from pipegen.bench import common as c
     from pipegen.run.checkpoint import Checkpoint, save_checkpoint
+    from pipegen.run.fingerprint import compute_fingerprint, save_fingerprint
     from pipegen.writer.batches import BatchBuilder
 
     cfg, run = c.prepare_run(tmp_path_factory.mktemp("run"), "n=2", "max_samples=4", "max_response_length=16")
     batch = asyncio.run(BatchBuilder(cfg, load_tokenizer(cfg)).build(c.RecordFactory(cfg).records(8, 16)))
-    ckpt = Checkpoint()
+    save_fingerprint(run.fingerprint_file, compute_fingerprint(cfg))  # as the launcher leaves a run
+    ckpt = Checkpoint(run_key=run.run_key())
     ckpt.batches.add(len(batch), 8)
     save_checkpoint(run.checkpoint, ckpt)
     return cfg, run, batch

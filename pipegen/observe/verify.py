@@ -14,7 +14,7 @@ Notes (exit 0): units still pending in a run that is not complete, shard lines t
 were torn by a crash, committed units whose shard line is gone (the batch files hold them), files set
 aside by a recovery.
 
-Reads every batch file once (through `writer.rebuild.read_batch`) and every shard line's head: the cost
+Reads every batch file's row keys once (through the contract's `batchfile.batch_rows`) and every shard line's head: the cost
 of reading the run's output once.
 Owns: the contract check. Must never: write anything under DIR or take the writer lock.
 """
@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipegen.run.batchfile import batch_rows
 from pipegen.run.checkpoint import Checkpoint, failure_reason, load_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import load_fingerprint
@@ -64,8 +65,6 @@ def _units(keys: UnitKeys, unit_keys) -> str:
 
 def verify_run(run: RunDir) -> Verdict:
     """Check run against its contract (see the module docstring)."""
-    from pipegen.writer.rebuild import batch_row_ids, batch_unit_keys, read_batch
-
     verdict = Verdict(run.root)
     problems = verdict.problems
     try:
@@ -103,13 +102,12 @@ def verify_run(run: RunDir) -> Verdict:
     rows_total = 0
     for path, (rows_expected, units_expected) in zip(listed, ledger):
         try:
-            batch = read_batch(path)
+            batch = batch_rows(path)
         except DamagedFile as e:
             problems.append(str(e))
             continue
-        rows = batch_row_ids(batch)
-        units = set(batch_unit_keys(batch, keys).tolist())
-        del batch
+        rows = batch.row_ids()
+        units = set(batch.unit_keys(keys).tolist())
         rows_total += len(rows)
         for row in rows:
             if row in row_seen:

@@ -49,6 +49,9 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
+from pipegen.run.checkpoint import damaged_batch
+from pipegen.run.records import UnitKeys
+
 FORMAT = "pipegen.batch/2"
 META_KEY = b"pipegen.batch"
 FILE_MAGIC = b"ARROW1"  # Arrow IPC files start (and end) with it
@@ -290,6 +293,38 @@ def read_row_keys(path: Path) -> dict[str, np.ndarray]:
         return {key: values.astype(np.int64) for key, values in columns.items()}
     except (KeyError, TypeError, ValueError, IndexError, pa.ArrowException) as exc:
         raise BatchFileError(path, f"not a complete pipegen batch file ({type(exc).__name__}: {exc})") from None
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """The rows of one batch file by their keys: what the writer's recovery and `status --verify` need."""
+
+    index: np.ndarray
+    sample: np.ndarray
+    trajectory: np.ndarray
+
+    def unit_keys(self, keys: UnitKeys) -> np.ndarray:
+        """Each row's unit key (a unit with several trajectories has several rows)."""
+        return self.index * keys.n + self.sample
+
+    def row_ids(self) -> list[tuple[int, int, int]]:
+        """Each row's (index, sample, trajectory): what no two rows of a run may share."""
+        return list(zip(self.index.tolist(), self.sample.tolist(), self.trajectory.tolist()))
+
+
+def batch_rows(path: Path, whole: bool = False) -> BatchRows:
+    """A batch file's row keys; any way it cannot be read is the run's DamagedFile, naming the file and the
+    fix. whole=True reads its tensors too (a file damaged inside a tensor column fails here as well)."""
+    if not Path(path).exists():
+        raise damaged_batch(path, "missing")
+    try:
+        if whole:
+            columns = {k: np.asarray(v).astype(np.int64) for k, v in read_batch(path).non_tensor.items() if k in ROW_KEYS}
+        else:
+            columns = read_row_keys(path)
+        return BatchRows(*(columns[k] for k in ("index", "sample", "trajectory")))
+    except (BatchFileError, KeyError, OSError) as e:
+        raise damaged_batch(path, f"cannot be read: {getattr(e, 'reason', e)}") from None
 
 
 def _open(path: Path, whole: bool) -> tuple[pa.RecordBatch, dict[str, Any], bytearray | None]:

@@ -67,6 +67,19 @@ class RangeSet:
         self._starts[lo:hi] = [start]
         self._ends[lo:hi] = [end]
 
+    def add_sorted(self, sorted_keys: Iterable[int]) -> None:
+        """Add sorted distinct keys, one range add per run of consecutive keys (a batch's units mostly are)."""
+        start = prev = None
+        for k in sorted_keys:
+            if prev is not None and k == prev + 1:
+                prev = k
+                continue
+            if start is not None:
+                self.add_range(start, prev + 1)
+            start = prev = k
+        if start is not None:
+            self.add_range(start, prev + 1)
+
     def ranges(self) -> list[list[int]]:
         return [[s, e] for s, e in zip(self._starts, self._ends)]
 

@@ -277,8 +277,7 @@ class Writer:
         path = self.run.batch_file(len(self.ckpt.batches))
         ckpt = self.ckpt
         ckpt.batches.add(len(batch), len(keys))
-        for start, end in runs_of(keys):
-            ckpt.committed.add_range(start, end)
+        ckpt.committed.add_sorted(keys)
         if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
             for k in keys:
                 ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
@@ -343,10 +342,10 @@ class Writer:
 
     def _raise_damaged_batch(self) -> None:
         """After a failed merge: a DamagedFile for the first listed batch file that cannot be read."""
-        from pipegen.writer.rebuild import read_batch
+        from pipegen.run.batchfile import batch_rows
 
         for number in self.ckpt.batches.numbers():
-            read_batch(self.run.batch_file(number))
+            batch_rows(self.run.batch_file(number), whole=True)
 
     def write_stats(self, final: bool = False) -> None:
         self.stats.append(
@@ -410,22 +409,6 @@ def _write_all(fd: int, chunks: list) -> None:
             written -= views.pop(0).nbytes
         if written:
             views[0] = views[0][written:]
-
-
-def runs_of(sorted_keys: list[int]) -> list[tuple[int, int]]:
-    """Sorted distinct keys as half-open ranges of consecutive keys (one range-set add per run)."""
-    runs: list[tuple[int, int]] = []
-    start = prev = None
-    for k in sorted_keys:
-        if prev is not None and k == prev + 1:
-            prev = k
-            continue
-        if start is not None:
-            runs.append((start, prev + 1))
-        start = prev = k
-    if start is not None:
-        runs.append((start, prev + 1))
-    return runs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,8 @@ The writer runs the same rebuild on its own when the checkpoint is missing and b
 run directory copied without it, or a crash between the first batch file and the first checkpoint),
 and adopts the batch files a crash left unlisted (`adopt_orphans`) instead of deleting them.
 
-Owns: the rebuild, orphan adoption, and reading a batch file as "a DataProto, or DamagedFile"
-(`read_batch`, the one place the writer's recovery and `--verify` read batch files).
+Owns: the rebuild and orphan adoption. A batch file is read through the run contract's
+`batchfile.batch_rows` (its row keys only, or the run's DamagedFile), as `status --verify` reads it.
 Must never: delete a file (a damaged or repeated batch file is set aside), or run beside a live writer
 (the CLI holds the writer lock).
 """
@@ -25,41 +25,15 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 
-from pipegen.run.checkpoint import Checkpoint, damaged_batch, save_checkpoint
+from pipegen.run.batchfile import batch_rows
+from pipegen.run.checkpoint import Checkpoint, save_checkpoint
 from pipegen.run.integrity import DamagedFile, set_aside
 from pipegen.run.layout import RunDir
 from pipegen.run.records import UnitKeys, unit_label
-from pipegen.writer.commit import runs_of
 
 log = logging.getLogger("pipegen.writer")
-
-
-def read_batch(path: Path) -> Any:
-    """A batch file as a DataProto; any way it cannot be read is a DamagedFile naming it and the fix."""
-    from pipegen.writer.batches import load_batch
-
-    try:
-        return load_batch(path)
-    except FileNotFoundError:
-        raise damaged_batch(path, "missing") from None
-    except Exception as e:  # a damaged file fails anywhere in the decoder: struct, pickle, numpy, torch
-        raise damaged_batch(path, f"cannot be read: {type(e).__name__}: {str(e)[:120]}") from None
-
-
-def batch_unit_keys(batch: Any, keys: UnitKeys) -> np.ndarray:
-    """Each row's unit key (a unit with several trajectories has several rows)."""
-    nt = batch.non_tensor_batch
-    return np.asarray(nt["index"]).astype(np.int64) * keys.n + np.asarray(nt["sample"]).astype(np.int64)
-
-
-def batch_row_ids(batch: Any) -> list[tuple[int, int, int]]:
-    """Each row's (index, sample, trajectory): what no two rows of a run may share."""
-    nt = batch.non_tensor_batch
-    return list(zip(*(np.asarray(nt[k]).astype(np.int64).tolist() for k in ("index", "sample", "trajectory"))))
 
 
 @dataclass
@@ -85,9 +59,8 @@ def _accept(path: Path, keys: UnitKeys, seen: set[int], aside: list[str]) -> tup
     """(rows, units) of a batch file whose rows are unique and whose units are not in seen; otherwise
     the file is set aside (noted in aside) and None returned."""
     try:
-        batch = read_batch(path)
-        units, rows = set(batch_unit_keys(batch, keys).tolist()), batch_row_ids(batch)
-        del batch
+        batch = batch_rows(path)
+        units, rows = set(batch.unit_keys(keys).tolist()), batch.row_ids()
     except DamagedFile as e:
         aside.append(f"{path.name} -> {set_aside(path).name}: {e.problem}")
         return None
@@ -116,8 +89,7 @@ def rebuild(run: RunDir, n: int) -> Rebuilt:
         if path != target:
             os.replace(path, target)
             log.warning("renumbered %s -> %s", path.name, target.name)
-    for start, end in runs_of(sorted(seen)):
-        ckpt.committed.add_range(start, end)
+    ckpt.committed.add_sorted(sorted(seen))
     result.kept = len(kept)
     if run.checkpoint.exists():
         result.old_checkpoint = set_aside(run.checkpoint)
@@ -143,8 +115,7 @@ def adopt_orphans(run: RunDir, ckpt: Checkpoint, orphans: list[Path], n: int) ->
         rows, units = accepted
         committed |= units
         ckpt.batches.add(rows, len(units))
-        for start, end in runs_of(sorted(units)):
-            ckpt.committed.add_range(start, end)
+        ckpt.committed.add_sorted(sorted(units))
         for key in units:  # a unit that failed earlier in this launch, then succeeded after all
             ckpt.failed.pop(unit_label(*keys.unit(key)), None)
         log.warning("adopted %s (%d units): written before a crash, never listed by the checkpoint", path.name,
