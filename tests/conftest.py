@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 
 from fake_servers import FAKE_ENGINE_CLASS
@@ -43,10 +44,45 @@ def tiny_model() -> str:
 
 
 def launch(out: Path, *overrides: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m pipegen.launch output_dir=OUT ...` in a subprocess and return its result."""
+    """Run `python -m pipegen.launch output_dir=OUT ...` in a subprocess and return its result. A run it
+    completes is checked against the run-directory contract (`pipegen.status --verify`) before the test
+    sees it: every run directory the suite produces proves every unit exactly once."""
     cmd = [sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **(env or {})})
+    if result.returncode == 0 and _complete(Path(out)):
+        assert_verified(Path(out))
+    return result
+
+
+def _complete(out: Path) -> bool:
+    try:
+        return bool(orjson.loads((out / "checkpoint.json").read_bytes()).get("complete"))
+    except (OSError, ValueError):
+        return False
+
+
+def assert_verified(out: Path) -> None:
+    """`python -m pipegen.status OUT --verify`, in this process (verl is imported once per session)."""
+    from pipegen.observe.verify import verify_run
+    from pipegen.run.layout import RunDir
+
+    verdict = verify_run(RunDir(Path(out).resolve()))
+    assert verdict.ok, verdict.render()
+
+
+def assert_same_trajectories(a, b) -> None:
+    """Two DataProto outputs hold the same rows: every tensor equal, every non-tensor column equal."""
+    import torch
+
+    assert len(a) == len(b)
+    assert set(a.batch.keys()) == set(b.batch.keys())
+    for key in a.batch.keys():
+        assert torch.equal(a.batch[key], b.batch[key]), key
+    assert set(a.non_tensor_batch) == set(b.non_tensor_batch)
+    for key in a.non_tensor_batch:
+        assert orjson.dumps(a.non_tensor_batch[key].tolist(), option=orjson.OPT_SERIALIZE_NUMPY) == \
+               orjson.dumps(b.non_tensor_batch[key].tolist(), option=orjson.OPT_SERIALIZE_NUMPY), key
 
 
 def load_trajectories(path: Path):

@@ -39,7 +39,8 @@ def test_bench_outputs_builds_its_run_in_the_writers_batch_format(tmp_path, tiny
     loads through the writer's own `load_batch` (the full scenario takes minutes; its set-up is what broke
     when the batch format changed)."""
     from pipegen.bench.outputs import BATCH, prepare
-    from pipegen.writer.batches import FILE_MAGIC, from_storage, load_batch
+    from pipegen.run.batchfile import FILE_MAGIC
+    from pipegen.writer.batches import from_storage, load_batch
 
     cfg, run, ckpt = prepare(tmp_path / "run", 2 * BATCH)
     files = run.batch_files_on_disk()

@@ -167,7 +167,10 @@ def test_a_loading_external_server_is_waited_for():
 
 def test_status_piped_into_head_exits_quietly(tmp_path):
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "config.yaml").write_text("actor_rollout_ref:\n  rollout:\n    n: 2\n")
+    from pipegen.run.config import CONFIG_END
+
+    (tmp_path / "conf" / "config.yaml").write_text(
+        f"actor_rollout_ref:\n  rollout:\n    n: 2\ngeneration:\n  save_batch_size: 4\n{CONFIG_END}\n")
     result = subprocess.run(f"'{sys.executable}' -m pipegen.status '{tmp_path}' | head -n 0", shell=True, cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.stderr == "", result.stderr

@@ -31,7 +31,7 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
 
     in_batches = set()
     for number in range(ckpt["batches"]["count"]):
-        data = from_storage(load_batch(out / f"batch_{number:05d}.pkl"))
+        data = from_storage(load_batch(RunDir(out).batch_file(number)))
         in_batches |= {f"{i}:{s}" for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"])}
     assert not in_batches & failed and len(in_batches) == ckpt["num_committed"]
 

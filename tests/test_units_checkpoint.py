@@ -29,7 +29,7 @@ def test_checkpoint_size_does_not_grow_with_committed_units_or_batches(tmp_path)
             ckpt.committed.add_range(start, start + 64)
             ckpt.batches.add(64, 64)
     assert len(big.batches) == 15625 and big.num_rows == 1_000_000
-    assert big.batches.files()[-1] == "batch_15624.pkl"
+    assert big.batches.files()[-1] == "batch_15624.arrow"
     assert len(big.to_json()) - len(small.to_json()) < 40
     save_checkpoint(tmp_path / "c.json", big)
     back = load_checkpoint(tmp_path / "c.json")

@@ -88,7 +88,7 @@ def test_batch_file_round_trips_to_the_same_dataproto(setup, tmp_path):
     records = _odd_records(cfg, 8)
     batch = asyncio.run(builder.build(records))
     for int32 in (True, False):
-        path = tmp_path / f"batch_{int32}.pkl"
+        path = tmp_path / f"batch_{int32}.arrow"
         path.write_bytes(b"".join(encode_batch(batch, int32)))
         back = load_batch(path)
         token_dtype = torch.int32 if int32 else torch.int64
@@ -96,15 +96,15 @@ def test_batch_file_round_trips_to_the_same_dataproto(setup, tmp_path):
         _assert_same(from_storage(back), batch)
     # the writer's own path: storage-form batch, tensors known to be derivable by construction
     stored, derived = asyncio.run(builder.build_for_storage(records, int32=True))
-    (tmp_path / "stored.pkl").write_bytes(b"".join(encode_batch(stored, True, derived)))
-    _assert_same(from_storage(load_batch(tmp_path / "stored.pkl")), batch)
+    (tmp_path / "stored.arrow").write_bytes(b"".join(encode_batch(stored, True, derived)))
+    _assert_same(from_storage(load_batch(tmp_path / "stored.arrow")), batch)
     # tensors off verl's layout are kept exactly: rm_scores with a value off the last token and a
     # -0.0, an attention mask with a hole in a response
     odd = batch.batch["rm_scores"]
     odd[0, 0], odd[1, 1] = 0.5, -0.0
     batch.batch["attention_mask"][2, batch.batch["prompts"].shape[1] + 1] = 0
-    (tmp_path / "odd.pkl").write_bytes(b"".join(encode_batch(batch, True)))
-    back = from_storage(load_batch(tmp_path / "odd.pkl"))
+    (tmp_path / "odd.arrow").write_bytes(b"".join(encode_batch(batch, True)))
+    back = from_storage(load_batch(tmp_path / "odd.arrow"))
     assert torch.equal(back.batch["rm_scores"].view(torch.int32), odd.view(torch.int32))
     _assert_same(back, batch)
 

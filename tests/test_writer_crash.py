@@ -18,9 +18,9 @@ from pathlib import Path
 
 import orjson
 import pytest
-import torch
 
-from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, REPO, assert_same_trajectories, launch, load_trajectories
+from pipegen.run.layout import BATCH_GLOB, batch_file_name
 
 # The fake engine's output depends only on (seed, sampling_seed, context), not on its latency, so the
 # reference run can be instant while the killed run generates slowly enough to be killed 20+ times.
@@ -39,17 +39,6 @@ def _writer(out: Path, fault: str | None = None, capture: bool = False) -> subpr
     log = subprocess.PIPE if capture else open(out / "logs" / "test-writers.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "pipegen.writer", f"output_dir={out}"], cwd=REPO, env=env,
                             stdout=log, stderr=log)
-
-
-def _assert_same_trajectories(a, b):
-    assert len(a) == len(b)
-    assert set(a.batch.keys()) == set(b.batch.keys())
-    for key in a.batch.keys():
-        assert torch.equal(a.batch[key], b.batch[key]), key
-    assert set(a.non_tensor_batch) == set(b.non_tensor_batch)
-    for key in a.non_tensor_batch:
-        assert orjson.dumps(a.non_tensor_batch[key].tolist(), option=orjson.OPT_SERIALIZE_NUMPY) == \
-               orjson.dumps(b.non_tensor_batch[key].tolist(), option=orjson.OPT_SERIALIZE_NUMPY), key
 
 
 @pytest.mark.slow
@@ -109,10 +98,10 @@ def test_writer_killed_over_and_over_gives_the_uninterrupted_output(tmp_path, ti
         assert kills[point] >= 1, kills
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
     assert ckpt["complete"] and ckpt["num_committed"] == 32
-    listed = {f"batch_{i:05d}.pkl" for i in range(ckpt["batches"]["count"])}
-    assert {p.name for p in out.glob("batch_*.pkl")} == listed  # no orphan batch survived
+    listed = {batch_file_name(i) for i in range(ckpt["batches"]["count"])}
+    assert {p.name for p in out.glob(BATCH_GLOB)} == listed  # no orphan batch survived
     assert not list(out.glob(".*.tmp-*"))  # no temporary left behind
-    _assert_same_trajectories(load_trajectories(out / "trajectories.pkl"),
+    assert_same_trajectories(load_trajectories(out / "trajectories.pkl"),
                               load_trajectories(reference / "trajectories.pkl"))
 
 

@@ -35,10 +35,12 @@ from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_pare
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.config import load_run_config
+from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.handshake import import_then_wait_for_manifest
+from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.records import FailureRecord, RolloutRecord
-from pipegen.run.streams import ShardAppender, count_units, scan_units
+from pipegen.run.streams import ShardAppender, count_units, next_free_seq, scan_units
 
 log = logging.getLogger("pipegen.actor")
 
@@ -165,9 +167,12 @@ class Actor:
         gc.freeze()
         gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         actors_cfg = self.cfg.actors
+        ckpt, me = load_checkpoint(self.run.checkpoint), actor_role(self.rank)
         rollouts = ShardAppender(self.run.rollouts, self.rank, int(actors_cfg.shard_max_bytes),
-                                 float(actors_cfg.fsync_interval_s))
-        failures = ShardAppender(self.run.failures, self.rank, int(actors_cfg.shard_max_bytes), 0.0)
+                                 float(actors_cfg.fsync_interval_s),
+                                 next_free_seq(ckpt.rollout_offsets, ckpt.rollout_sealed, me))
+        failures = ShardAppender(self.run.failures, self.rank, int(actors_cfg.shard_max_bytes), 0.0,
+                                 next_free_seq(ckpt.failure_offsets, ckpt.failure_sealed, me))
         limits = ClientLimits(
             prompt_length=self.runner.prompt_length,
             response_length=self.runner.response_length,
@@ -210,8 +215,12 @@ class Actor:
             follower = asyncio.create_task(control.follow(
                 session, pool.engine, lambda url: sum(s.in_flight for s in pool.servers if s.url == url), holding))
 
+            lost_writes: list[BaseException] = []  # a shard append failed (a unit's own failure is a record)
+
             def finished(task: asyncio.Task) -> None:
                 running.discard(task)
+                if not task.cancelled() and task.exception() is not None:
+                    lost_writes.append(task.exception())
                 wake.set()
 
             while True:
@@ -220,6 +229,8 @@ class Actor:
                     slots.round_done()
                     wake.clear()
                     await wake.wait()
+                if lost_writes:
+                    raise lost_writes[0]
                 unit = await self.units.next(control.total() - holding())
                 if unit is None:
                     break
@@ -231,6 +242,8 @@ class Actor:
             pool.start_draining()  # the tail: nothing left to start, hedging may use idle capacity
             while running:
                 await asyncio.gather(*list(running))
+            if lost_writes:
+                raise lost_writes[0]
             follower.cancel()
             reporter.cancel()
             await self.units.close()
@@ -331,12 +344,21 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:
         handler.addFilter(once)
     watch_parent()
-    cfg = load_run_config(run)
-    import uvloop
+    try:
+        cfg = load_run_config(run)
+        import uvloop
 
-    import_then_wait_for_manifest(run, ACTOR_IMPORTS)  # the launcher may still be reading the dataset
-    actor = Actor(cfg, run, rank, world_actor_count(num_actors_arg, run, cfg), node=arg_value(argv, "node"),
-                  leases_url=arg_value(argv, "leases"))
-    actor.clock.mark("ready")
-    log.info("actor %s ready %.1fs after its process started (pid %d)", rank, actor.clock.since("ready"), os.getpid())
-    return uvloop.run(actor.main())
+        import_then_wait_for_manifest(run, ACTOR_IMPORTS)  # the launcher may still be reading the dataset
+        actor = Actor(cfg, run, rank, world_actor_count(num_actors_arg, run, cfg), node=arg_value(argv, "node"),
+                      leases_url=arg_value(argv, "leases"))
+        actor.clock.mark("ready")
+        log.info("actor %s ready %.1fs after its process started (pid %d)", rank, actor.clock.since("ready"),
+                 os.getpid())
+        return uvloop.run(actor.main())
+    except DamagedFile as e:  # the launcher checks these files first: this is a role started by hand
+        print(f"pipegen.actor: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if is_disk_full(e):
+            return exit_disk_full(run.root, actor_role(rank), "pipegen.actor")
+        raise

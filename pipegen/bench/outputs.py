@@ -88,7 +88,8 @@ def child(what: str, root: str) -> dict:
             cfg.generation.upload_artifact = False
         merge.merge_run(cfg, run, ckpt)
     elif what == "verl":
-        from pipegen.writer.batches import ROW_ORDER, from_storage, load_batch
+        from pipegen.run.sorted_rows import ROW_ORDER
+        from pipegen.writer.batches import from_storage, load_batch
 
         import numpy as np
 

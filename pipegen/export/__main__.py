@@ -2,7 +2,8 @@
 
 Writes DIR/trajectories.parquet (or .jsonl): one row per trajectory, in the merged output's order, from the
 batch files the checkpoint lists. Works on any run with committed batches, finished or not, merged or not.
-Owns: argument parsing and the one-line errors. Must never: touch the run's own files.
+Owns: argument parsing and the one-line errors. Must never: touch the run's own files, or import the writer
+(the writer starts this command after its merge; nothing leads back).
 """
 
 from __future__ import annotations
@@ -25,14 +26,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="rows per Parquet row group / per write (bounds memory; default %(default)s)")
     args = p.parse_args(argv)
 
+    from pipegen.run.batchfile import BatchFileError, legacy_format_message
     from pipegen.run.checkpoint import load_checkpoint
     from pipegen.run.config import load_run_config
     from pipegen.run.layout import RunDir
-    from pipegen.writer.merge import plan_run
+    from pipegen.run.sorted_rows import SortedRows
 
     run = RunDir(Path(args.run_dir).expanduser().resolve())
     if not run.root.is_dir():
         print(f"pipegen.export: {run.root} does not exist: pass a run directory", file=sys.stderr)
+        return 2
+    legacy = run.legacy_batch_files()
+    if legacy:
+        print(f"pipegen.export: {legacy_format_message(run.root, legacy)}", file=sys.stderr)
         return 2
     cfg = load_run_config(run)
     ckpt = load_checkpoint(run.checkpoint)
@@ -42,7 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.output) if args.output else run.export_file(args.format)
     started = time.monotonic()
-    rows = export_plan(cfg, plan_run(cfg, run, ckpt), out, args.format, max(1, args.row_group_rows))
+    try:
+        rows = export_plan(cfg, SortedRows.committed(run, ckpt), out, args.format, max(1, args.row_group_rows))
+    except BatchFileError as exc:
+        print(f"pipegen.export: {exc}", file=sys.stderr)
+        return 2
     took = time.monotonic() - started
     print(f"pipegen.export: {rows} rows -> {out} ({out.stat().st_size / 2**20:.1f} MiB, {took:.1f}s)")
     return 0

@@ -8,13 +8,15 @@ every other field of the row (the dataset row's fields and verl's uid/priority/_
 Nested fields keep their structure (Arrow lists and structs) when one Arrow type fits the whole column;
 otherwise they are JSON strings, named in the file's `pipegen.json_columns` metadata.
 
-Owns: the export row, its schema, and writing it in row groups from a `MergePlan` (rows in the merged
-output's order, read batch by batch, so memory is one row group plus a few batch files).
-Must never: write anything but its one output file, or leave it half-written under its final name.
+Owns: the export row, its schema, and writing it in row groups from a run's `SortedRows` (pipegen/run/: rows
+in the merged output's order, read batch by batch, so memory is one row group plus a few batch files).
+Must never: write anything but its one output file, leave it half-written under its final name, or import
+the writer (the export is a step after the merge, reading only the run directory).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,7 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipegen.run.atomic import atomic_write
-from pipegen.writer.merge import MergePlan
+from pipegen.run.sorted_rows import SortedRows
 
 FORMATS = ("parquet", "jsonl")
 ROW_GROUP_ROWS = 1024
@@ -58,7 +60,7 @@ def _writable(t: Any) -> bool:
 class RowSchema:
     """The export's columns and their Arrow types, fixed once from the whole run's non-tensor columns."""
 
-    def __init__(self, plan: MergePlan):
+    def __init__(self, plan: SortedRows):
         import pyarrow as pa
 
         self.fields = [k for k in LEADING if k in plan.non_tensor] + \
@@ -95,17 +97,28 @@ class RowSchema:
         return pa.schema(cols, metadata=meta)
 
 
-class RowBuilder:
-    """DataProto pieces -> export columns (python lists / numpy per column, shared by both formats)."""
+@dataclass
+class RowGroup:
+    """Consecutive sorted rows of a run: what `RowBuilder` reads (the fields a DataProto has for them)."""
 
-    def __init__(self, cfg: DictConfig, plan: MergePlan):
+    batch: dict[str, torch.Tensor]
+    non_tensor_batch: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(next(iter(self.non_tensor_batch.values())))
+
+
+class RowBuilder:
+    """Row groups -> export columns (python lists / numpy per column, shared by both formats)."""
+
+    def __init__(self, cfg: DictConfig, plan: SortedRows):
         from pipegen.inputs.dataset import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg)
         self.eos_ids = _eos_ids(cfg, self.tokenizer)
         self.schema = RowSchema(plan)
 
-    def columns(self, piece: Any, json_strings: bool = True) -> dict[str, Any]:
+    def columns(self, piece: RowGroup, json_strings: bool = True) -> dict[str, Any]:
         """Column name -> values for the piece's rows. Token lists are (flat values, offsets) pairs.
         ``json_strings``: nested fields no Arrow type fits become JSON text (Parquet); JSON lines keep them."""
         b, nt = piece.batch, piece.non_tensor_batch
@@ -157,7 +170,7 @@ class RowBuilder:
         model = ids[mask.astype(bool)]
         return "stop" if len(model) and int(model[-1]) in self.eos_ids else "length"
 
-    def table(self, piece: Any) -> Any:
+    def table(self, piece: RowGroup) -> Any:
         import pyarrow as pa
 
         schema = self.schema.arrow()
@@ -171,7 +184,7 @@ class RowBuilder:
                 arrays.append(pa.array(values, f.type))
         return pa.Table.from_arrays(arrays, schema=schema)
 
-    def json_lines(self, piece: Any) -> bytes:
+    def json_lines(self, piece: RowGroup) -> bytes:
         cols = self.columns(piece, json_strings=False)
         lists = {}
         for name, values in cols.items():
@@ -204,15 +217,17 @@ def _eos_ids(cfg: DictConfig, tokenizer: Any) -> set[int]:
     return {int(i) for i in ids}
 
 
-def export_plan(cfg: DictConfig, plan: MergePlan, path: Path, fmt: str, row_group_rows: int = ROW_GROUP_ROWS) -> int:
-    """Write the plan's rows to ``path`` in ``fmt`` (parquet or jsonl), atomically; returns the row count."""
+def export_plan(cfg: DictConfig, plan: SortedRows, path: Path, fmt: str, row_group_rows: int = ROW_GROUP_ROWS) -> int:
+    """Write the run's sorted rows to ``path`` in ``fmt`` (parquet or jsonl), atomically; returns the row count."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}: use one of {', '.join(FORMATS)}")
     builder = RowBuilder(cfg, plan)
 
-    def pieces() -> Iterator[Any]:
-        for _, _, piece in plan.pieces(row_group_rows):
-            yield piece
+    def pieces() -> Iterator[RowGroup]:
+        for lo, hi in plan.ranges(row_group_rows):
+            yield RowGroup({k: torch.from_numpy(v) for k, v in plan.tensors(lo, hi).items()},
+                           {k: v[lo:hi] for k, v in plan.non_tensor.items()})
+        plan.release()
 
     def write(f) -> None:
         if fmt == "jsonl":

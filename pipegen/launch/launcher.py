@@ -23,11 +23,12 @@ from omegaconf.errors import OmegaConfBaseException
 from pipegen.launch.supervise import Role, Supervisor
 from pipegen.observe.logs import setup_logging
 from pipegen.run.checkpoint import failure_reason
-from pipegen.launch.prepare import build_manifest, fail, prepare_run, print_help, resolve_inputs
+from pipegen.launch.prepare import build_manifest, check_run_files, fail, prepare_run, print_help, resolve_inputs
 from pipegen.run.config import check_types, compose, describe_config_error, resolved
+from pipegen.run.diskfull import disk_full_message, is_disk_full
 from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
 from pipegen.run.ownership import DirectoryLock, lock_holder
-from pipegen.run.handshake import EXIT_FAILED_UNITS, EXIT_LOCKED
+from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED
 
 log = logging.getLogger("pipegen.launch")
 
@@ -122,7 +123,7 @@ class Launcher:
         if not (plan.runs_writer and self.cfg.generation.run_writer):
             return None
         writer = self._role("writer", [sys.executable, "-m", "pipegen.writer", f"output_dir={self.run.root}"])
-        writer.final_codes = frozenset({0, EXIT_FAILED_UNITS})
+        writer.final_codes = frozenset({0, EXIT_FAILED_UNITS, EXIT_DAMAGED})
         writer.standby_codes = frozenset({EXIT_LOCKED})  # a writer started by hand owns the directory
         self.sup.start(writer)
         return writer
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         launcher_lock = one_launcher(run)  # noqa: F841
     except ValueError as e:
         return fail(str(e))
-    problem = prepare_run(cfg, run)
+    problem = prepare_run(cfg, run) or check_run_files(run)
     if problem:
         return fail(problem)
     root_logger = logging.getLogger()
@@ -418,11 +419,16 @@ def main(argv: list[str] | None = None) -> int:
         print("\npipegen: interrupted; stopping every process. Run the same command to resume.", file=sys.stderr)
         stop_all(launcher)
         return 130
-    except Exception as e:  # CrashLoop, ServerNotReady, ClusterError...: each says what failed and where its log is
+    except Exception as e:  # CrashLoop, ServerNotReady, ClusterError, DiskFull...: each says what failed and where
         stop_all(launcher)
-        return fail(str(e))
+        return fail(disk_full_message(run.root, "launcher") if is_disk_full(e) else str(e))
     stop_all(launcher)
     log.info("run took %.1fs", time.monotonic() - started)
+    if writer is not None and writer.last_rc == EXIT_DAMAGED:
+        from pipegen.observe.stats import latest_stats
+
+        refusal = (latest_stats(run.stats).get("writer") or {}).get("refused")
+        return fail(refusal or f"the writer refused a damaged file; see {writer.log_path}")
     if not (plan.runs_writer and cfg.generation.run_writer):
         print(f"pipegen: this node's actors finished; the writer of {run.root} commits and merges "
               f"(python -m pipegen.writer output_dir={run.root}).")

@@ -18,9 +18,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipegen.observe.logs import PARENT_ENV
+from pipegen.run.diskfull import disk_full_message
+from pipegen.run.handshake import EXIT_DISK_FULL
 from pipegen.run.layout import RunDir
 
 log = logging.getLogger("pipegen.supervise")
+
+
+class DiskFull(RuntimeError):
+    """A role stopped because it could not write for lack of space: the run stops (a restart fails alike)."""
+
+    def __init__(self, run: RunDir, role: "Role"):
+        super().__init__(disk_full_message(run.root, role.name))
+        self.role = role
 
 
 class CrashLoop(RuntimeError):
@@ -115,6 +125,8 @@ class Supervisor:
             if rc in role.standby_codes:
                 role.standing_by = True
                 continue
+            if rc == EXIT_DISK_FULL:
+                raise DiskFull(self.run, role)
             if not role.restartable or role.restarts >= role.max_restarts:
                 peers = [r for r in self.roles.values() if r.group and r.group == role.group and r is not role
                          and not r.abandoned]

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import orjson
 
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir, role_logs
@@ -72,7 +71,7 @@ def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
     snap.total = run.total_units(n) if total is None else total
     try:
         ckpt = load_checkpoint(run.checkpoint)
-    except (orjson.JSONDecodeError, OSError, KeyError, TypeError):
+    except (ValueError, OSError, KeyError, TypeError):  # ValueError: orjson's, or integrity.DamagedFile
         ckpt = None
     if ckpt is not None:
         snap.committed = ckpt.num_committed

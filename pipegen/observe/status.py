@@ -1,4 +1,5 @@
 """`python -m pipegen.status DIR [--json]`: a snapshot of any run directory, live, finished or crashed.
+(`--verify` checks it against its contract instead: observe/verify.py.)
 
 Shows: the run's state (running / finished / finished with failures / stopped before completion),
 progress (committed/total, batches, pending, in flight, failed units with their reasons), rates from
@@ -24,7 +25,8 @@ from typing import Any
 
 import orjson
 
-from pipegen.run.checkpoint import failure_reason
+from pipegen.run.checkpoint import failure_reason, load_checkpoint
+from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.ownership import LockStatus, lock_status
 from pipegen.observe.progress import snapshot
@@ -70,10 +72,9 @@ class NotARun(Exception):
 
 def _n_from_config(run: RunDir) -> int:
     """n from the saved config, without composing anything (a plain YAML read)."""
-    from omegaconf import OmegaConf
+    from pipegen.run.config import load_run_config
 
-    cfg = OmegaConf.load(run.config_file)
-    return int(cfg.actor_rollout_ref.rollout.n)
+    return int(load_run_config(run).actor_rollout_ref.rollout.n)
 
 
 def _log_files(run: RunDir, now: float) -> list[dict[str, Any]]:
@@ -96,6 +97,7 @@ def gather(run: RunDir) -> RunStatus:
         raise NotARun(f"{run.root} is not a pipegen run directory (no conf/config.yaml)")
     now = time.time()
     n = _n_from_config(run)
+    load_checkpoint(run.checkpoint)  # a damaged one is said (DamagedFile, with its fix), not shown as empty
     snap = snapshot(run, n)
     history = stats_history(run.stats)
     rates = history_rates(history)
@@ -125,7 +127,13 @@ def gather(run: RunDir) -> RunStatus:
 
     anything_alive = bool(lock.held) or any(r.alive for r in roles if r.pid is not None)
     committed_all = snap.total > 0 and snap.committed >= snap.total
-    if snap.complete and committed_all:
+    legacy = run.legacy_batch_files()
+    if legacy:
+        from pipegen.run.batchfile import legacy_format_message  # numpy and pyarrow: only when needed
+
+        state = "refused: batch files in the old pickle format"
+        hint = legacy_format_message(run.root, legacy)
+    elif snap.complete and committed_all:
         state = "finished"
         hint = (f"trajectories: {run.merged_output() or run.trajectories}" if snap.merged
                 else f"batches: {run.root / BATCH_GLOB} (not merged: generation.final_merge=false)")
@@ -311,13 +319,15 @@ def render_cluster(line: dict[str, Any]) -> list[str]:
     return out
 
 
-USAGE = "usage: python -m pipegen.status DIR [--json]   (DIR: a run's output_dir)"
+USAGE = ("usage: python -m pipegen.status DIR [--json | --verify]   (DIR: a run's output_dir; --verify checks it "
+         "against its contract, every unit exactly once, and exits 1 on a problem)")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
-    args = [a for a in argv if a != "--json"]
+    verify = "--verify" in argv
+    args = [a for a in argv if a not in ("--json", "--verify")]
     if any(a in ("-h", "--help") for a in args):
         print(USAGE)
         return 0
@@ -326,9 +336,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     arg = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
     run = RunDir(Path(arg).expanduser().resolve())
+    if verify:
+        if not run.root.is_dir():
+            print(f"pipegen.status: error: {run.root} does not exist", file=sys.stderr)
+            return 2
+        from pipegen.observe.verify import main as verify_main
+
+        return verify_main(run)
     try:
         st = gather(run)
     except NotARun as e:
+        print(f"pipegen.status: error: {e}", file=sys.stderr)
+        return 2
+    except DamagedFile as e:
         print(f"pipegen.status: error: {e}", file=sys.stderr)
         return 2
     except (OSError, ValueError, KeyError) as e:

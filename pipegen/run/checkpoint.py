@@ -6,7 +6,8 @@ consumed plus byte offsets of the shards above it, units that failed in the curr
 fingerprint, and whether the merge finished. Every part is O(ranges + actors), not O(units) or
 O(batches), so a commit costs the same at 1k and at 1M committed units.
 
-Owns: the checkpoint's schema and its atomic replacement.
+Owns: the checkpoint's schema, its validation on load (a damaged one is a DamagedFile naming the
+rebuild command, never an empty checkpoint), and its atomic replacement.
 Must never: list every committed unit (its cost per batch must not grow with the run), or be written
 before the batch file it lists is durable.
 """
@@ -21,9 +22,11 @@ from typing import Any, Iterable, Iterator
 import orjson
 
 from pipegen.run.atomic import atomic_write_bytes
-from pipegen.run.layout import batch_file_name
+from pipegen.run.integrity import DamagedFile, read_json_file, rebuild_command
+from pipegen.run.layout import BATCH_GLOB, batch_file_name
 
 VERSION = 2
+REQUIRED_KEYS = frozenset({"version", "committed_ranges", "batches", "rollout_offsets", "failure_offsets"})
 
 
 class RangeSet:
@@ -63,6 +66,19 @@ class RangeSet:
             end = max(end, self._ends[hi - 1])
         self._starts[lo:hi] = [start]
         self._ends[lo:hi] = [end]
+
+    def add_sorted(self, sorted_keys: Iterable[int]) -> None:
+        """Add sorted distinct keys, one range add per run of consecutive keys (a batch's units mostly are)."""
+        start = prev = None
+        for k in sorted_keys:
+            if prev is not None and k == prev + 1:
+                prev = k
+                continue
+            if start is not None:
+                self.add_range(start, prev + 1)
+            start = prev = k
+        if start is not None:
+            self.add_range(start, prev + 1)
 
     def ranges(self) -> list[list[int]]:
         return [[s, e] for s, e in zip(self._starts, self._ends)]
@@ -150,7 +166,12 @@ class Checkpoint:
 
     @classmethod
     def from_json(cls, data: bytes) -> "Checkpoint":
-        d = orjson.loads(data)
+        return cls.from_dict(orjson.loads(data))
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Checkpoint":
+        if not isinstance(d, dict) or not REQUIRED_KEYS <= d.keys():
+            raise ValueError(f"a checkpoint is an object with the keys {', '.join(sorted(REQUIRED_KEYS))}")
         if d.get("version") != VERSION:
             raise ValueError(f"checkpoint format {d.get('version')} is not {VERSION}; this run was written by "
                              "another pipegen version: finish it with that version or start a new output_dir")
@@ -175,11 +196,58 @@ def failure_reason(entry: dict[str, Any] | None) -> str:
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    """The saved checkpoint, or an empty one for a new run."""
+    """The saved checkpoint, or an empty one when there is none (a new run, or one whose checkpoint is
+    gone: the writer then rebuilds it from the batch files). A damaged one raises DamagedFile naming
+    what is intact and the rebuild command."""
     path = Path(path)
-    if not path.exists():
-        return Checkpoint()
-    return Checkpoint.from_json(path.read_bytes())
+    try:
+        ckpt = read_json_file(path, _checked, "pipegen checkpoint", missing_ok=True)
+    except DamagedFile as e:
+        raise e.with_advice(*damaged_checkpoint_advice(path.parent)) from None
+    return Checkpoint() if ckpt is None else ckpt
+
+
+def _checked(data: Any) -> Checkpoint:
+    ckpt = Checkpoint.from_dict(data)
+    for sizes in ckpt.batches.sizes:
+        if len(sizes) != 3 or not all(isinstance(v, int) and v >= 0 for v in sizes):
+            raise ValueError(f"batch sizes {sizes!r} are not [rows, units, repeat]")
+    for offsets in (ckpt.rollout_offsets, ckpt.failure_offsets, ckpt.rollout_sealed, ckpt.failure_sealed):
+        if not isinstance(offsets, dict) or not all(isinstance(v, int) for v in offsets.values()):
+            raise ValueError("shard offsets are not a {shard: int} object")
+    if not isinstance(ckpt.failed, dict):
+        raise ValueError("failed units are not an object")
+    return ckpt
+
+
+def damaged_checkpoint_advice(root: Path) -> tuple[str, str]:
+    """(what is intact, the fix) for a damaged checkpoint.json in root."""
+    batches = len(list(Path(root).glob(BATCH_GLOB)))
+    return (f"{batches} batch file(s) and the stream shards, which hold every committed sample",
+            f"{rebuild_command(root)} (rebuilds it from them and keeps the damaged file beside it), "
+            "then rerun the same command")
+
+
+def damaged_batch(path: Path, problem: str) -> DamagedFile:
+    """A batch file that cannot be read: its units are still in the stream shards."""
+    root = Path(path).parent
+    return DamagedFile(path, problem, "checkpoint.json, the other batch files, and the stream shards, which still "
+                       "hold this file's samples",
+                       f"{rebuild_command(root)} (sets it aside, rebuilds the checkpoint from the other batch "
+                       "files; the writer then reads its samples again from the shards), then rerun the same command")
+
+
+def check_listed_batches(root: Path, ckpt: Checkpoint) -> None:
+    """Raise DamagedFile for the first batch file the checkpoint lists that is missing or empty (a
+    stat each: cheap at every start; a file damaged inside is found when it is read)."""
+    for number in ckpt.batches.numbers():
+        path = Path(root) / batch_file_name(number)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise damaged_batch(path, "missing, though checkpoint.json lists it") from None
+        if size == 0:
+            raise damaged_batch(path, "empty")
 
 
 def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from pipegen.run.atomic import atomic_write_bytes
+from pipegen.run.integrity import DamagedFile, read_yaml_file, relaunch_advice
 from pipegen.run.layout import RunDir
 from pipegen.run.schema import LLM_KINDS, check_values, describe_keys, key_info
 from pipegen.run.schema import register as register_schema
@@ -52,21 +53,34 @@ def resolved(cfg: DictConfig) -> DictConfig:
     return out
 
 
+# The saved config's last line: a truncated file often still parses as YAML, so its end is marked.
+CONFIG_END = "# end of the resolved config (pipegen writes this file whole)"
+
+
 def load_run_config(run: RunDir) -> DictConfig:
-    """Load the resolved config a launcher saved; a clear error when the directory is not a run."""
-    if not run.config_file.exists():
+    """Load the resolved config a launcher saved; a clear error when the directory is not a run, and
+    a DamagedFile (one line: the launch command writes it again) when the file is damaged."""
+    if not run.config_file.exists() and not run.checkpoint.exists() and not run.units_file.exists():
         raise SystemExit(
             f"{run.config_file} not found: {run.root} is not a pipegen run directory "
             f"(start one with: python -m pipegen.launch output_dir={run.root})"
         )
-    cfg = OmegaConf.load(run.config_file)
-    assert isinstance(cfg, DictConfig)
+    try:
+        return read_yaml_file(run.config_file, CONFIG_END, _run_config, "pipegen run config")
+    except DamagedFile as e:
+        raise e.with_advice("the checkpoint, batch files and shards", relaunch_advice(run.root)) from None
+
+
+def _run_config(cfg) -> DictConfig:
+    if not isinstance(cfg, DictConfig):
+        raise TypeError("the file is not a mapping of keys")
+    int(cfg.actor_rollout_ref.rollout.n), int(cfg.generation.save_batch_size)  # what every role reads first
     return cfg
 
 
 def save_run_config(run: RunDir, cfg: DictConfig) -> None:
     run.conf.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run.config_file, OmegaConf.to_yaml(cfg, resolve=True).encode())
+    atomic_write_bytes(run.config_file, f"{OmegaConf.to_yaml(cfg, resolve=True)}{CONFIG_END}\n".encode())
 
 
 HELP = "python -m pipegen.launch --help"

@@ -25,6 +25,7 @@ import orjson
 from omegaconf import DictConfig, OmegaConf
 
 from pipegen.run.atomic import atomic_write_bytes
+from pipegen.run.integrity import DamagedFile, read_json_file, relaunch_advice
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "config.json", "generation_config.json")
@@ -155,14 +156,39 @@ def has_output(run) -> bool:
     batch file, or a checkpoint. Until then nothing can mix, so any setting may still change."""
     from pipegen.run.layout import list_shards
 
-    if run.checkpoint.exists() or run.batch_files_on_disk():
+    if run.checkpoint.exists() or run.batch_files_on_disk() or run.legacy_batch_files():
         return True
     return any(shard.stat().st_size > 0 for topic in (run.rollouts, run.failures)
                for shards in list_shards(topic).values() for shard in shards)
 
 
+def fingerprint_bytes(fp: dict[str, Any]) -> bytes:
+    """The file's exact bytes: their digest is the run key (layout.RunDir.run_key), which seeds uids."""
+    return orjson.dumps(fp, option=orjson.OPT_INDENT_2)
+
+
+def run_key_of(fp: dict[str, Any]) -> str:
+    """The run key a fingerprint gives once saved (RunDir.run_key reads it back from the file)."""
+    return hashlib.sha256(fingerprint_bytes(fp)).hexdigest()[:16]
+
+
 def save_fingerprint(path: Path, fp: dict[str, Any]) -> None:
-    atomic_write_bytes(path, orjson.dumps(fp, option=orjson.OPT_INDENT_2))
+    atomic_write_bytes(path, fingerprint_bytes(fp))
+
+
+def load_fingerprint(run) -> dict[str, Any] | None:
+    """The stored fingerprint, None before the launcher saved one; a DamagedFile when it is damaged."""
+    def checked(data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict) or "n" not in data or "model_path" not in data:
+            raise ValueError("a fingerprint is an object with the run's model_path, n, ...")
+        return data
+
+    try:
+        return read_json_file(run.fingerprint_file, checked, "pipegen fingerprint", missing_ok=True)
+    except DamagedFile as e:
+        raise e.with_advice("the checkpoint, batch files and shards",
+                            f"{relaunch_advice(run.root)} when its setup matches the run key the checkpoint "
+                            "recorded") from None
 
 
 def mismatch_message(stored: dict[str, Any], current: dict[str, Any], output_dir: Path) -> str | None:
@@ -178,7 +204,9 @@ def mismatch_message(stored: dict[str, Any], current: dict[str, Any], output_dir
 
 def check_fingerprint(cfg: DictConfig, run) -> str | None:
     """None when the run directory's stored fingerprint matches cfg (or none is stored yet)."""
-    if cfg.get(OVERRIDE_KEY) or not run.fingerprint_file.exists():
+    if cfg.get(OVERRIDE_KEY):
         return None
-    stored = orjson.loads(run.fingerprint_file.read_bytes())
+    stored = load_fingerprint(run)
+    if stored is None:
+        return None
     return mismatch_message(stored, orjson.loads(orjson.dumps(compute_fingerprint(cfg))), run.root)

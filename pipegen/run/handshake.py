@@ -18,6 +18,8 @@ log = logging.getLogger("pipegen.run")
 
 EXIT_LOCKED = 3  # the writer found another writer holding the directory: it stands by
 EXIT_FAILED_UNITS = 4  # settled, but some units failed in this launch: a restart would not change that
+EXIT_DAMAGED = 5  # the writer found a run-directory file damaged: refused with one line, a restart would too
+EXIT_DISK_FULL = 6  # a role could not write for lack of space (run/diskfull.py): the launcher stops the run
 
 MANIFEST_WAIT_S = 1800.0  # as long as the slowest dataset read a launcher may do; a hand-started role gets a clear exit
 

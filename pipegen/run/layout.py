@@ -13,7 +13,7 @@ DIR/
   streams/failures/actor_<k>/<seq>.jsonl   FailureRecord lines
   streams/stats/<role>.jsonl               periodic metrics lines
   checkpoint.json         the writer's commit record (checkpoint.py)
-  batch_00000.pkl ...     padded DataProto batches
+  batch_00000.arrow ...   padded DataProto batches (batchfile.py: Arrow IPC, nothing in one executes on load)
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
   trajectories/           the sharded output instead (part_00000.pkl ..., index.json), for runs larger than RAM
   trajectories.parquet    the export (or trajectories.jsonl), one row per trajectory
@@ -34,12 +34,18 @@ from pathlib import Path
 import orjson
 
 from pipegen.run.atomic import atomic_write_bytes
+from pipegen.run.integrity import DamagedFile, read_json_file, relaunch_advice
 
 SHARD_SUFFIX = ".jsonl"
-BATCH_GLOB = "batch_*.pkl"
+BATCH_GLOB = "batch_*.arrow"
+LEGACY_BATCH_GLOB = "batch_*.pkl"  # pickles, written by pipegen before the Arrow batch file: refused, or converted
 
 
 def batch_file_name(number: int) -> str:
+    return f"batch_{number:05d}.arrow"
+
+
+def legacy_batch_file_name(number: int) -> str:
     return f"batch_{number:05d}.pkl"
 
 
@@ -216,18 +222,31 @@ class RunDir:
     def batch_files_on_disk(self) -> list[Path]:
         return sorted(self.root.glob(BATCH_GLOB))
 
+    def legacy_batch_file(self, number: int) -> Path:
+        return self.root / legacy_batch_file_name(number)
+
+    def legacy_batch_files(self) -> list[Path]:
+        """Batch files in pipegen's old pickle format: a run that has them is refused until they are converted."""
+        return sorted(self.root.glob(LEGACY_BATCH_GLOB))
+
     # ---- the small files every role reads ----
     def run_key(self) -> str:
         """Stable across launches of one run and equal for identical setups: the fingerprint's digest.
         Empty before the launcher has saved a fingerprint."""
-        path = self.fingerprint_file
+        path = self.fingerprint_file  # fingerprint.run_key_of gives the same digest before the file is saved
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
     def write_manifest(self, indices: list[int]) -> None:
         atomic_write_bytes(self.units_file, orjson.dumps({"indices": indices}))
 
     def read_manifest(self) -> list[int]:
-        return orjson.loads(self.units_file.read_bytes())["indices"]
+        """The unit manifest's indices; a DamagedFile when it is missing or damaged (the launcher
+        reads the dataset again for it)."""
+        try:
+            return read_json_file(self.units_file, _manifest_indices, "unit manifest")
+        except DamagedFile as e:
+            raise e.with_advice("the checkpoint, batch files and shards (the manifest is only the dataset's "
+                                "indices)", relaunch_advice(self.root)) from None
 
     def total_units(self, n: int) -> int:
         """Units of the run (prompts x n); 0 while the launcher has not written the manifest."""
@@ -237,13 +256,13 @@ class RunDir:
         atomic_write_bytes(self.launch_file, orjson.dumps(asdict(launch), option=orjson.OPT_INDENT_2))
 
     def read_launch(self) -> "LaunchRecord":
-        """The current launch, or an empty record when no launcher has started this run yet."""
+        """The current launch, or an empty record when no launcher has started this run yet; a
+        DamagedFile when the file is there but damaged (the next launch writes it again)."""
         try:
-            data = orjson.loads(self.launch_file.read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            return LaunchRecord(launch="", run_key="")
-        known = LaunchRecord.__dataclass_fields__
-        return LaunchRecord(**{k: v for k, v in data.items() if k in known})
+            record = read_json_file(self.launch_file, LaunchRecord.from_dict, "launch record", missing_ok=True)
+        except DamagedFile as e:
+            raise e.with_advice("the checkpoint, batch files and shards", relaunch_advice(self.root)) from None
+        return LaunchRecord(launch="", run_key="") if record is None else record
 
     def write_node(self, record: "NodeRecord") -> None:
         self.nodes.mkdir(parents=True, exist_ok=True)
@@ -268,6 +287,21 @@ class LaunchRecord:
     started: float = field(default_factory=time.time)
     node_rank: int = 0
     num_actors: int = 0  # actor processes in the whole run (0: a record from before pipegen wrote it)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LaunchRecord":
+        known = cls.__dataclass_fields__
+        record = cls(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(record.launch, str) or not isinstance(record.servers, list):
+            raise ValueError("launch is not an id or servers is not a list")
+        return record
+
+
+def _manifest_indices(data: dict) -> list[int]:
+    indices = data["indices"]
+    if not isinstance(indices, list) or not indices or not all(isinstance(i, int) for i in indices):
+        raise ValueError("indices is not a non-empty list of integers")
+    return indices
 
 
 @dataclass

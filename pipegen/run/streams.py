@@ -33,8 +33,10 @@ from pipegen.run.records import read_head
 class ShardAppender:
     """Appends records to this actor's shards; opens a new shard at start and past max_bytes."""
 
-    def __init__(self, topic_dir: Path, actor_rank: int | str, max_bytes: int, fsync_interval_s: float):
+    def __init__(self, topic_dir: Path, actor_rank: int | str, max_bytes: int, fsync_interval_s: float,
+                 min_seq: int = 0):
         self.dir = actor_shard_dir(topic_dir, actor_rank)
+        self.min_seq = min_seq  # never below a sequence number a reader has state for (next_free_seq)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.fsync_interval_s = fsync_interval_s
@@ -46,7 +48,7 @@ class ShardAppender:
 
     def _open_next(self) -> None:
         existing = list_shards(self.dir.parent).get(self.dir.name, [])
-        seq = shard_seq(existing[-1]) + 1 if existing else 0
+        seq = max(shard_seq(existing[-1]) + 1 if existing else 0, self.min_seq)
         self.path = shard_path(self.dir, seq)
         # O_EXCL: two processes can never append to one shard, even if misconfigured with one rank.
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
@@ -165,6 +167,14 @@ class ShardTailer:
                 # The actor moved on to a newer shard: these bytes can never be completed.
                 self.stats.torn_lines += 1
                 self.offsets[rel] = size
+
+
+def next_free_seq(offsets: dict[str, int], sealed: dict[str, int], actor: str) -> int:
+    """The lowest shard sequence number of an actor folder that a tailer with this state knows nothing
+    of: a new shard must start there, even when a known shard is gone from disk (deleted, lost in a
+    copy), or the tailer would skip the new file's first bytes as already read."""
+    known = [shard_seq(Path(key)) + 1 for key in offsets if key.startswith(f"{actor}/")]
+    return max([sealed.get(actor, 0), *known])
 
 
 def scan_units(topic_dir: Path, offsets: dict[str, int], sealed: dict[str, int] | None = None) -> set[tuple[int, int]]:

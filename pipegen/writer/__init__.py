@@ -1,6 +1,8 @@
 """What the writer produces: checkpointed DataProto batches from the shards, merged into trajectories.pkl.
 
-`commit` (the writer process and its commit protocol), `batches` (records -> verl's padded DataProto),
-`merge` (batches -> trajectories.pkl and the artifact).
-`python -m pipegen.writer output_dir=DIR` starts or restarts it, alone or under the launcher.
+`commit` (the writer process and its commit protocol), `batches` (records -> verl's padded DataProto, and
+DataProto <-> batch file), `merge` (batches -> trajectories.pkl and the artifact), `convert` (an old run's
+pickle batch files -> Arrow, only with --convert-pickle-batches).
+`python -m pipegen.writer output_dir=DIR` starts or restarts it, alone or under the launcher; the export, when
+configured, runs after the merge as `python -m pipegen.export`.
 """

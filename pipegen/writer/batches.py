@@ -1,5 +1,5 @@
 """Stream records -> padded verl DataProto batches, exactly as verl's agent-loop postprocessing builds them,
-and the batch file format.
+and batch files <-> DataProtos.
 
 Batches are assembled by verl's own `AgentLoopWorker._postprocess`, run without Ray on a worker built
 with `__new__` (only the attributes `_postprocess` reads are set). The padding of each trajectory is
@@ -11,29 +11,17 @@ tests/test_verl_parity.py checks the result against verl's real worker tensor fo
 tests/test_writer_batches.py checks the numpy padding against verl's per-trajectory path, so the shortcut
 cannot drift silently.
 
-Batch files (`batch_NNNNN.pkl`, internal to a run) hold the batch as numpy arrays in pickle protocol 5
-with the array bytes out of band, so writing one is a few large `write()`s and reading one is a single
-`readinto` with no copy per tensor (pickling a DataProto instead runs `torch.save` per tensor; it was
-a quarter of the writer's time). To keep files small (they are fsynced, and writing them costs the
-writer more than any step but the parse), token tensors are int32 and 0/1 masks int8 on disk
-(`batch_int32`), a 0/1 response_mask one bit per token, and what `load_batch` can rebuild exactly
-is dropped: `input_ids` (prompts ++ responses), 2-D `position_ids`, an attention mask that is verl's
-left/right padding of its row's lengths (two lengths per row), and an rm_scores that is zeros with
-each row's reward at its last response token (one float per row). Each is checked at encode unless
-the caller built it that way (`build_for_storage`); anything else is stored as it is. 64 rows of 1k
-tokens: 1066 KB before these, 617 KB after. `load_batch` returns the same DataProto as before this
-format: int32 token tensors, which `from_storage` turns back into verl's int64.
+Batch files are written and read through `pipegen/run/batchfile.py`, which owns their format (Arrow IPC:
+nothing in one can execute on load); `encode_batch` and `load_batch` only convert between it and a DataProto.
 
 Owns: the record -> row mapping (one row per trajectory; a unit's trajectories stay together), and
-the batch file format.
+the DataProto side of a batch file.
 Must never: touch the checkpoint or decide what is committed, or share its tokenizer (verl's
 padding mutates `tokenizer.padding_side`).
 """
 
 from __future__ import annotations
 
-import pickle
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,23 +30,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from pipegen.run.batchfile import (INT_TENSORS, StoredBatch, attention_mask_of, encode_batch_file, object_array,
+                                   position_ids_of, read_batch)
 from pipegen.run.records import RolloutRecord
 from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 
-ROW_ORDER = ("index", "sample", "trajectory")  # the non-tensor columns trajectories.pkl is sorted by
-INT_TENSORS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
-MASK_TENSORS = ("response_mask", "attention_mask")  # 0/1 values: int8 on disk
 INT64_COLUMNS = ("sample", "trajectory", "priority")
-_INT32 = np.dtype(np.int32).str
-FILE_MAGIC = b"PGBATCH1"
-_ALIGN = 64
-
-
-def object_array(values: list[Any]) -> np.ndarray:
-    """A 1-D object array even when the values are lists (np.array would build a 2-D array)."""
-    arr = np.empty(len(values), dtype=object)
-    arr[:] = values
-    return arr
 
 
 class BatchBuilder:
@@ -183,9 +160,9 @@ def pad_text_batch(trajs: list[dict[str, Any]], kwargs_of: list[dict[str, Any]],
     # attention: 1 over each row's prompt (left-padded) and response (right-padded), in one pass; in the
     # storage form (int32 tokens) as int8, the mask's on-disk type, so neither verl's concatenation
     # nor the batch file moves 4 bytes per 0/1 value
-    inside = _attention(prompt_lens, response_lens, P, R)
+    inside = attention_mask_of(prompt_lens, response_lens, P, R)
     attention = inside.view(np.int8) if dtype == np.int32 else inside.astype(dtype)
-    positions = _positions(attention)
+    positions = position_ids_of(attention)
     # verl's _postprocess only concatenates the rows' tensors along dim 0. The first row carries the
     # whole batch and every other row an empty (0, L) tensor: the concatenation is the same batch,
     # without a tensor view per row and tensor (~1 us each, a tenth of the writer's time at 1k tokens).
@@ -208,178 +185,31 @@ def pad_text_batch(trajs: list[dict[str, Any]], kwargs_of: list[dict[str, Any]],
     return out
 
 
-# ---- the batch file ----
+# ---- the batch file (its format is the run contract's: pipegen/run/batchfile.py) ----
 
 
-def encode_batch(batch, int32: bool, derived_known: dict[str, Any] | None = None) -> list[bytes | memoryview]:
-    """A DataProto as the chunks of a batch file, in order (write them one after the other).
+def encode_batch(batch, int32: bool, derived_known: dict[str, Any] | None = None) -> list[Any]:
+    """A DataProto as the buffers of a batch file, in order (write them one after the other).
 
-    derived_known: tensors the caller built as `load_batch` derives them (`build_for_storage`; for
-    attention_mask its (prompt lengths, response lengths)); the others are compared with their
-    derivation and dropped only when equal.
-
-    Layout: magic, header length and buffer lengths (little-endian u64), the pickled header (numpy
-    arrays out of band), then each array's bytes at a 64-byte aligned offset."""
-    tensors: dict[str, np.ndarray] = {}
-    dtypes: dict[str, str] = {}
-    keys = list(batch.batch.keys())
-    derived_known = derived_known or {}
-    derived = [key for key in ("input_ids", "position_ids") if key in derived_known and key in keys]
-    binary: set[str] = set()  # masks with only 0 and 1
-    for key, tensor in batch.batch.items():
-        arr = tensor.numpy()
-        if int32 and key in INT_TENSORS:
-            dtypes[key] = _INT32  # what load_batch returns; from_storage restores verl's int64
-            if key in derived:
-                pass
-            elif arr.dtype == np.int8:  # already in its disk form (pad_text_batch's attention mask)
-                if key in MASK_TENSORS and _binary(arr):
-                    binary.add(key)
-            else:
-                arr = arr.astype(np.int32, copy=False)  # ids and positions < 2**31
-                if key in MASK_TENSORS and _binary(arr):
-                    arr = arr.astype(np.int8)
-                    binary.add(key)
-        else:
-            dtypes[key] = arr.dtype.str
-        if key not in derived:
-            tensors[key] = np.ascontiguousarray(arr)
-    if "input_ids" not in derived and {"prompts", "responses", "input_ids"} <= tensors.keys() and np.array_equal(
-            tensors["input_ids"], np.concatenate([tensors["prompts"], tensors["responses"]], axis=1)):
-        derived.append("input_ids")
-    if "position_ids" not in derived and {"attention_mask", "position_ids"} <= tensors.keys() and \
-            tensors["position_ids"].ndim == 2 and \
-            np.array_equal(tensors["position_ids"], _positions(tensors["attention_mask"])):
-        derived.append("position_ids")
-    spans = derived_known["attention_mask"] if "attention_mask" in derived_known else _spans(tensors)
-    scores = _last_token_scores(tensors, None if spans is None else spans[1])
-    if scores is not None:
-        derived.append("rm_scores")
-    if spans is not None:
-        derived.append("attention_mask")
-    packed = [key for key in ("response_mask",) if key in binary and key not in derived]  # 0/1: a bit each
-    for key in packed:
-        tensors[key] = np.packbits(tensors[key], axis=-1)
-    header = {"batch_size": len(batch), "keys": keys, "dtypes": dtypes, "derived": derived,
-              "tensors": {k: v for k, v in tensors.items() if k not in derived},
-              "non_tensor_batch": batch.non_tensor_batch, "meta_info": batch.meta_info}
-    if scores is not None:
-        header["rm_scores_at_last_token"] = scores
-    if spans is not None:
-        header["attention_spans"] = spans
-    if packed:
-        header["bit_packed"] = packed
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(header, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
-    chunks: list[bytes | memoryview] = [FILE_MAGIC, struct.pack(f"<{2 + len(raws)}Q", len(head), len(raws),
-                                                                  *(r.nbytes for r in raws)), head]
-    offset = sum(len(c) for c in chunks)
-    for raw in raws:
-        pad = -offset % _ALIGN
-        if pad:
-            chunks.append(bytes(pad))
-        chunks.append(raw)
-        offset += pad + raw.nbytes
-    return chunks
+    derived_known: tensors the caller built as `load_batch` derives them (`build_for_storage`)."""
+    return encode_batch_file({k: t.numpy() for k, t in batch.batch.items()}, batch.non_tensor_batch,
+                             batch.meta_info, int32, derived_known)
 
 
 def load_batch(path: Path):
     """A batch file as a DataProto, token tensors as stored (int32 when batch_int32; from_storage
-    restores verl's int64)."""
+    restores verl's int64). Raises BatchFileError (with the path) for a damaged or foreign file."""
+    return to_dataproto(read_batch(path))
+
+
+def to_dataproto(stored: StoredBatch):
+    """verl's DataProto over a batch file's arrays (no copy)."""
     from tensordict import TensorDict
     from verl.protocol import DataProto
 
-    with open(path, "rb") as f:
-        data = bytearray(f.seek(0, 2))
-        f.seek(0)
-        f.readinto(data)
-    if not data.startswith(FILE_MAGIC):
-        return pickle.loads(data)  # a DataProto pickled by an older pipegen
-    view = memoryview(data)
-    pos = len(FILE_MAGIC)
-    head_len, count = struct.unpack_from("<2Q", view, pos)
-    sizes = struct.unpack_from(f"<{count}Q", view, pos + 16)
-    pos += 16 + 8 * count
-    head = view[pos : pos + head_len]
-    pos += head_len
-    buffers = []
-    for size in sizes:
-        pos += -pos % _ALIGN
-        buffers.append(view[pos : pos + size])
-        pos += size
-    header = pickle.loads(head, buffers=buffers)
-    arrays = header["tensors"]
-    for key in header.get("bit_packed", ()):
-        arrays[key] = np.unpackbits(arrays[key], axis=-1, count=arrays["responses"].shape[-1]).view(np.int8)
-    if "attention_mask" in header["derived"]:
-        prompt_lens, response_lens = header["attention_spans"]
-        arrays["attention_mask"] = _attention(prompt_lens, response_lens, arrays["prompts"].shape[1],
-                                              arrays["responses"].shape[1]).view(np.int8)
-    if "input_ids" in header["derived"]:
-        arrays["input_ids"] = np.concatenate([arrays["prompts"], arrays["responses"]], axis=1)
-    if "position_ids" in header["derived"]:
-        arrays["position_ids"] = _positions(arrays["attention_mask"])
-    if "rm_scores" in header["derived"]:
-        scores = header["rm_scores_at_last_token"]
-        rm_scores = np.zeros((len(scores), arrays["responses"].shape[1]), dtype=scores.dtype)
-        rm_scores[np.arange(len(scores)), _score_columns(arrays["attention_mask"], arrays["prompts"].shape[1])] = scores
-        arrays["rm_scores"] = rm_scores
-    tensors = {k: torch.from_numpy(arrays[k].astype(np.dtype(header["dtypes"][k]), copy=False))
-               for k in header["keys"]}
-    return DataProto(batch=TensorDict(tensors, batch_size=[header["batch_size"]]),
-                     non_tensor_batch=header["non_tensor_batch"], meta_info=header["meta_info"])
-
-
-def _binary(arr: np.ndarray) -> bool:
-    return bool(arr.size) and arr.min() >= 0 and arr.max() <= 1
-
-
-def _attention(prompt_lens: np.ndarray, response_lens: np.ndarray, prompt_length: int,
-               response_length: int) -> np.ndarray:
-    """verl's attention mask for left-padded prompts and right-padded responses, as bool."""
-    columns = np.arange(prompt_length + response_length)
-    return (columns >= (prompt_length - prompt_lens)[:, None]) & (columns < (prompt_length + response_lens)[:, None])
-
-
-def _spans(tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
-    """(prompt lengths, response lengths) when the attention mask is exactly `_attention` of them."""
-    attention, prompts, responses = (tensors.get(k) for k in ("attention_mask", "prompts", "responses"))
-    if attention is None or prompts is None or responses is None or attention.ndim != 2 or \
-            attention.shape != (len(prompts), prompts.shape[1] + responses.shape[1]):
-        return None
-    P = prompts.shape[1]
-    lens = attention[:, :P].sum(axis=1, dtype=np.int32), attention[:, P:].sum(axis=1, dtype=np.int32)
-    return lens if np.array_equal(attention, _attention(*lens, P, responses.shape[1])) else None
-
-
-def _score_columns(attention_mask: np.ndarray, prompt_length: int) -> np.ndarray:
-    """Where verl's `_postprocess` puts each row's reward in rm_scores: its last response token,
-    attention_mask[:, P:].sum(1) - 1 (-1, the last column, for an empty response, as torch indexes)."""
-    return attention_mask[:, prompt_length:].sum(axis=1) - 1
-
-
-def _last_token_scores(tensors: dict[str, np.ndarray], response_lens: np.ndarray | None) -> np.ndarray | None:
-    """rm_scores as one value per row when it is exactly verl's layout (zeros, each row's reward at
-    `_score_columns`; compared bit for bit, so -0.0 or NaN elsewhere keeps the full tensor): a quarter
-    of a batch file's bytes at 1k tokens, for one float per row."""
-    rm, attention, prompts = (tensors.get(k) for k in ("rm_scores", "attention_mask", "prompts"))
-    if rm is None or attention is None or prompts is None or rm.dtype != np.float32 or rm.ndim != 2 \
-            or attention.ndim != 2 or prompts.ndim != 2 or rm.shape != (len(attention), attention.shape[1] - prompts.shape[1]):
-        return None
-    columns = _score_columns(attention, prompts.shape[1]) if response_lens is None else response_lens - 1
-    scores = rm[np.arange(len(rm)), columns]
-    if np.count_nonzero(rm.view(np.int32)) != np.count_nonzero(scores.view(np.int32)):
-        return None
-    return scores
-
-
-def _positions(attention_mask: np.ndarray) -> np.ndarray:
-    """verl's compute_position_id_with_mask: clip(cumsum(mask) - 1, 0), in the mask's integer width."""
-    dtype = attention_mask.dtype if attention_mask.dtype.itemsize >= 4 else np.int32
-    positions = np.cumsum(attention_mask, axis=1, dtype=dtype)
-    positions -= 1
-    return np.maximum(positions, 0, out=positions)  # in place: np.clip allocates twice
+    tensors = {k: torch.from_numpy(v) for k, v in stored.tensors.items()}
+    return DataProto(batch=TensorDict(tensors, batch_size=[len(stored)]), non_tensor_batch=stored.non_tensor,
+                     meta_info=stored.meta_info)
 
 
 def from_storage(batch):

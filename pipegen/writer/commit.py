@@ -6,12 +6,14 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  1. read new complete lines from every shard from the checkpoint's byte offsets;
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
-    batch_NNNNN.pkl. A partial batch is written only when every unit is settled, or after
-    partial_batch_quiet_s seconds (minutes by default) without new lines: each sample is already durable in
-    its shard line, so small batches would buy nothing but files;
+    batch_NNNNN.arrow (pipegen/run/batchfile.py). A partial batch is written only when every unit is
+    settled, or after partial_batch_quiet_s seconds (minutes by default) without new lines: each sample
+    is already durable in its shard line, so small batches would buy nothing but files;
  4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
     fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
- 5. on start: take the lock, load the checkpoint, delete batch files it does not list;
+ 5. on start: take the lock, load the checkpoint (rebuilt from the batch files when it is missing; a
+    damaged one, or a listed batch file missing, is refused with one line), adopt the batch files it
+    does not list (orphans of a crash between 3 and 4: whole, since fsynced before their rename);
  6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete.
 
 Steps 3-4 (the disk half) run on one background thread while the main loop parses the next lines:
@@ -19,10 +21,10 @@ Steps 3-4 (the disk half) run on one background thread while the main loop parse
 all their batch files and then one checkpoint listing them all (group commit). The checkpoint is never
 renamed before every batch it lists is fsynced, renamed and its directory fsynced; the rename itself
 is not followed by a directory fsync, because losing it in a power cut leaves the previous checkpoint,
-which is safe (its batches are durable; the newer batch files are orphans, deleted at start, and their
-lines are read again); the next commit's directory fsync, or the final checkpoint, makes it durable.
+which is safe (its batches are durable; the newer batch files are orphans, adopted at start, and
+their lines are dropped as committed when read again); the next commit's directory fsync, or the final checkpoint, makes it durable.
 
-Owns: checkpoint.json, batch_*.pkl, trajectories.pkl/.zip and the writer lock.
+Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
 whole run in memory before the merge (at most `MAX_QUEUED_BATCHES` encoded batches wait for the
 disk), or run twice on one directory.
@@ -34,22 +36,25 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import orjson
 from omegaconf import DictConfig
 
 from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
 from pipegen.run.atomic import fsync_dir, remove_stale_temporaries, temporary_sibling, write_synced
-from pipegen.run.handshake import EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
+from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
 from pipegen.run.ownership import DirectoryLock, LockHeld
-from pipegen.run.checkpoint import failure_reason, load_checkpoint, save_checkpoint
+from pipegen.run.batchfile import CONVERT_FLAG, legacy_format_message
+from pipegen.run.checkpoint import check_listed_batches, failure_reason, load_checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import check_fingerprint
+from pipegen.run.diskfull import exit_disk_full, is_disk_full
+from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, output_dir_from_args
 from pipegen.run.records import FailureRecord, RolloutRecord, UnitKeys, parse_unit_label, read_head, unit_label
 from pipegen.run.streams import ShardTailer
@@ -181,11 +186,24 @@ class Writer:
 
     # ---- start-up (step 5) ----
     def recover(self) -> None:
+        if not self.run.checkpoint.exists() and self.run.batch_files_on_disk():
+            # batch files without a checkpoint: it was lost (a copy without it) or never written (a crash
+            # before the first one). Either way the batch files are the truth: rebuild, never delete.
+            from pipegen.writer.rebuild import rebuild
+
+            log.warning("no %s beside %d batch file(s): rebuilding it from them", self.run.checkpoint.name,
+                        len(self.run.batch_files_on_disk()))
+            log.warning("%s", rebuild(self.run, self.keys.n).summary(self.run))
+            self.ckpt = load_checkpoint(self.run.checkpoint)
+        check_listed_batches(self.run.root, self.ckpt)
         listed = {self.run.batch_file(i) for i in self.ckpt.batches.numbers()}
         orphans = [p for p in self.run.batch_files_on_disk() if p not in listed]
-        for p in orphans:
-            log.warning("deleting %s: written before a crash, never committed by the checkpoint", p.name)
-            p.unlink()
+        if orphans:
+            from pipegen.writer.rebuild import adopt_orphans
+
+            for entry in adopt_orphans(self.run, self.ckpt, orphans, self.keys.n):
+                log.warning("set aside %s", entry)
+            save_checkpoint(self.run.checkpoint, self.ckpt)
         remove_stale_temporaries(self.run.root)
         self.ckpt.run_key = self.run.run_key()
         if self.ckpt.launch != self.launch:
@@ -206,7 +224,11 @@ class Writer:
         got = 0
         for _, _, line in self.failures.lines():
             got += 1
-            failure = FailureRecord.from_line(line)
+            try:
+                failure = FailureRecord.from_line(line)
+            except (ValueError, TypeError, AttributeError):  # a damaged line: its unit is retried anyway
+                log.error("unparseable line in a failure shard (skipped): %r", line[:120])
+                continue
             key = self.keys.key(failure.index, failure.sample)
             if failure.launch == self.launch and key not in self.ckpt.committed:
                 self.ckpt.mark_failed(unit_label(failure.index, failure.sample), failure.reason)
@@ -217,7 +239,7 @@ class Writer:
                 continue
             try:
                 rec = self.parser.record(line)
-            except (orjson.JSONDecodeError, TypeError):
+            except (ValueError, TypeError, AttributeError):  # orjson's, or a line of another shape
                 log.error("unparseable line in a rollout shard (skipped): %r", line[:120])
                 continue
             if head is None and self._skip(rec.index, rec.sample):
@@ -255,8 +277,7 @@ class Writer:
         path = self.run.batch_file(len(self.ckpt.batches))
         ckpt = self.ckpt
         ckpt.batches.add(len(batch), len(keys))
-        for start, end in _runs(keys):
-            ckpt.committed.add_range(start, end)
+        ckpt.committed.add_sorted(keys)
         if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
             for k in keys:
                 ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
@@ -290,7 +311,11 @@ class Writer:
         if complete and self.gen.final_merge and ckpt.batches:
             from pipegen.writer.merge import merge_run
 
-            merge_run(self.cfg, self.run, ckpt)
+            try:
+                merge_run(self.cfg, self.run, ckpt)
+            except Exception:
+                self._raise_damaged_batch()
+                raise
             ckpt.merged = True
         ckpt.complete = complete
         save_checkpoint(self.run.checkpoint, ckpt)
@@ -298,6 +323,29 @@ class Writer:
             log.error("%d unit(s) failed in this launch (relaunch the same command to retry them):", len(ckpt.failed))
             for unit, info in list(ckpt.failed.items())[:20]:
                 log.error("  unit %s: %s", unit, failure_reason(info))
+
+    def export(self, only_if_missing: bool = False) -> None:
+        """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it
+        reads the run directory, nothing of the writer's). A failed export never fails the run: the
+        merged output is complete, and the log names the command that retries it."""
+        fmt = self.gen.get("export_format")
+        if not fmt or not self.ckpt.merged or (only_if_missing and self.run.export_file(str(fmt)).exists()):
+            return
+        command = [sys.executable, "-m", "pipegen.export", str(self.run.root), "--format", str(fmt)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            log.error("export to %s failed (%s); retry with: python -m pipegen.export %s --format %s",
+                      self.run.export_file(str(fmt)), (done.stderr.strip().splitlines() or ["no output"])[-1],
+                      self.run.root, fmt)
+        else:
+            log.info("%s", done.stdout.strip())
+
+    def _raise_damaged_batch(self) -> None:
+        """After a failed merge: a DamagedFile for the first listed batch file that cannot be read."""
+        from pipegen.run.batchfile import batch_rows
+
+        for number in self.ckpt.batches.numbers():
+            batch_rows(self.run.batch_file(number), whole=True)
 
     def write_stats(self, final: bool = False) -> None:
         self.stats.append(
@@ -324,6 +372,7 @@ class Writer:
         self.recover()
         if self.ckpt.complete and self.ckpt.num_committed == self.total_units:
             log.info("run already complete: %s", self.run.trajectories)
+            self.export(only_if_missing=True)  # a crash may have cut the last launch short after its merge
             return 0
         idle_since = time.monotonic()
         sleep = 0.005
@@ -346,6 +395,7 @@ class Writer:
                 await self.committer.wait()
                 self.finalize()
                 self.write_stats(final=True)
+                self.export()
                 return 0 if self.ckpt.complete else EXIT_FAILED_UNITS
             await asyncio.sleep(sleep)
 
@@ -361,47 +411,75 @@ def _write_all(fd: int, chunks: list) -> None:
             views[0] = views[0][written:]
 
 
-def _runs(sorted_keys: list[int]) -> list[tuple[int, int]]:
-    """Sorted distinct keys as half-open ranges of consecutive keys (one range-set add per run)."""
-    runs: list[tuple[int, int]] = []
-    start = prev = None
-    for k in sorted_keys:
-        if prev is not None and k == prev + 1:
-            prev = k
-            continue
-        if start is not None:
-            runs.append((start, prev + 1))
-        start = prev = k
-    if start is not None:
-        runs.append((start, prev + 1))
-    return runs
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     run = RunDir(output_dir_from_args(argv))
     setup_logging("writer")
     watch_parent()
-    cfg = load_run_config(run)
+    try:
+        cfg = load_run_config(run)
+    except DamagedFile as e:
+        return refuse(run, e)
     lock = DirectoryLock(run.writer_lock)
     try:
         lock.acquire()
     except LockHeld as e:
         print(f"pipegen.writer: {e}", file=sys.stderr)
         return EXIT_LOCKED
-    problem = check_fingerprint(cfg, run)
+    if CONVERT_FLAG in argv:
+        from pipegen.writer.convert import convert_pickle_batches
+
+        try:
+            count = convert_pickle_batches(run)
+        finally:
+            lock.release()
+        print(f"pipegen.writer: converted {count} pickle batch file(s) of {run.root} to Arrow batch files; "
+              f"continue the run as before (python -m pipegen.launch output_dir={run.root})")
+        return 0
+    legacy = run.legacy_batch_files()
+    problem = legacy_format_message(run.root, legacy) if legacy else check_fingerprint(cfg, run)
     if problem:
+        lock.release()
         print(f"pipegen.writer: {problem}", file=sys.stderr)
         return 2
     import uvloop
 
+
     writer = None
     try:
+        if "--rebuild" in argv:
+            from pipegen.writer.rebuild import rebuild
+
+            print(rebuild(run, int(cfg.actor_rollout_ref.rollout.n)).summary(run))
+            return 0
+        problem = check_fingerprint(cfg, run)
+        if problem:
+            print(f"pipegen.writer: {problem}", file=sys.stderr)
+            return 2
+        import uvloop
+
         import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
         writer = Writer(cfg, run)
         return uvloop.run(writer.main())
+    except DamagedFile as e:
+        return refuse(run, e)
+    except OSError as e:
+        if is_disk_full(e):
+            return exit_disk_full(run.root, "writer", "pipegen.writer")
+        raise
     finally:
         if writer is not None:
             writer.committer.close()
         lock.release()
+
+
+def refuse(run: RunDir, damage: DamagedFile) -> int:
+    """One line for a damaged run-directory file, also in the writer's final stats line (the launcher
+    closes with it); nothing on disk is touched."""
+    print(f"pipegen.writer: error: {damage}", file=sys.stderr)
+    try:
+        StatsAppender(run.stats, "writer").append({"final": True, "refused": str(damage)})
+    except OSError:
+        pass
+    return EXIT_DAMAGED
 

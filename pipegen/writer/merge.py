@@ -3,12 +3,11 @@
 Owns: the merge (key alignment across batches, (index, sample, trajectory) order, verl's int64 layout
 restored, verl's timing metrics, `meta_info["temperature"]` that verl's log-prob pass reads), the output
 modes (one `trajectories.pkl`, or `trajectories/part_NNNNN.pkl` + `index.json` for runs larger than RAM),
-`trajectories.zip` (output + checkpoint + config), uploaded to wandb when it is a tracking backend, and the
-optional export at the end of a run.
+`trajectories.zip` (output + checkpoint + config), uploaded to wandb when it is a tracking backend. The
+optional export runs after it, as its own step (`python -m pipegen.export`, started by the writer).
 
-Bounded memory: a `MergePlan` first reads every batch once for its sort keys and non-tensor columns (tensors
-dropped at once), then fills preallocated int64 tensors row range by row range, reading only the batches that
-hold rows of that range (a small cache keeps the last few, as the writer commits roughly in order). Files are
+Bounded memory: a `MergePlan` is the run's `SortedRows` (pipegen/run/sorted_rows.py: every batch read once for
+its sort keys, then preallocated int64 tensors filled row range by row range) as DataProtos. Files are
 written by `save_dataproto`: a pickle that `DataProto.load_from_disk` reads (it rebuilds through verl's own
 `DataProto.from_dict`) with tensors as zero-copy protocol-5 buffers, so neither writing nor loading holds a second
 copy (verl's own `save_to_disk` consolidates and `torch.save`s the batch into bytes first: about 3x the output).
@@ -23,13 +22,11 @@ import pickle
 import shutil
 import time
 import zipfile
-from collections import OrderedDict
 from functools import partial
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional, Sequence
 
-import numpy as np
 import orjson
 import torch
 from omegaconf import DictConfig
@@ -37,8 +34,8 @@ from omegaconf import DictConfig
 from pipegen.run.atomic import atomic_write, atomic_write_bytes
 from pipegen.run.checkpoint import Checkpoint
 from pipegen.run.layout import RunDir
+from pipegen.run.sorted_rows import ROW_ORDER, SortedRows
 from pipegen.verl_private import performance_metrics
-from pipegen.writer.batches import INT_TENSORS, ROW_ORDER, load_batch, object_array
 
 log = logging.getLogger("pipegen.writer")
 
@@ -67,97 +64,14 @@ def save_dataproto(data: Any, f: BinaryIO) -> None:
 
 
 @dataclass
-class MergePlan:
-    """Where every committed row goes in the sorted output: pass one of the merge (keys and non-tensor columns)."""
+class MergePlan(SortedRows):
+    """A run's sorted rows (pipegen/run/sorted_rows.py) as verl DataProtos, with the run's meta_info."""
 
-    paths: list[Path]
-    dest: list[np.ndarray]  # per batch: each row's position in the sorted output
-    non_tensor: dict[str, np.ndarray]  # whole run, sorted
-    metrics: list[dict]  # verl's per-row agent-loop metrics, sorted
-    tensor_specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]  # output dtype and trailing shape per tensor key
-    reward_keys: Optional[list[str]]
     meta: dict[str, Any] = field(default_factory=dict)  # meta_info every output piece carries
-    cache_size: int = 4
-    batch_reads: int = 0
-    _cache: OrderedDict = field(default_factory=OrderedDict)
-
-    def __post_init__(self) -> None:
-        self._span = [(int(d.min()), int(d.max())) if len(d) else (0, -1) for d in self.dest]
-
-    @property
-    def num_rows(self) -> int:
-        return sum(len(d) for d in self.dest)
 
     @classmethod
     def scan(cls, paths: Sequence[Path], meta: Optional[dict[str, Any]] = None) -> "MergePlan":
-        """Read each batch once (one at a time) for its sort keys, non-tensor columns, metrics and tensor shapes."""
-        paths = list(paths)
-        if not paths:
-            raise ValueError("no batches to merge")
-        columns: list[dict[str, np.ndarray]] = []
-        metrics: list[dict] = []
-        tensor_sets: list[dict[str, tuple[torch.dtype, tuple[int, ...]]]] = []
-        reward_keys = None
-        for i, path in enumerate(paths):
-            part = load_batch(path)
-            columns.append(dict(part.non_tensor_batch))
-            metrics.extend(part.meta_info.get("metrics", []))
-            if i == 0:
-                reward_keys = part.meta_info.get("reward_extra_keys")
-            tensor_sets.append({k: (torch.int64 if k in INT_TENSORS else v.dtype, tuple(v.shape[1:]))
-                                for k, v in part.batch.items()})
-            del part
-        # rm_scores exists only where every row was scored: keep the tensors every batch has.
-        common = [k for k in tensor_sets[0] if all(k in s for s in tensor_sets)]
-        for k in common:
-            if any(s[k] != tensor_sets[0][k] for s in tensor_sets):
-                raise ValueError(f"batch files disagree on the shape of {k!r}: rerun the writer on a clean run")
-        keys: list[str] = []
-        for cols in columns:  # custom loops may set extra_fields only sometimes
-            keys += [k for k in cols if k not in keys]
-        sizes = [len(next(iter(cols.values()))) for cols in columns]
-        merged = {k: np.concatenate([cols[k] if k in cols else object_array([None] * n)
-                                     for cols, n in zip(columns, sizes)]) for k in keys}
-        del columns
-        order = np.lexsort([merged[key].astype(np.int64) for key in reversed(ROW_ORDER)])  # last key sorts first
-        position = np.empty(len(order), dtype=np.int64)
-        position[order] = np.arange(len(order))
-        bounds = np.cumsum([0] + sizes)
-        return cls(paths=paths, dest=[position[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-                   non_tensor={k: v[order] for k, v in merged.items()},
-                   metrics=[metrics[i] for i in order] if len(metrics) == len(order) else [],
-                   tensor_specs={k: tensor_sets[0][k] for k in common}, reward_keys=reward_keys, meta=dict(meta or {}))
-
-    def _batch(self, i: int) -> Any:
-        if i in self._cache:
-            self._cache.move_to_end(i)
-            return self._cache[i]
-        part = load_batch(self.paths[i])
-        self.batch_reads += 1
-        self._cache[i] = part
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
-        return part
-
-    def _tensors(self, lo: int, hi: int) -> dict[str, torch.Tensor]:
-        """Sorted rows [lo, hi) of every tensor, int64 token tensors, read from the batches that hold them."""
-        tensors = {k: torch.empty((hi - lo, *shape), dtype=dtype) for k, (dtype, shape) in self.tensor_specs.items()}
-        for i, dest in enumerate(self.dest):
-            if not len(dest) or self._span[i][0] >= hi or self._span[i][1] < lo:
-                continue  # no row of this batch in [lo, hi)
-            hit = np.nonzero((dest >= lo) & (dest < hi))[0]
-            if not len(hit):
-                continue
-            part, at = self._batch(i), dest[hit] - lo
-            if hit[-1] - hit[0] + 1 == len(hit) and at[-1] - at[0] + 1 == len(at) and (np.diff(at) == 1).all():
-                # the usual case (the writer commits in order): one slice copy per tensor
-                for k, out in tensors.items():
-                    out[at[0]:at[-1] + 1].copy_(part.batch[k][hit[0]:hit[-1] + 1])
-                continue
-            at_t, src = torch.from_numpy(at), torch.from_numpy(hit)
-            for k, out in tensors.items():
-                out[at_t] = part.batch[k][src].to(out.dtype)
-        return tensors
+        return super().scan(paths, meta=dict(meta or {}))
 
     def run_meta(self) -> dict[str, Any]:
         """meta_info of every output piece: the run's (so sharded parts concatenate with DataProto.concat)."""
@@ -175,15 +89,15 @@ class MergePlan:
         """Sorted output rows [lo, hi) as one DataProto in verl's layout (int64 token tensors)."""
         from verl import DataProto
 
-        return DataProto.from_dict(tensors=self._tensors(lo, hi), meta_info=self.run_meta(),
+        tensors = {k: torch.from_numpy(v) for k, v in self.tensors(lo, hi).items()}
+        return DataProto.from_dict(tensors=tensors, meta_info=self.run_meta(),
                                    non_tensors={k: v[lo:hi] for k, v in self.non_tensor.items()})
 
     def pieces(self, rows: int) -> Iterator[tuple[int, int, Any]]:
         """(lo, hi, DataProto) for consecutive ranges of at most ``rows`` sorted rows."""
-        for lo in range(0, self.num_rows, max(1, rows)):
-            hi = min(self.num_rows, lo + max(1, rows))
+        for lo, hi in self.ranges(rows):
             yield lo, hi, self.rows(lo, hi)
-        self._cache.clear()
+        self.release()
 
 
 @dataclass
@@ -200,7 +114,7 @@ class _LazyRow:
     plan: MergePlan
 
     def __getitem__(self, i: Any) -> torch.Tensor:
-        return self.plan._tensors(int(i), int(i) + 1)["attention_mask"][0]
+        return torch.from_numpy(self.plan.tensors(int(i), int(i) + 1)["attention_mask"][0])
 
 
 def output_meta(cfg: DictConfig) -> dict[str, Any]:
@@ -210,11 +124,11 @@ def output_meta(cfg: DictConfig) -> dict[str, Any]:
 
 def plan_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> MergePlan:
     """The merge plan of a run: exactly the batches the checkpoint lists."""
-    return MergePlan.scan([run.batch_file(i) for i in ckpt.batches.numbers()], output_meta(cfg))
+    return MergePlan.committed(run, ckpt, meta=output_meta(cfg))
 
 
 def merge_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
-    """Merge the checkpoint's batches into the configured output, write (and upload) the artifact, export."""
+    """Merge the checkpoint's batches into the configured output, write (and upload) the artifact."""
     started = time.monotonic()
     gen = cfg.generation
     mode = str(gen.get("merge_output", "single"))
@@ -229,25 +143,12 @@ def merge_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
         if run.output_shards.exists():
             shutil.rmtree(run.output_shards)
         merged = plan.rows(0, plan.num_rows)
-        plan._cache.clear()
+        plan.release()
         atomic_write(run.trajectories, partial(save_dataproto, merged))
         del merged
         target = run.trajectories
     write_artifact(cfg, run)
     log.info("merged %d rows into %s in %.1fs", plan.num_rows, target, time.monotonic() - started)
-    fmt = gen.get("export_format")
-    if fmt:
-        from pipegen.export.writers import export_plan
-
-        started = time.monotonic()
-        try:
-            export_plan(cfg, plan, run.export_file(str(fmt)), str(fmt))
-        except Exception as exc:  # the merged output is complete: report, never fail the run over the export
-            log.error("export to %s failed (%s); retry with: python -m pipegen.export %s --format %s",
-                      run.export_file(str(fmt)), exc, run.root, fmt)
-            return
-        log.info("exported %d rows to %s in %.1fs", plan.num_rows, run.export_file(str(fmt)),
-                 time.monotonic() - started)
 
 
 def write_shards(plan: MergePlan, run: RunDir, shard_rows: int) -> None:
