@@ -24,6 +24,7 @@ import orjson
 import pytest
 
 from conftest import FAKE_ENGINE, FAST, REPO, assert_same_trajectories, assert_verified, launch, load_trajectories
+from pipegen.run.layout import BATCH_GLOB, batch_file_name
 
 FILES = {
     "checkpoint": "checkpoint.json",
@@ -31,7 +32,7 @@ FILES = {
     "fingerprint": "conf/fingerprint.json",
     "units": "conf/units.json",
     "launch": "conf/launch.json",
-    "batch": "batch_00000.pkl",  # the one batch file the checkpoint lists
+    "batch": batch_file_name(0),  # the one batch file the checkpoint lists
     "shard": "streams/rollouts/actor_0/000000.jsonl",  # committed and uncommitted lines
 }
 MODES = ("truncated", "empty", "zero-filled", "garbage", "missing")
@@ -68,7 +69,7 @@ def runs(tmp_path_factory, tiny_model):
     # takes the first batch at once), the last is not listed yet, so every unit is in a batch file
     assert writer.returncode == -9, writer.stderr[-2000:]
     listed = orjson.loads((partial / "checkpoint.json").read_bytes())["batches"]["count"]
-    assert 1 <= listed < len(list(partial.glob("batch_*.pkl"))) == 3
+    assert 1 <= listed < len(list(partial.glob(BATCH_GLOB))) == 3
     return overrides, base / "clean", partial
 
 
@@ -202,7 +203,7 @@ def test_a_damaged_file_end_to_end(runs, tmp_path, name, mode):
     shutil.copytree(partial, out)
     if name == "shard":  # as if the writer died before writing its unlisted batch files
         listed = orjson.loads((out / "checkpoint.json").read_bytes())["batches"]["count"]
-        for orphan in sorted(out.glob("batch_*.pkl"))[listed:]:
+        for orphan in sorted(out.glob(BATCH_GLOB))[listed:]:
             orphan.unlink()
     target = out / FILES[name]
     damage(target, mode)
@@ -244,14 +245,14 @@ def test_verify_passes_a_clean_run_and_fails_on_a_duplicated_row(complete_copy):
     ok = verify(complete_copy)
     assert ok.returncode == 0 and ok.stdout.startswith(f"pipegen verify {complete_copy}: OK"), ok.stdout + ok.stderr
     # batch 0 again, as a fourth batch the checkpoint lists: its rows are there twice
-    shutil.copy(complete_copy / "batch_00000.pkl", complete_copy / "batch_00003.pkl")
+    shutil.copy(complete_copy / batch_file_name(0), complete_copy / batch_file_name(3))
     ckpt_path = complete_copy / "checkpoint.json"
     ckpt = orjson.loads(ckpt_path.read_bytes())
     ckpt["batches"]["sizes"].append(list(ckpt["batches"]["sizes"][0][:2]) + [1])
     ckpt_path.write_bytes(orjson.dumps(ckpt))
     bad = verify(complete_copy)
     assert bad.returncode == 1, bad.stdout
-    assert "duplicated row(s): " in bad.stdout and "in batch_00000.pkl and batch_00003.pkl" in bad.stdout, bad.stdout
+    assert "duplicated row(s): " in bad.stdout and f"in {batch_file_name(0)} and {batch_file_name(3)}" in bad.stdout, bad.stdout
 
 
 def verify_in_process(out: Path) -> str:
@@ -270,7 +271,7 @@ def test_verify_fails_on_a_missing_unit(complete_copy):
 
     from pipegen.writer.batches import encode_batch, load_batch
 
-    path = complete_copy / "batch_00000.pkl"
+    path = complete_copy / batch_file_name(0)
     batch = load_batch(path)
     index, sample = batch.non_tensor_batch["index"], batch.non_tensor_batch["sample"]
     lost = (int(index[0]), int(sample[0]))
@@ -282,9 +283,9 @@ def test_verify_fails_on_a_missing_unit(complete_copy):
 
 @pytest.mark.slow
 def test_verify_fails_on_a_batch_file_the_checkpoint_does_not_list(complete_copy):
-    shutil.copy(complete_copy / "batch_00001.pkl", complete_copy / "batch_00003.pkl")
+    shutil.copy(complete_copy / batch_file_name(1), complete_copy / batch_file_name(3))
     report = verify_in_process(complete_copy)
-    assert "batch_00003.pkl is on disk but checkpoint.json does not list it (an orphan)" in report, report
+    assert f"{batch_file_name(3)} is on disk but checkpoint.json does not list it (an orphan)" in report, report
 
 
 def test_a_new_shard_never_reuses_the_name_of_a_read_shard_that_is_gone(tmp_path):

@@ -58,7 +58,7 @@ def build_checkpoint(units: int, seed: int = 0):
     rng = random.Random(seed)
     total = units + WINDOW
     order = sorted(range(total), key=lambda k: k + rng.uniform(0, WINDOW))[:units]
-    ckpt = Checkpoint(fingerprint="f" * 64, launch="0" * 32)
+    ckpt = Checkpoint(run_key="f" * 16, launch="0" * 32)
     for b in range(0, units, BATCH):
         keys = sorted(order[b:b + BATCH])
         for k in keys:

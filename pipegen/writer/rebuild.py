@@ -40,7 +40,7 @@ log = logging.getLogger("pipegen.writer")
 class Rebuilt:
     checkpoint: Checkpoint
     kept: int = 0
-    set_aside: list[str] = field(default_factory=list)  # "batch_00002.pkl -> batch_00002.pkl.damaged-...: why"
+    set_aside: list[str] = field(default_factory=list)  # "batch_00002.arrow -> batch_00002.arrow.damaged-...: why"
     old_checkpoint: Path | None = None
 
     def summary(self, run: RunDir) -> str:
