@@ -1,4 +1,4 @@
-"""The engine interface (pipegen/actor/engines/): each engine's body and answer, its load signal, how a URL's
+"""The engine interface (pipegen/engines/): each engine's body and answer, its load signal, how a URL's
 engine is recognised, and vLLM servers in the world plan. Fast: pure functions and the SGLang fake; the real
 vLLM runs in tests/test_vllm.py."""
 
@@ -9,9 +9,10 @@ import itertools
 import pytest
 
 from fake_servers import FakeServer
-from pipegen.actor.engines import UnknownEngine, detect_protocol, engine
-from pipegen.actor.engines.vllm import parse_metrics
-from pipegen.actor.protocol import ClientLimits, RequestRejected
+from pipegen.engines import UnknownEngine, detect_protocol, engine
+from pipegen.engines.vllm import parse_metrics
+from pipegen.actor.protocol import ClientLimits
+from pipegen.engines.request import RequestRejected
 from pipegen.launch.servers import vllm_server_command
 from pipegen.launch.world import plan_world
 from pipegen.run.schema import llm_defaults

@@ -52,7 +52,7 @@ def test_gpu_like_engine_reports_its_limits_and_load_and_aborts_like_sglang(tiny
 
 
 def test_controller_grows_to_fill_the_batch_and_shrinks_a_long_queue():
-    from pipegen.actor.engines.sglang import parse_load
+    from pipegen.engines.sglang import parse_load
     from pipegen.actor.pacing import ConcurrencyControl
 
     control = ConcurrencyControl(["http://s"], "auto", sharing=1, memory_cap_units=10_000)

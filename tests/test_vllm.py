@@ -68,7 +68,7 @@ def vllm_server(vllm_python, smollm2, tmp_path_factory):
 
 
 def metrics(url: str) -> tuple[int, int]:
-    from pipegen.actor.engines.vllm import parse_metrics
+    from pipegen.engines.vllm import parse_metrics
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         return parse_metrics(resp.read().decode())

@@ -33,9 +33,10 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
-from pipegen.actor.engines import AUTO, Engine, EngineRequest, engine
+from pipegen.engines import AUTO, Engine, EngineRequest, engine
 from pipegen.actor.pacing import TokenClock, stall_deadline
-from pipegen.actor.protocol import ClientLimits, RequestRejected
+from pipegen.actor.protocol import ClientLimits
+from pipegen.engines.request import RequestRejected
 
 __all__ = ["ClientLimits", "RequestRejected", "RetriesExhausted", "ServerPool"]
 

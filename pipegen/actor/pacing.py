@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from pipegen.actor.engines import Engine, LoadUnavailable
+from pipegen.engines import Engine, LoadUnavailable
 
 from pipegen.run.schema import Actors, Servers
 

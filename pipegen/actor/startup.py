@@ -89,7 +89,7 @@ async def _answers(session, pool, url: str) -> bool:
     loading"). With `llm.protocol=auto`, the first server that answers names the pool's engine."""
     import aiohttp
 
-    from pipegen.actor.engines import detect_protocol, engine
+    from pipegen.engines import detect_protocol, engine
 
     if pool.engine is None:
         protocol = await asyncio.to_thread(detect_protocol, url)  # UnknownEngine propagates: a wrong URL

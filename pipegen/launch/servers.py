@@ -320,7 +320,7 @@ class ServerProcess:
 
 def wait_for_protocol(url: str, deadline_s: float, poll_s: float = 0.5) -> str:
     """`llm.protocol=auto`: which engine serves url, once it answers (engines.detect_protocol)."""
-    from pipegen.actor.engines import UnknownEngine, detect_protocol
+    from pipegen.engines import UnknownEngine, detect_protocol
 
     started = time.monotonic()
     while True:
@@ -361,7 +361,7 @@ class ServerWatch:
 
     def _wait(self) -> None:
         try:
-            from pipegen.actor.engines import AUTO, engine
+            from pipegen.engines import AUTO, engine
 
             external = self.role is None  # nobody of ours is starting it: refused connections mean nothing is there
             started = time.monotonic()

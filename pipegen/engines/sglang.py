@@ -7,13 +7,15 @@ served by pipegen's CPU reference server and the test fakes.
 - running limit: `/get_server_info` `max_running_requests`;
 - load: `/get_load` (per data-parallel rank `num_reqs`, running and waiting together, and `num_waiting_reqs`).
 
-The body and the answer are built and read by protocol.py, as verl's SGLang server does.
+The body and the answer are built and read here (`build_request`, `parse_response`), as verl's SGLang
+server does.
 Owns: SGLang's endpoints and their answers. Must never: retry, or re-tokenize anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import operator
 import dataclasses
 import logging
 from typing import Any
@@ -21,8 +23,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pipegen.actor.engines import EngineRequest, LoadUnavailable, get_json
-from pipegen.actor.protocol import ClientLimits, build_request, new_rid, parse_response
+from pipegen.engines import EngineRequest, LoadUnavailable, get_json
+from pipegen.engines.request import TokenBudget, checked_prompt_ids, max_new_tokens_for, new_rid
+
+
+_FIRST = operator.itemgetter(0)
 
 log = logging.getLogger("pipegen.client")
 
@@ -46,7 +51,7 @@ class SGLang:
     generate_path = "/generate"
     health_path = "/health_generate"
 
-    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits,
+    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,
               sampling_seed: int | None) -> EngineRequest:
         body = build_request(prompt_ids, sampling_params, limits, sampling_seed)
         return EngineRequest(body, body["rid"], int(body["sampling_params"]["max_new_tokens"]),
@@ -84,3 +89,44 @@ class SGLang:
             if "HTTP 404" in str(e):
                 raise LoadUnavailable(f"{url} has no /get_load") from e
             raise
+
+
+def build_request(
+    prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget, sampling_seed: int | None
+) -> dict[str, Any]:
+    """The JSON body for SGLang's POST /generate (single form)."""
+    ids = checked_prompt_ids(prompt_ids, limits)
+    params = dict(sampling_params)
+    max_new = max_new_tokens_for(params, len(ids), limits)
+    return_logprob = bool(params.pop("logprobs", False))
+    params.pop("prompt_logprobs", None)
+    params["max_new_tokens"] = max_new
+    if sampling_seed is not None:
+        params["sampling_seed"] = int(sampling_seed)
+    return {
+        "rid": new_rid(),  # fresh per attempt: re-sending an in-flight rid is a 400 in SGLang
+        "input_ids": ids,
+        "sampling_params": params,
+        "return_logprob": return_logprob,
+    }
+
+
+def parse_response(body: dict[str, Any], return_logprob: bool):
+    """SGLang /generate answer -> verl TokenOutput, the way verl's SGLang server builds it."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    meta = body.get("meta_info") or {}
+    finish = meta.get("finish_reason")
+    stop_reason = finish.get("type") if isinstance(finish, dict) else None
+    # no per-token int()/float() here: TokenOutput (pydantic) validates and coerces the lists in Rust
+    token_ids = body.get("output_ids") or []
+    if return_logprob:
+        triples = meta.get("output_token_logprobs") or []
+        if triples and len(triples) == len(token_ids):
+            log_probs = list(map(_FIRST, triples))  # (logprob, id, text) triples; map: half a list comprehension's cost
+        else:  # the max_new_tokens=0 phantom entry, or an abort with no logprobs: verl keeps nothing
+            token_ids, log_probs = [], []
+    else:
+        log_probs = None
+    extra = {"global_steps": None, "min_global_steps": None, "max_global_steps": None}
+    return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=stop_reason, extra_fields=extra)

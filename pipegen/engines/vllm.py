@@ -32,8 +32,8 @@ from typing import Any
 
 import aiohttp
 
-from pipegen.actor.engines import EngineRequest, LoadUnavailable
-from pipegen.actor.protocol import ClientLimits, checked_prompt_ids, max_new_tokens_for, new_rid
+from pipegen.engines import EngineRequest, LoadUnavailable
+from pipegen.engines.request import TokenBudget, checked_prompt_ids, max_new_tokens_for, new_rid
 
 RUNNING_METRIC = "vllm:num_requests_running"
 WAITING_METRIC = "vllm:num_requests_waiting"
@@ -61,7 +61,7 @@ class VLLM:
     generate_path = "/v1/completions"
     health_path = "/health"
 
-    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: ClientLimits,
+    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,
               sampling_seed: int | None) -> EngineRequest:
         ids = checked_prompt_ids(prompt_ids, limits)
         params = dict(sampling_params)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import aiohttp
 
-    from pipegen.actor.protocol import ClientLimits
+    from pipegen.engines.request import TokenBudget
 
 PROTOCOLS = ("sglang", "vllm")
 AUTO = "auto"
@@ -49,7 +49,7 @@ class Engine(Protocol):
     generate_path: str  # POST the body here
     health_path: str  # GET: 200 once the server generates
 
-    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "ClientLimits",
+    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "TokenBudget",
               sampling_seed: int | None) -> EngineRequest: ...
 
     def renewed(self, request: EngineRequest) -> EngineRequest:
@@ -89,11 +89,11 @@ class LoadUnavailable(Exception):
 def engine(protocol: str) -> Engine:
     """The engine speaking `protocol` (`sglang` or `vllm`)."""
     if protocol == "sglang":
-        from pipegen.actor.engines.sglang import SGLang
+        from pipegen.engines.sglang import SGLang
 
         return SGLang()
     if protocol == "vllm":
-        from pipegen.actor.engines.vllm import VLLM
+        from pipegen.engines.vllm import VLLM
 
         return VLLM()
     raise ValueError(f"llm.protocol={protocol!r} is unknown; choose one of {', '.join(PROTOCOLS)} or {AUTO}")
