@@ -20,7 +20,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from pipegen.launch.supervise import Role, Supervisor
+from pipegen.launch.node_processes import NodeProcesses
+from pipegen.launch.supervise import Role
 from pipegen.observe.logs import setup_logging
 from pipegen.run.checkpoint import failure_reason
 from pipegen.launch.prepare import build_manifest, check_run_files, fail, prepare_run, print_help, resolve_inputs
@@ -32,69 +33,20 @@ from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED
 
 log = logging.getLogger("pipegen.launch")
 
-class Launcher:
+
+class Launcher(NodeProcesses):
+    """This node's processes (NodeProcesses), plus what only the launcher does: the actors' and the writer's
+    start, the run's supervision and progress, and the take-over of a writer started by hand."""
+
     def __init__(self, cfg: DictConfig, run: RunDir):
-        self.cfg = cfg
-        self.run = run
-        self.sup = Supervisor(run)
+        super().__init__(cfg, run)
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self._stopping = False
         self._outside_writer: int | None = None  # pid of a writer this launcher did not start
         self._outside_checked = 0.0
-        self.watches: list = []  # launch.servers.ServerWatch, one per server URL
-        self.launch_started = run.read_launch().started  # the origin of every start-up phase
         self._startup_logged = False
         self._actors_started = 0
         self.cluster = None  # ray_cluster.RayCluster under cluster=ray: it leases the units to the nodes
-
-    def _role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
-        return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
-                                 int(self.cfg.generation.restart_limit)))
-
-    def start_servers(self, plan) -> None:
-        """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
-        from pipegen.launch.servers import SERVER_COMMANDS, ServerWatch, check_server_python, server_python
-
-        llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
-        build = SERVER_COMMANDS.get(llm["kind"])
-        if llm["kind"] != "cpu" and plan.servers:
-            problem = check_server_python(llm["kind"], server_python(llm))
-            if problem:
-                raise ValueError(problem)
-        roles = []
-        per_server = list(llm.get("server_args") or [])
-        for i, server in enumerate(plan.servers):
-            argv, env = build(server, self.cfg.actor_rollout_ref.model.path, llm, int(self.cfg.seed))
-            if i < len(per_server):
-                argv += [str(a) for a in per_server[i] or []]
-            role = self._role(server.name, argv, env)
-            role.group = "servers"  # one server crash-looping must not end a run the others can finish
-            self.sup.start(role)
-            roles.append((server, role))
-        timeout = float(llm["ready_timeout_s"])
-        protocol = str(llm["protocol"])
-        self.watches = [ServerWatch(server.name, server.url, timeout, role, protocol).start() for server, role in roles]
-        self.watches += [ServerWatch("external server", url, timeout, None, protocol).start()
-                         for url in plan.external_urls]
-        log.info("waiting for %d server(s) to answer; actors and writer start meanwhile", len(self.watches))
-
-    def check_servers(self) -> None:
-        """Log each server once it answers. A server that dies or misses llm.ready_timeout_s ends the run
-        (ServerNotReady, quoting its log) when no other server answers; else the others carry on."""
-        ready = [w for w in self.watches if w.ready_after_s is not None]
-        for watch in self.watches:
-            if watch.logged:
-                continue
-            if watch.ready_after_s is not None:
-                watch.logged = True
-                log.info("%s ready at %s (%s): answered %.1fs after the launch started", watch.name,
-                         watch.url, watch.protocol, watch.ready_at - self.launch_started)
-            elif watch.error is not None and ready:
-                watch.logged = True
-                log.error("%s did not become ready; %d other server(s) carry on: %s", watch.name, len(ready),
-                          watch.error)
-        if self.watches and not ready and all(w.error is not None for w in self.watches):
-            raise self.watches[0].error
 
     def log_startup(self, roles: dict, final: bool = False) -> None:
         """Once every actor has reported its first unit (or at the end, as far as it got): the launch's
@@ -114,7 +66,7 @@ class Launcher:
         self._actors_started = plan.num_actors
         for k in range(plan.num_actors):
             rank = plan.node.rank * plan.num_actors + k
-            self.sup.start(self._role(actor_role(rank), [sys.executable, "-m", "pipegen.actor",
+            self.sup.start(self.role(actor_role(rank), [sys.executable, "-m", "pipegen.actor",
                                                         f"output_dir={self.run.root}", f"rank={rank}",
                                                         f"num_actors={world_actors}"]))
 
@@ -122,7 +74,7 @@ class Launcher:
         """Start the writer (rank 0 only): it imports verl, then waits for the unit manifest."""
         if not (plan.runs_writer and self.cfg.generation.run_writer):
             return None
-        writer = self._role("writer", [sys.executable, "-m", "pipegen.writer", f"output_dir={self.run.root}"])
+        writer = self.role("writer", [sys.executable, "-m", "pipegen.writer", f"output_dir={self.run.root}"])
         writer.final_codes = frozenset({0, EXIT_FAILED_UNITS, EXIT_DAMAGED})
         writer.standby_codes = frozenset({EXIT_LOCKED})  # a writer started by hand owns the directory
         self.sup.start(writer)
@@ -217,22 +169,6 @@ class Launcher:
         self._outside_writer = None
         self.sup.start(writer)
         return False
-
-    def stop(self) -> None:
-        """Stop every child. A server stopped here logs the SIGTERM in its own way (SGLang: "Subprocess
-        scheduler_0 ... crashed with exit code -15"), so its log gets a line first saying it is this stop."""
-        servers = [r for r in self.sup.roles.values() if r.group == "servers" and r.alive]
-        for role in servers:
-            try:
-                with open(role.log_path, "ab") as f:  # O_APPEND: safe beside the server's own writes
-                    f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} pipegen stops {role.name} (SIGTERM): "
-                            f"exit codes -15 reported below are this stop, not a crash =====\n".encode())
-            except OSError:
-                pass
-        self.sup.stop_all()
-        if servers:
-            log.info("stopped %s (SIGTERM, a normal stop)", ", ".join(r.name for r in servers))
-
 
 def refuse_node_variables(cfg: DictConfig) -> None:
     """torchrun/Slurm node variables without cluster=ray are refused (ValueError, one line): nodes launched

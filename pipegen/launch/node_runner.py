@@ -36,6 +36,7 @@ from omegaconf import OmegaConf
 
 from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
 from pipegen.launch.leases import open_units
+from pipegen.launch.node_processes import NodeProcesses
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import NodeRecord, RunDir, node_actor_role
 
@@ -169,7 +170,6 @@ class NodeRunner:
     """A Ray actor (made remote by ray_cluster.py): this node's servers, actors and lease queue."""
 
     def __init__(self, output_dir: str, node: str, launch: str):
-        from pipegen.launch.launcher import Launcher
         from pipegen.launch.world import current_plan
 
         self.run = RunDir(Path(output_dir))
@@ -192,16 +192,16 @@ class NodeRunner:
         plan.servers = [dataclasses.replace(s, name=f"server_{name}-{i}") for i, s in enumerate(plan.servers)]
         self.queue = NodeQueue()
         self.endpoint = LeaseEndpoint(self.queue)
-        self.launcher = Launcher(cfg, self.run)
-        self.launcher.start_servers(plan)
+        self.processes = NodeProcesses(cfg, self.run)
+        self.processes.start_servers(plan)
         actors = [node_actor_role(node, self.incarnation, k) for k in range(plan.num_actors)]
         self.run.write_node(NodeRecord(
             launch=launch, run_key=self.run.run_key(), servers=plan.urls, num_actors=plan.num_actors, node=node,
             incarnation=self.incarnation, host=self.host, actors=actors,
-            server_pgids=[r.proc.pid for r in self.launcher.sup.roles.values() if r.proc is not None]))
+            server_pgids=[r.proc.pid for r in self.processes.sup.roles.values() if r.proc is not None]))
         for role in actors:
             rank = role.removeprefix("actor_")
-            self.launcher.sup.start(self.launcher._role(role, [
+            self.processes.sup.start(self.processes.role(role, [
                 sys.executable, "-m", "pipegen.actor", f"output_dir={self.run.root}", f"rank={rank}",
                 f"num_actors={plan.num_actors}", f"node={node}", f"leases={self.endpoint.url}"]))
         log.info("%s incarnation %s on %s (pid %d): servers %s, actors %s, leases at %s", node, self.incarnation,
@@ -230,17 +230,17 @@ class NodeRunner:
                 pass
 
     def _supervise(self) -> None:
-        actors = {name: role for name, role in self.launcher.sup.roles.items() if name.startswith("actor_")}
+        actors = {name: role for name, role in self.processes.sup.roles.items() if name.startswith("actor_")}
         seen = {name: role.proc.pid if role.proc else None for name, role in actors.items()}
         while self.error is None:
             try:
-                self.launcher.sup.poll()
+                self.processes.sup.poll()
                 for name, role in actors.items():  # a crashed actor's units go to the others (and to its restart)
                     pid = role.proc.pid if role.proc else None
                     if pid != seen[name]:
                         seen[name] = pid
                         self._recover_units_of(name)
-                self.launcher.check_servers()
+                self.processes.check_servers()
             except Exception as e:  # CrashLoop, ServerNotReady: this node cannot work; the launcher hears it
                 self.error = f"{self.node}: {e}"
                 log.error("%s", self.error)
@@ -289,8 +289,8 @@ class NodeRunner:
         """The run needs nothing more: actors finish and exit, then every child is stopped."""
         self.queue.finished = True
         deadline = time.monotonic() + grace_s
-        actors = [r for name, r in self.launcher.sup.roles.items() if name.startswith("actor_")]
+        actors = [r for name, r in self.processes.sup.roles.items() if name.startswith("actor_")]
         while any(r.alive for r in actors) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         self.error = "stopped"  # ends the supervise thread: nothing is restarted any more
-        self.launcher.stop()
+        self.processes.stop()

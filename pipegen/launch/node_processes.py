@@ -1,0 +1,93 @@
+"""One node's child processes: its servers (each with a readiness watch) and the roles started beside them.
+
+Both the launcher (every node of a local run) and a node runner (each node under cluster=ray) start and
+stop a node's processes through this, so neither imports the other.
+Owns: the node's Supervisor, its servers' command lines put to work, their readiness watches, and the stop
+of every child. Must never: decide which units run (the launcher and the lease book do), or outlive a stop
+with a child still running.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipegen.launch.supervise import Role, Supervisor
+from pipegen.run.layout import RunDir
+
+log = logging.getLogger("pipegen.launch")
+
+
+class NodeProcesses:
+    def __init__(self, cfg: DictConfig, run: RunDir):
+        self.cfg = cfg
+        self.run = run
+        self.sup = Supervisor(run)
+        self.watches: list = []  # launch.servers.ServerWatch, one per server URL
+        self.launch_started = run.read_launch().started  # the origin of every start-up phase
+
+    def role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
+        return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
+                                 int(self.cfg.generation.restart_limit)))
+
+    def start_servers(self, plan) -> None:
+        """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
+        from pipegen.launch.servers import SERVER_COMMANDS, ServerWatch, check_server_python, server_python
+
+        llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
+        build = SERVER_COMMANDS.get(llm["kind"])
+        if llm["kind"] != "cpu" and plan.servers:
+            problem = check_server_python(llm["kind"], server_python(llm))
+            if problem:
+                raise ValueError(problem)
+        roles = []
+        per_server = list(llm.get("server_args") or [])
+        for i, server in enumerate(plan.servers):
+            argv, env = build(server, self.cfg.actor_rollout_ref.model.path, llm, int(self.cfg.seed))
+            if i < len(per_server):
+                argv += [str(a) for a in per_server[i] or []]
+            role = self.role(server.name, argv, env)
+            role.group = "servers"  # one server crash-looping must not end a run the others can finish
+            self.sup.start(role)
+            roles.append((server, role))
+        timeout = float(llm["ready_timeout_s"])
+        protocol = str(llm["protocol"])
+        self.watches = [ServerWatch(server.name, server.url, timeout, role, protocol).start() for server, role in roles]
+        self.watches += [ServerWatch("external server", url, timeout, None, protocol).start()
+                         for url in plan.external_urls]
+        log.info("waiting for %d server(s) to answer; actors and writer start meanwhile", len(self.watches))
+
+    def check_servers(self) -> None:
+        """Log each server once it answers. A server that dies or misses llm.ready_timeout_s ends the run
+        (ServerNotReady, quoting its log) when no other server answers; else the others carry on."""
+        ready = [w for w in self.watches if w.ready_after_s is not None]
+        for watch in self.watches:
+            if watch.logged:
+                continue
+            if watch.ready_after_s is not None:
+                watch.logged = True
+                log.info("%s ready at %s (%s): answered %.1fs after the launch started", watch.name,
+                         watch.url, watch.protocol, watch.ready_at - self.launch_started)
+            elif watch.error is not None and ready:
+                watch.logged = True
+                log.error("%s did not become ready; %d other server(s) carry on: %s", watch.name, len(ready),
+                          watch.error)
+        if self.watches and not ready and all(w.error is not None for w in self.watches):
+            raise self.watches[0].error
+
+    def stop(self) -> None:
+        """Stop every child. A server stopped here logs the SIGTERM in its own way (SGLang: "Subprocess
+        scheduler_0 ... crashed with exit code -15"), so its log gets a line first saying it is this stop."""
+        servers = [r for r in self.sup.roles.values() if r.group == "servers" and r.alive]
+        for role in servers:
+            try:
+                with open(role.log_path, "ab") as f:  # O_APPEND: safe beside the server's own writes
+                    f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} pipegen stops {role.name} (SIGTERM): "
+                            f"exit codes -15 reported below are this stop, not a crash =====\n".encode())
+            except OSError:
+                pass
+        self.sup.stop_all()
+        if servers:
+            log.info("stopped %s (SIGTERM, a normal stop)", ", ".join(r.name for r in servers))
