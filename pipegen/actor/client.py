@@ -33,7 +33,7 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
-from pipegen.engines import AUTO, Engine, EngineRequest, engine
+from pipegen.engines import AUTO, Engine, EngineRequest, engine, is_ready
 from pipegen.actor.pacing import TokenClock, stall_deadline
 from pipegen.actor.protocol import ClientLimits
 from pipegen.engines.request import RequestRejected
@@ -155,21 +155,13 @@ class ServerPool:
         """Poll the engine's health route until 200, then put the server back into rotation."""
         while True:
             await asyncio.sleep(self.limits.probe_interval_s)
-            try:
-                async with self.session.get(
-                    f"{server.url}{self.engine.health_path}",
-                    timeout=aiohttp.ClientTimeout(total=min(self.limits.probe_timeout_s, self.limits.request_timeout_s)),
-                ) as resp:
-                    await resp.read()
-                    if resp.status == 200:
-                        server.healthy = True
-                        server.consecutive_failures = 0
-                        log.warning("server %s answers %s again: back in rotation", server.url,
-                                    self.engine.health_path)
-                        self._recovered.set()
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                pass
+            if await is_ready(self.session, server.url, self.engine.health_path,
+                              min(self.limits.probe_timeout_s, self.limits.request_timeout_s)):
+                server.healthy = True
+                server.consecutive_failures = 0
+                log.warning("server %s answers %s again: back in rotation", server.url, self.engine.health_path)
+                self._recovered.set()
+                return
 
     async def _wait_for_a_server(self, sticky_key: Any, exclude: set[str]) -> ServerState:
         server = self.pick(sticky_key, exclude)

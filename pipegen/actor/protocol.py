@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipegen.engines import READY_TIMEOUT_S
 from pipegen.actor.pacing import WatchdogLimits
 from pipegen.run.schema import CpuServers, Generation
 
@@ -23,7 +24,7 @@ class ClientLimits:
     backoff_max_s: float = 5.0
     quarantine_after: int = 3  # consecutive failures that take a server out of rotation
     probe_interval_s: float = 1.0
-    probe_timeout_s: float = 30.0  # /health_generate generates one token: give it time under load
+    probe_timeout_s: float = READY_TIMEOUT_S  # the readiness probe's own bound
     vocab_size: int | None = None  # ids >= this are refused before sending (SGLang does not check)
     watchdog: WatchdogLimits = field(default_factory=WatchdogLimits)
     abort_timeout_s: float = 5.0  # POST /abort_request; a wedged server may not answer it either

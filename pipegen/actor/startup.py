@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipegen.engines import is_ready
 from pipegen.observe.startup import ACTOR_PHASES
 
 log = logging.getLogger("pipegen.actor")
@@ -87,7 +88,6 @@ ACTOR_IMPORTS = ("transformers", "verl.experimental.agent_loop.agent_loop", "ver
 async def _answers(session, pool, url: str) -> bool:
     """The engine's health route answered 200 (refused connections, 503 and timeouts mean "still
     loading"). With `llm.protocol=auto`, the first server that answers names the pool's engine."""
-    import aiohttp
 
     from pipegen.engines import detect_protocol, engine
 
@@ -98,13 +98,7 @@ async def _answers(session, pool, url: str) -> bool:
         if pool.engine is None:
             pool.engine = engine(protocol)
             log.info("%s speaks the %s protocol (llm.protocol=auto)", url, protocol)
-    try:
-        # SGLang's /health_generate runs one token through the engine: give it time under load
-        async with session.get(f"{url}{pool.engine.health_path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
-            await resp.read()
-            return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-        return False
+    return await is_ready(session, url, pool.engine.health_path)
 
 
 async def _join_when_ready(session, pool, server, poll_s: float) -> None:

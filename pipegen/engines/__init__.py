@@ -13,13 +13,16 @@ engine's own limit on running requests and its load (running, waiting). Everythi
 `llm.protocol` names the engine (`sglang`, `vllm`), or `auto` for servers someone else runs:
 `detect_protocol` then asks the URL which one it speaks.
 
-Owns: the registry of engines and how a URL's engine is recognised.
+Owns: the registry of engines, how a URL's engine is recognised, and the one readiness probe (a server is
+ready when its engine's health route answers 200): blocking for the launcher's watches, async for the actor.
 Must never: hold per-request state (an `EngineRequest` carries it) or decide retries (client.py does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -140,3 +143,46 @@ async def get_json(session: "aiohttp.ClientSession", url: str, timeout_s: float)
         if resp.status != 200:
             raise ValueError(f"HTTP {resp.status}")
         return orjson.loads(raw)
+
+
+# ---- the one readiness probe: the launcher's watches, the actor's start-up and re-admission, the tests ----
+
+READY_TIMEOUT_S = 30.0  # SGLang's /health_generate runs one token through the engine: give it time under load
+UNREACHABLE = ("connection refused", "unknown host", "no route to host", "network unreachable")
+
+
+def ready_problem(url: str, health_path: str, timeout_s: float = READY_TIMEOUT_S) -> str | None:
+    """The readiness probe, blocking (the launcher's watches): None when GET url + health_path answers
+    200 within timeout_s, else what happened, in words."""
+    try:
+        with urllib.request.urlopen(f"{url}{health_path}", timeout=timeout_s) as resp:
+            return None if resp.status == 200 else f"HTTP {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"HTTP {e.code}"
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        if isinstance(reason, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(reason, socket.gaierror):
+            return "unknown host"
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            return f"no answer within {timeout_s:.0f}s"
+        text = str(getattr(reason, "strerror", None) or reason).lower()
+        for kind in UNREACHABLE:
+            if kind in text:
+                return kind
+        return text or type(reason).__name__
+
+
+async def is_ready(session: "aiohttp.ClientSession", url: str, health_path: str,
+                   timeout_s: float = READY_TIMEOUT_S) -> bool:
+    """The readiness probe, async (the actor's): GET url + health_path answered 200 within timeout_s.
+    A refused connection, a 503 or a timeout all mean "not ready yet"."""
+    import aiohttp
+
+    try:
+        async with session.get(f"{url}{health_path}", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            await resp.read()
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False

@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
+from pipegen.engines import UNREACHABLE, ready_problem
 from pipegen.launch.world import ServerPlan
+
+# How long an external server may refuse connections before it counts as not there at all: a server
+# we did not start is already running, or it is not coming (a restart of it takes this long at most).
+EXTERNAL_REFUSED_GRACE_S = 5.0
 
 if TYPE_CHECKING:
     from pipegen.launch.supervise import Role
@@ -163,34 +165,6 @@ def log_tail(path: Path | None, lines: int = 15) -> str:
 
 
 # Probe outcomes that mean "nothing listens at that address" (as opposed to a server still loading).
-UNREACHABLE = ("connection refused", "unknown host", "no route to host", "network unreachable")
-# How long an external server may refuse connections before it counts as not there at all: a server
-# we did not start is already running, or it is not coming (a restart of it takes this long at most).
-EXTERNAL_REFUSED_GRACE_S = 5.0
-
-
-def probe(url: str, timeout_s: float = 30, health_path: str = "/health_generate") -> str | None:
-    """GET url + health_path: None when it answers 200, else what happened, in words."""
-    try:
-        with urllib.request.urlopen(f"{url}{health_path}", timeout=timeout_s) as resp:
-            return None if resp.status == 200 else f"HTTP {resp.status}"
-    except urllib.error.HTTPError as e:
-        return f"HTTP {e.code}"
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        if isinstance(reason, ConnectionRefusedError):
-            return "connection refused"
-        if isinstance(reason, socket.gaierror):
-            return "unknown host"
-        if isinstance(reason, (TimeoutError, socket.timeout)):
-            return f"no answer within {timeout_s:.0f}s"
-        text = str(getattr(reason, "strerror", None) or reason).lower()
-        for kind in UNREACHABLE:
-            if kind in text:
-                return kind
-        return text or type(reason).__name__
-
-
 def _with_log(message: str, log_path: Path | None) -> str:
     tail = log_tail(log_path)
     if log_path is None:
@@ -226,7 +200,7 @@ def wait_ready(
             raise ServerNotReady(_with_log(f"LLM server {where} exited during startup", log_path))
         current = url() if callable(url) else url
         if current is not None:
-            outcome = probe(current, health_path=health_path)
+            outcome = ready_problem(current, health_path)
             if outcome is None or (accept_loading and outcome not in UNREACHABLE):
                 return time.monotonic() - started
             last = outcome
