@@ -157,11 +157,16 @@ class ServerPool:
             await asyncio.sleep(self.limits.probe_interval_s)
             if await is_ready(self.session, server.url, self.engine.health_path,
                               min(self.limits.probe_timeout_s, self.limits.request_timeout_s)):
-                server.healthy = True
-                server.consecutive_failures = 0
                 log.warning("server %s answers %s again: back in rotation", server.url, self.engine.health_path)
-                self._recovered.set()
+                self.admit(server)
                 return
+
+    def admit(self, server: ServerState) -> None:
+        """Put a server that answers its readiness probe into rotation, and wake the requests that wait
+        while no server is in rotation."""
+        server.healthy = True
+        server.consecutive_failures = 0
+        self._recovered.set()
 
     async def _wait_for_a_server(self, sticky_key: Any, exclude: set[str]) -> ServerState:
         server = self.pick(sticky_key, exclude)

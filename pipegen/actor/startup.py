@@ -104,10 +104,7 @@ async def _answers(session, pool, url: str) -> bool:
 async def _join_when_ready(session, pool, server, poll_s: float) -> None:
     while not await _answers(session, pool, server.url):
         await asyncio.sleep(poll_s)
-    server.healthy = True
-    recovered = getattr(pool, "_recovered", None)  # wakes requests waiting while no server was in rotation
-    if recovered is not None:
-        recovered.set()
+    pool.admit(server)
     log.info("server %s ready: joins the rotation", server.url)
 
 
