@@ -23,8 +23,10 @@ def post(url: str, path: str, body: dict, timeout: float = 30) -> tuple[int, dic
 def test_gpu_like_engine_reports_its_limits_and_load_and_aborts_like_sglang(tiny_model, tmp_path):
     import concurrent.futures
 
-    # 4 slots, slow steps: 12 long requests = 4 running + 8 waiting
-    server = FakeServer("gpu", tmp_path, tiny_model, "--slots", "4", "--step-time", "0.05",
+    # 4 slots, slow steps: 12 long requests = 4 running + 8 waiting. A step of 0.5 s keeps the first four
+    # running for ~5 s, so all 12 are in before any finishes even on a loaded 2-core CI box (at 0.05 s the
+    # first answers came back before the last requests were sent, and the snapshot below never happened).
+    server = FakeServer("gpu", tmp_path, tiny_model, "--slots", "4", "--step-time", "0.5",
                         "--step-time-per-request", "0.01", "--eos-prob", "0").wait_ready()
     try:
         info = orjson.loads(server.get("/get_server_info")[1])
@@ -32,9 +34,9 @@ def test_gpu_like_engine_reports_its_limits_and_load_and_aborts_like_sglang(tiny
         body = {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 10}, "return_logprob": True}
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(post, server.url, "/generate", {**body, "rid": f"r{i}"}) for i in range(12)]
-            for _ in range(200):
+            for _ in range(250):  # up to 5 s
                 load = orjson.loads(server.get("/get_load")[1])
-                if load[0]["num_reqs"] == 12 and load[0]["num_waiting_reqs"] < 11:  # admitted at a step's end
+                if load[0]["num_reqs"] == 12 and load[0]["num_waiting_reqs"] == 8:  # free slots fill at a step's end
                     break
                 asyncio.run(asyncio.sleep(0.02))
             assert load == [{"dp_rank": 0, "num_reqs": 12, "num_waiting_reqs": 8, "num_tokens": 0}]
