@@ -17,6 +17,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 HOST = socket.gethostname()
+PF_EXITING = 0x4  # /proc/<pid>/stat field 9 (flags): the kernel is tearing the process down
 
 
 class DirectoryLock:
@@ -121,14 +122,16 @@ def pid_alive(pid: Any, host: str | None = None) -> bool | None:
     except PermissionError:
         return True
     try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        # cmdline first: an exiting process empties it before its state says so, and the stat read
+        # after it then shows the exit (a flag, then Z), so an empty cmdline is exec() only when it does not
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        fields = (stat := Path(f"/proc/{pid}/stat").read_bytes())[stat.rfind(b")") + 2 :].split()
     except FileNotFoundError:
         return False  # exited between the two checks
     except OSError:
         return True  # no /proc (macOS): trust kill(0)
-    if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X"):
-        return False  # a zombie: exited, not yet reaped by its parent
+    if fields[0] in (b"Z", b"X") or int(fields[6]) & PF_EXITING:
+        return False  # exiting, or a zombie: exited, not yet reaped by its parent
     if not cmdline:
         return True  # in the middle of exec(): nothing to check yet
     return b"pipegen" in cmdline
