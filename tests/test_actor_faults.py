@@ -390,7 +390,7 @@ def test_hangs_503s_and_a_killed_actor_with_default_timeouts(tmp_path, tiny_mode
     from pipegen.observe.stats import latest_stats
 
     actor = latest_stats(out / "streams" / "stats")["actor_0"]
-    assert actor["aborts_sent"] >= 1 and actor["stalled"] + actor["hedges"] >= 1, actor
+    assert actor.aborts_sent >= 1 and actor.stalled + actor.hedges >= 1, actor
     # the status command shows what the watchdog did and the concurrency the server was driven at
     status = subprocess.run([sys.executable, "-m", "pipegen.status", str(out)], cwd=REPO, capture_output=True,
                             text=True, timeout=60).stdout
@@ -420,8 +420,8 @@ def test_server_dying_mid_run_is_routed_around(tmp_path, tiny_model):
     from pipegen.observe.stats import latest_stats
 
     actor = latest_stats(out / "streams" / "stats")["actor_0"]
-    assert actor["servers_out_of_rotation"] == [dying.url]
-    assert actor["errors"].get(f"{dying.url} connection", 0) >= 1
+    assert actor.servers_out_of_rotation == [dying.url]
+    assert actor.errors.get(f"{dying.url} connection", 0) >= 1
 
 
 @pytest.mark.slow  # two whole launches (~45 s on 2 cores)

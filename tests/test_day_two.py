@@ -207,10 +207,11 @@ def test_final_actor_stats_rates_agree_with_the_wall_clock(tmp_path, tiny_model)
 
 def test_outputs_count_every_launch():
     from pipegen.observe.stats import across_processes, aggregate
+    from pipegen.run.stats_line import ActorStats
 
     def line(pid, completed, stop, length, reward):
-        return {"pid": pid, "host": "h", "completed": completed, "output_tokens": 10 * completed,
-                "finish_reasons": {"stop": stop, "length": length}, "mean_reward": reward}
+        return ActorStats(pid=pid, host="h", completed=completed, output_tokens=10 * completed,
+                          finish_reasons={"stop": stop, "length": length}, mean_reward=reward)
 
     history = {"actor_0": [line(1, 10, 4, 4, 1.0), line(1, 20, 8, 12, 0.5),  # first launch, killed
                            line(2, 30, 30, 14, 0.0), line(2, 44, 40, 4, 0.25)]}  # the resumed launch

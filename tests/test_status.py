@@ -141,6 +141,16 @@ def test_status_live_run_with_killed_writer_then_finished(tmp_path, tiny_model):
     text = status_cli(out).stdout
     assert "FINISHED" in text and "24/24 samples committed" in text and "trajectories.pkl" in text
     assert "finish reasons:" in text and "latency p50" in text
+    # what the actor and the writer wrote is what their typed records read: no key dropped or missing
+    from pipegen.observe.stats import read_stats
+    from pipegen.run.stats_line import ACTOR_PHASES, parse_stats_line
+
+    for name in ("actor_0", "writer"):
+        for raw in read_stats(run.stats / f"{name}.jsonl"):
+            assert parse_stats_line(name, raw).body() == written_keys(raw), raw
+    last = parse_stats_line("actor_0", read_stats(run.stats / "actor_0.jsonl")[-1])
+    assert last.final and last.completed == last.units_total and last.requests_by_server and last.cpu_busy is not None
+    assert all(last.startup.phase(phase) is not None for phase in ACTOR_PHASES), last.startup
     data = load_trajectories(out / "trajectories.pkl")
     assert len(data) == 24
     assert len({(int(i), int(s)) for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"])}) == 24
@@ -260,7 +270,55 @@ def test_status_survives_partial_stats_lines(tmp_path, garbage):
     stats = tmp_path / "stats"
     stats.mkdir()
     (stats / "actor_0.jsonl").write_bytes(b'{"time": 1.0, "pid": 1, "completed": 3}\n' + garbage)
-    assert latest_stats(stats)["actor_0"]["completed"] == 3
+    assert latest_stats(stats)["actor_0"].completed == 3
+
+
+# An actor's and the writer's last stats lines as pipegen wrote them before the lines were typed records
+# (copied from a real run): a run directory from then reads the same, and today's lines keep these keys.
+OLDER_ACTOR_LINE = (
+    b'{"time":1795591827.4552927,"role":"actor_0","pid":15894,"host":"vm","seq":0,"uptime_s":0.1,"final":true,'
+    b'"units_total":12,"completed":12,"failed":0,"in_flight":0,"trajectories":12,"requests":12,"retries":0,"re'
+    b'quests_in_flight":0,"output_tokens":255,"latency_p50_s":0.012524190000021918,"latency_p95_s":0.022857663'
+    b'999957367,"finish_reasons":{"length":9,"stop":3},"mean_turns":2.0,"mean_response_length":21.25,"mean_rew'
+    b'ard":0.0,"errors":{},"servers_out_of_rotation":[],"stalled":0,"aborts_sent":0,"hedges":0,"hedge_wins":0,'
+    b'"concurrency":8,"concurrency_by_server":{},"server_load":{},"requests_by_server":{"http://127.0.0.1:3674'
+    b'1":12},"cpu_busy":0.346,"startup/process_started":1795591798.4137738,"startup/server_answered_first_poll'
+    b'":true,"startup/ready":1795591825.6229804,"startup/server_ready":1795591827.359754,"startup/first_reques'
+    b't":1795591827.4144635,"startup/first_unit":1795591827.4486072,"completed_per_s":120.0,"output_tokens_per'
+    b'_s":2549.996,"requests_per_s":120.0}'
+)
+OLDER_WRITER_LINE = (
+    b'{"time":1795591827.579233,"role":"writer","pid":15895,"host":"vm","seq":1,"uptime_s":2.12,"final":true,"'
+    b'committed":12,"units_total":12,"batches":3,"buffered":0,"failed":0,"duplicates":0,"unknown_units":0,"tor'
+    b'n_lines":0,"lines":12,"committed_per_s":5.66,"lines_per_s":5.66}'
+)
+
+
+def written_keys(raw: dict) -> dict:
+    """A stats line less what the appender adds (the identity head and the `_per_s` rates)."""
+    from pipegen.run.stats_line import StatsLine
+
+    return {k: v for k, v in raw.items() if k not in StatsLine.HEAD and not k.endswith("_per_s")}
+
+
+def test_stats_lines_of_an_older_run_read_the_same_and_keep_their_keys(tmp_path):
+    from pipegen.observe.startup import startup_phases
+    from pipegen.observe.stats import aggregate, latest_stats
+
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    (stats / "actor_0.jsonl").write_bytes(OLDER_ACTOR_LINE + b"\n")
+    (stats / "writer.jsonl").write_bytes(OLDER_WRITER_LINE + b"\n")
+    roles = latest_stats(stats)
+    for name, raw in (("actor_0", OLDER_ACTOR_LINE), ("writer", OLDER_WRITER_LINE)):
+        # the typed record writes back every key, value and order it read: `tail -f` shows what it did
+        assert list(roles[name].body().items()) == list(written_keys(orjson.loads(raw)).items())
+    m = aggregate(roles)
+    assert m["actors/completed"] == 12 and m["actors/output_tokens"] == 255 and m["finish_reason/length"] == 9
+    assert m["response_length/mean"] == 21.25 and m["writer/lines"] == 12 and m["writer/duplicates"] == 0
+    phases = startup_phases(roles, launch_started=roles["actor_0"].startup.process_started)
+    assert phases is not None and phases.complete and phases.server_was_first
+    assert "first unit in a shard +29.0s" in phases.render()
 
 
 def test_status_names_an_actor_that_is_cpu_bound_and_the_fix():

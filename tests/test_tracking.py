@@ -18,6 +18,7 @@ from conftest import FAKE_ENGINE, FAST, launch
 from pipegen.run.layout import RunDir
 from pipegen.observe.progress import Snapshot
 from pipegen.observe.stats import HOST, Rates, StatsAppender, aggregate, read_stats
+from pipegen.run.stats_line import ActorStats, WriterStats
 from pipegen.observe.tracking import RunTracker, upload_artifact
 
 
@@ -64,11 +65,11 @@ def minimal_cfg(loggers: list[str], show_progress: bool = True):
     })
 
 
-def actor_line(pid: int, t: float, completed: int, tokens: int, **extra) -> dict:
-    return {"time": t, "pid": pid, "host": HOST, "completed": completed, "output_tokens": tokens, "requests": completed,
-            "in_flight": 3, "requests_in_flight": 2, "latency_p50_s": 0.5, "latency_p95_s": 1.0,
-            "finish_reasons": {"stop": completed}, "mean_turns": 2.0, "mean_response_length": 10.0,
-            "errors": {}, **extra}
+def actor_line(pid: int, t: float, completed: int, tokens: int, **extra) -> ActorStats:
+    return ActorStats(**{"time": t, "pid": pid, "host": HOST, "completed": completed, "output_tokens": tokens,
+                         "requests": completed, "in_flight": 3, "requests_in_flight": 2, "latency_p50_s": 0.5,
+                         "latency_p95_s": 1.0, "finish_reasons": {"stop": completed}, "mean_turns": 2.0,
+                         "mean_response_length": 10.0, "errors": {}, **extra})
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_aggregate_weights_actors_and_ignores_dead_ones_in_flight(live_pid):
                               errors={"RetriesExhausted": 1}),
         "actor_1": actor_line(2 ** 22 + 12345, now, 30, 300, latency_p50_s=3.0, latency_p95_s=5.0, mean_reward=0.0,
                               finish_reasons={"length": 30}),  # a pid that does not exist
-        "writer": {"time": now, "pid": live_pid, "duplicates": 2, "torn_lines": 1, "buffered": 0},
+        "writer": WriterStats(time=now, pid=live_pid, duplicates=2, torn_lines=1, buffered=0),
     }
     m = aggregate(roles)
     assert m["actors/completed"] == 40 and m["actors/output_tokens"] == 400
@@ -111,9 +112,9 @@ def test_rates_restart_with_a_new_process():
 
 def test_stats_appender_adds_identity_and_rates(tmp_path):
     a = StatsAppender(tmp_path, "actor_0")
-    a.append({"completed": 1, "output_tokens": 10})
+    a.append(ActorStats(completed=1, output_tokens=10))
     time.sleep(0.05)
-    a.append({"completed": 3, "output_tokens": 50})
+    a.append(ActorStats(completed=3, output_tokens=50))
     first, second = read_stats(a.path)
     assert first["pid"] == os.getpid() and first["host"] == HOST and first["role"] == "actor_0"
     assert "completed_per_s" not in first  # no rate before a second line

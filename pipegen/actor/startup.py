@@ -23,10 +23,9 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from pipegen.engines import is_ready
-from pipegen.observe.startup import ACTOR_PHASES
+from pipegen.run.stats_line import ACTOR_PHASES, ActorStartup
 
 log = logging.getLogger("pipegen.actor")
 
@@ -67,10 +66,10 @@ class StartupClock:
         origin = self.process_started if start is None else self.times[start]
         return self.times[phase] - origin
 
-    def as_stats(self) -> dict[str, Any]:
-        return {"startup/process_started": self.process_started,
-                "startup/server_answered_first_poll": self.server_answered_first_poll,
-                **{f"startup/{phase}": self.times.get(phase) for phase in ACTOR_PHASES}}
+    def as_stats(self) -> ActorStartup:
+        return ActorStartup(process_started=self.process_started,
+                            server_answered_first_poll=self.server_answered_first_poll,
+                            **{phase: self.times.get(phase) for phase in ACTOR_PHASES})
 
     def unit_written(self) -> None:
         if "first_unit" not in self.times:

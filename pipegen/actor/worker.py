@@ -40,6 +40,7 @@ from pipegen.run.handshake import import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.records import FailureRecord, RolloutRecord
+from pipegen.run.stats_line import ActorStats
 from pipegen.run.streams import ShardAppender, count_units, next_free_seq, scan_units
 
 log = logging.getLogger("pipegen.actor")
@@ -285,37 +286,37 @@ class Actor:
         recent = lambda xs: xs[-10000:]  # noqa: E731  (bounded memory and work per line)
         c.turns, c.response_lengths, c.rewards = recent(c.turns), recent(c.response_lengths), recent(c.rewards)
         stats.append(
-            {
-                "final": final,
-                "units_total": self.units.total,
-                "completed": c.completed,
-                "failed": c.failed,
-                "in_flight": c.in_flight,
-                "trajectories": c.trajectories,
-                "requests": pool.requests_sent,
-                "retries": pool.retries,
-                "requests_in_flight": pool.in_flight(),
-                "output_tokens": pool.output_tokens,
-                "latency_p50_s": percentile(lat, 50),
-                "latency_p95_s": percentile(lat, 95),
-                "finish_reasons": dict(pool.finish_reasons),
-                "mean_turns": sum(c.turns) / len(c.turns) if c.turns else None,
-                "mean_response_length": sum(c.response_lengths) / len(c.response_lengths) if c.response_lengths else None,
-                "mean_reward": sum(c.rewards) / len(c.rewards) if c.rewards else None,
-                "errors": {**c.errors, **pool.error_summary()},
-                "servers_out_of_rotation": [s.url for s in pool.servers if not s.healthy],
-                "stalled": pool.stalled,
-                "aborts_sent": pool.aborts_sent,
-                "hedges": pool.hedges,
-                "hedge_wins": pool.hedge_wins,
-                "concurrency": self.control.total() if self.control else None,
-                "concurrency_by_server": self.control.by_server() if self.control else {},
-                "server_load": ({s.url: {"running": s.running, "waiting": s.waiting} for s in self.control.servers}
-                                if self.control and self.control.auto else {}),
-                "requests_by_server": {s.url: s.requests for s in pool.servers},
-                "cpu_busy": busy,
-                **self.clock.as_stats(),
-            }
+            ActorStats(
+                final=final,
+                units_total=self.units.total,
+                completed=c.completed,
+                failed=c.failed,
+                in_flight=c.in_flight,
+                trajectories=c.trajectories,
+                requests=pool.requests_sent,
+                retries=pool.retries,
+                requests_in_flight=pool.in_flight(),
+                output_tokens=pool.output_tokens,
+                latency_p50_s=percentile(lat, 50),
+                latency_p95_s=percentile(lat, 95),
+                finish_reasons=dict(pool.finish_reasons),
+                mean_turns=sum(c.turns) / len(c.turns) if c.turns else None,
+                mean_response_length=sum(c.response_lengths) / len(c.response_lengths) if c.response_lengths else None,
+                mean_reward=sum(c.rewards) / len(c.rewards) if c.rewards else None,
+                errors={**c.errors, **pool.error_summary()},
+                servers_out_of_rotation=[s.url for s in pool.servers if not s.healthy],
+                stalled=pool.stalled,
+                aborts_sent=pool.aborts_sent,
+                hedges=pool.hedges,
+                hedge_wins=pool.hedge_wins,
+                concurrency=self.control.total() if self.control else None,
+                concurrency_by_server=self.control.by_server() if self.control else {},
+                server_load=({s.url: {"running": s.running, "waiting": s.waiting} for s in self.control.servers}
+                             if self.control and self.control.auto else {}),
+                requests_by_server={s.url: s.requests for s in pool.servers},
+                cpu_busy=busy,
+                startup=self.clock.as_stats(),
+            )
         )
 
 

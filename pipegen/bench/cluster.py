@@ -19,10 +19,10 @@ import os
 import subprocess
 import sys
 
-import orjson
-
 from pipegen.bench import common as c
-from pipegen.run.layout import RunDir, stats_files
+from pipegen.observe.stats import stats_history
+from pipegen.run.layout import RunDir, is_actor_role
+from pipegen.run.stats_line import ActorStats
 
 KEY = "cluster"
 TITLE = "9. Ray cluster, one node's server 4× slower"
@@ -31,27 +31,24 @@ NODE_RESOURCE = "pipegen_bench_node"
 SLOWDOWN = 4
 
 
-def actor_lines(run: RunDir) -> dict[str, list[dict]]:
-    out = {}
-    for path in stats_files(run.stats):
-        if path.stem.startswith("actor_"):
-            out[path.stem] = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
-    return out
+def actor_history(run: RunDir) -> dict[str, list[ActorStats]]:
+    return {role: lines for role, lines in stats_history(run.stats).items()  # type: ignore[misc]
+            if is_actor_role(role)}
 
 
 def measure(run: RunDir, total_units: int) -> tuple[float, float, float, dict[str, float]]:
     """(makespan s, ideal s, static-split s, units/s per actor) from the actors' stats lines."""
-    lines = actor_lines(run)
-    starts = {actor: next(x["startup/first_request"] for x in ls if x.get("startup/first_request"))
+    lines = actor_history(run)
+    starts = {actor: next(x.startup.first_request for x in ls if x.startup.first_request)
               for actor, ls in lines.items()}
     start = max(starts.values())
     rates, before, end = {}, 0, start
     for actor, ls in lines.items():
-        done = ls[-1]["completed"]
-        busy_end = next(x["time"] for x in ls if x["completed"] == done)  # the line where its last unit showed
+        done = ls[-1].completed
+        busy_end = next(x.time for x in ls if x.completed == done)  # the line where its last unit showed
         rates[actor] = done / max(1e-9, busy_end - starts[actor])
         end = max(end, busy_end)
-        before += max([x["completed"] for x in ls if x["time"] <= start] or [0])
+        before += max([x.completed for x in ls if x.time <= start] or [0])
     capacity = sum(rates.values())
     ideal = (total_units - before) / capacity
     static = (total_units / 2) / min(rates.values())  # the slow node's half sets the pace

@@ -102,7 +102,7 @@ class PipegenRun:
 def run_pipegen(root: Path, url: str, model: str, overrides: list[str], timeout_s: float = 1800) -> PipegenRun:
     """The launcher with its default config (only the data, model and sampling lengths set)."""
     from pipegen.observe.startup import startup_phases
-    from pipegen.observe.stats import latest_stats
+    from pipegen.observe.stats import actor_lines, latest_stats
     from pipegen.run.config import load_run_config
     from pipegen.run.layout import RunDir
     from pipegen.run.records import RolloutRecord
@@ -127,11 +127,11 @@ def run_pipegen(root: Path, url: str, model: str, overrides: list[str], timeout_
     tokens = sum(len(t["response_ids"]) for line in lines for t in RolloutRecord.from_line(line).trajectories)
     last = max(p.stat().st_mtime for p in c.shard_files(run.rollouts))
     roles = latest_stats(run.stats)
-    first = min(float(line["startup/first_request"]) for name, line in roles.items()
-                if name.startswith("actor_") and line.get("startup/first_request"))
+    actors = actor_lines(roles).values()
+    first = min(float(line.startup.first_request) for line in actors if line.startup.first_request)
     phases = startup_phases(roles, run.read_launch().started)
     # what the actors drove (auto concurrency and actor count by default): their last stats lines say
-    in_flight = sum(int(line.get("concurrency") or 0) for name, line in roles.items() if name.startswith("actor_"))
+    in_flight = sum(line.concurrency or 0 for line in actors)
     return PipegenRun(root, tokens, first, last, wall, max(1, in_flight),
                       phases.render() if phases else "no start-up phases")
 

@@ -30,6 +30,7 @@ from pipegen.run.diskfull import disk_full_message, is_disk_full
 from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
 from pipegen.run.ownership import DirectoryLock, lock_holder
 from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED
+from pipegen.run.stats_line import LaunchStats, WriterStats
 
 log = logging.getLogger("pipegen.launch")
 
@@ -209,15 +210,17 @@ def report(run: RunDir, n: int) -> int:
     from pipegen.observe.outcomes import reward_summary
     from pipegen.observe.progress import snapshot
     from pipegen.observe.stats import human_rate
+    from pipegen.observe.tracking import ELAPSED_S, LAUNCH_UNITS_PER_S
 
     snap = snapshot(run, n)
-    launch = snap.roles.get("launch") or {}
+    launch = snap.roles.get(LaunchStats.ROLE)
+    metrics = launch.metrics if isinstance(launch, LaunchStats) else {}
     if snap.complete:
         tokens = f", {snap.output_tokens} output tokens" if snap.output_tokens else ""
         took = ""
-        if launch.get("time/elapsed_s") and launch.get("throughput/units_per_s_launch_avg") is not None:
-            took = (f" (this launch: {launch['time/elapsed_s']:.1f}s, "
-                    f"{human_rate(launch['throughput/units_per_s_launch_avg'], 'samples')})")
+        if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
+            took = (f" (this launch: {metrics[ELAPSED_S]:.1f}s, "
+                    f"{human_rate(metrics[LAUNCH_UNITS_PER_S], 'samples')})")
         print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
         scores = reward_summary(run)
         if scores is not None:
@@ -363,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     if writer is not None and writer.last_rc == EXIT_DAMAGED:
         from pipegen.observe.stats import latest_stats
 
-        refusal = (latest_stats(run.stats).get("writer") or {}).get("refused")
+        writer_line = latest_stats(run.stats).get(WriterStats.ROLE)
+        refusal = writer_line.refused if isinstance(writer_line, WriterStats) else None
         return fail(refusal or f"the writer refused a damaged file; see {writer.log_path}")
     if not (plan.runs_writer and cfg.generation.run_writer):
         print(f"pipegen: this node's actors finished; the writer of {run.root} commits and merges "

@@ -32,11 +32,12 @@ from omegaconf import DictConfig
 
 from pipegen.launch.leases import LeaseBook, open_units
 from pipegen.observe.stats import StatsAppender
+from pipegen.run.stats_line import ClusterStats, NodeStats, ReleaseStats
 from pipegen.run.layout import RunDir
 
 log = logging.getLogger("pipegen.launch")
 
-CLUSTER_ROLE = "cluster"  # its stats file: streams/stats/cluster.jsonl
+CLUSTER_ROLE = ClusterStats.ROLE  # its stats file: streams/stats/cluster.jsonl
 PROBE_RETRY_S = 1.0
 DISCOVER_EVERY_S = 2.0
 
@@ -361,23 +362,23 @@ class RayCluster:
     # ---- status ----
     def write_stats(self, final: bool = False) -> None:
         book = self.book
-        self.stats.append({
-            "final": final,
-            "nodes": {s.name: {"state": s.state, "rejoined": s.incarnations > 1 and s.state == "alive",
-                               "host": s.host, "incarnation": s.incarnation, "incarnations": s.incarnations,
-                               "leases_out": len(book.outstanding(s.name)) if book else 0,
-                               "units_out": sum(len(x.units) for x in book.outstanding(s.name)) if book else 0,
-                               "units_leased": s.leased_units, "leases_done": s.leases_done,
-                               "leases_lost": s.leases_lost, "units_taken_back": s.units_taken_back,
-                               "error": s.error}
-                      for s in self.state.slots.values()},
-            "units_queued": len(book.queue) if book else 0,
-            "units_released": book.units_released() if book else 0,
-            "releases": [{"node": r.node, "units": r.units, "left": r.left, "lost_at": r.lost_at,
-                          "all_leased_again_after_s": (round(r.all_leased_at - r.lost_at, 2)
-                                                       if r.all_leased_at is not None else None)}
-                         for r in (book.releases if book else [])][-20:],
-        })
+        self.stats.append(ClusterStats(
+            final=final,
+            nodes={s.name: NodeStats(state=s.state, rejoined=s.incarnations > 1 and s.state == "alive",
+                                     host=s.host, incarnation=s.incarnation, incarnations=s.incarnations,
+                                     leases_out=len(book.outstanding(s.name)) if book else 0,
+                                     units_out=sum(len(x.units) for x in book.outstanding(s.name)) if book else 0,
+                                     units_leased=s.leased_units, leases_done=s.leases_done,
+                                     leases_lost=s.leases_lost, units_taken_back=s.units_taken_back,
+                                     error=s.error)
+                   for s in self.state.slots.values()},
+            units_queued=len(book.queue) if book else 0,
+            units_released=book.units_released() if book else 0,
+            releases=[ReleaseStats(node=r.node, units=r.units, left=r.left, lost_at=r.lost_at,
+                                   all_leased_again_after_s=(round(r.all_leased_at - r.lost_at, 2)
+                                                             if r.all_leased_at is not None else None))
+                      for r in (book.releases if book else [])][-20:],
+        ))
 
     # ---- end ----
     def stop(self) -> None:

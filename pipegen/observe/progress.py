@@ -24,6 +24,7 @@ from typing import IO, Any
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir, role_logs
 from pipegen.observe.stats import aggregate, human_rate, latest_stats, line_alive
+from pipegen.run.stats_line import StatsLine, WriterStats
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Snapshot:
     merged: bool = False
     output_tokens: int = 0
     failed_units: dict[str, Any] = field(default_factory=dict)
-    roles: dict[str, dict[str, Any]] = field(default_factory=dict)
+    roles: dict[str, StatsLine] = field(default_factory=dict)  # each role's latest stats line
     metrics: dict[str, Any] = field(default_factory=dict)  # stats.aggregate() of the latest lines
     tokens_per_s: float | None = None  # set by whoever measures it over time (the launcher's tracker)
 
@@ -85,13 +86,13 @@ def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
     snap.requests_in_flight = int(snap.metrics.get("actors/requests_in_flight", 0))
     snap.output_tokens = int(snap.metrics.get("actors/output_tokens", 0))
     snap.failed = len(snap.failed_units)
-    writer = snap.roles.get("writer")
-    if writer and not snap.complete and line_alive(writer):
+    writer = snap.roles.get(WriterStats.ROLE)
+    if isinstance(writer, WriterStats) and not snap.complete and line_alive(writer):
         # the live writer knows failures it has not checkpointed yet; its committed count is newer too
-        snap.failed = max(snap.failed, int(writer.get("failed") or 0))
-        snap.committed = max(snap.committed, int(writer.get("committed") or 0))
-        snap.batches = max(snap.batches, int(writer.get("batches") or 0))
-        snap.buffered = int(writer.get("buffered") or 0)
+        snap.failed = max(snap.failed, writer.failed or 0)
+        snap.committed = max(snap.committed, writer.committed or 0)
+        snap.batches = max(snap.batches, writer.batches or 0)
+        snap.buffered = writer.buffered or 0
     return snap
 
 

@@ -6,7 +6,7 @@ Each actor writes its wall-clock phase times into its stats line (`startup/<phas
 startup.py); this module turns the latest lines of one launch into seconds since the launch started,
 for the launcher's log and `python -m pipegen.status`.
 
-Owns: the phase names and their summary.
+Owns: the summary of the phases (their names are the stats-line contract's, pipegen/run/stats_line.py).
 Must never: import verl or torch, or read anything but the stats lines and launch record it is given.
 """
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-# In the order a healthy launch reaches them (ready may come after server_ready: then the server waited).
-ACTOR_PHASES = ("ready", "server_ready", "first_request", "first_unit")
+from pipegen.run.stats_line import ACTOR_PHASES, ActorStats, StatsLine
+
+__all__ = ["ACTOR_PHASES", "StartupPhases", "startup_phases"]
 
 
 @dataclass
@@ -75,26 +76,24 @@ class StartupPhases:
         return " | ".join(parts)
 
 
-def startup_phases(roles: Mapping[str, Mapping[str, Any]], launch_started: float) -> StartupPhases | None:
+def startup_phases(roles: Mapping[str, StatsLine], launch_started: float) -> StartupPhases | None:
     """The phases of the launch that started at `launch_started` (wall clock), from each role's latest
     stats line; lines of an earlier launch are ignored. None when no actor of this launch has reported."""
-    lines = [line for name, line in roles.items() if name.startswith("actor_")
-             and float(line.get("startup/process_started") or 0) >= launch_started - 1.0]
-    if not lines:
+    clocks = [line.startup for line in roles.values() if isinstance(line, ActorStats)
+              and float(line.startup.process_started or 0) >= launch_started - 1.0]
+    if not clocks:
         return None
 
     def times(phase: str) -> list[float]:
-        return [float(line[f"startup/{phase}"]) - launch_started for line in lines
-                if line.get(f"startup/{phase}") is not None]
+        return [float(t) - launch_started for t in (clock.phase(phase) for clock in clocks) if t is not None]
 
     ready = times("ready")
     first = {phase: min(times(phase), default=None) for phase in ("server_ready", "first_request", "first_unit")}
     return StartupPhases(
-        actors=len(lines),
+        actors=len(clocks),
         actors_ready_first=min(ready, default=None),
-        actors_ready_last=max(ready) if len(ready) == len(lines) else None,
+        actors_ready_last=max(ready) if len(ready) == len(clocks) else None,
         server_ready=first["server_ready"], first_request=first["first_request"], first_unit=first["first_unit"],
-        server_was_first=any(bool(line.get("startup/server_answered_first_poll")) for line in lines
-                             if line.get("startup/server_ready") is not None
-                             and float(line["startup/server_ready"]) - launch_started == first["server_ready"]),
+        server_was_first=any(clock.server_answered_first_poll for clock in clocks if clock.server_ready is not None
+                             and float(clock.server_ready) - launch_started == first["server_ready"]),
     )

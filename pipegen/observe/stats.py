@@ -1,9 +1,9 @@
 """The stats stream: periodic metric lines per role under DIR/streams/stats/<role>.jsonl.
 
 Every line is one orjson object written with one `write()`: `time`, `role`, `pid`, `host`, `seq` and
-the role's own counters (actors: units completed/failed/in flight, requests, output tokens, latency
-percentiles, finish reasons, turns, response lengths, rewards, errors by kind; the writer: committed,
-batches, duplicates dropped, torn lines skipped; the launcher: the aggregated view it tracks).
+the role's own counters, one typed record per role (pipegen/run/stats_line.py: the actors' ActorStats,
+the writer's WriterStats, the cluster's ClusterStats, the launcher's LaunchStats); reading parses
+each line back into its role's record.
 Counters are cumulative *per process* (a restarted process starts again from zero under a new pid),
 so rates are computed between two lines of the same pid.
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import orjson
 
 from pipegen.run.layout import stats_file, stats_files
 from pipegen.run.ownership import HOST, pid_alive
+from pipegen.run.stats_line import ActorStats, StatsLine, WriterStats, parse_stats_line
 
 # Cumulative counters that get a `<name>_per_s` companion (the rate since this process's previous line).
 RATE_COUNTERS = ("completed", "output_tokens", "requests", "committed", "lines")
@@ -55,9 +57,10 @@ class StatsAppender:
         self.baseline = {k: float(v) for k, v in (baseline or {}).items()}
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def append(self, metrics: dict[str, Any]) -> None:
+    def append(self, line: StatsLine) -> None:
         if self._fd is None:
             return
+        metrics = line.body()
         now = time.time()
         head = {"time": now, "role": self.role, "pid": os.getpid(), "host": HOST, "seq": self.seq,
                 "uptime_s": round(now - self.started, 3)}
@@ -65,7 +68,7 @@ class StatsAppender:
         counters = {k: float(metrics[k]) for k in RATE_COUNTERS
                     if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)}
         rates = {}
-        if metrics.get("final") and now > self.started:
+        if line.final and now > self.started:
             # the closing line: rates over the whole life of the process (wall clock), not since the
             # previous line (units finish in bursts, so a last short interval says nothing)
             rates = {f"{k}_per_s": round((v - self.baseline.get(k, 0.0)) / (now - self.started), 3)
@@ -73,8 +76,7 @@ class StatsAppender:
         elif before and now > then:  # not on the first line: a resumed writer starts from its checkpoint
             rates = {f"{k}_per_s": round((v - before.get(k, 0.0)) / (now - then), 3) for k, v in counters.items()}
         self._previous = (now, counters)
-        line = orjson.dumps({**head, **metrics, **rates}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
-        os.write(self._fd, line)
+        os.write(self._fd, orjson.dumps({**head, **metrics, **rates}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
         self.seq += 1
 
     def close(self) -> None:
@@ -110,40 +112,47 @@ def _tail(path: Path, max_bytes: int) -> bytes:
 
 
 def read_stats(path: Path, max_bytes: int = 32 << 20) -> list[dict[str, Any]]:
-    """Every complete line of one role's stats file (the newest max_bytes of it), oldest first."""
+    """Every complete line of one role's stats file (the newest max_bytes of it), oldest first, as
+    written (what `tail -f` shows; `read_role_stats` gives the role's typed records)."""
     try:
         return _complete_lines(_tail(Path(path), max_bytes))
     except OSError:
         return []
 
 
-def latest_stats(stats_dir: Path) -> dict[str, dict[str, Any]]:
+def read_role_stats(path: Path, max_bytes: int = 32 << 20) -> list[StatsLine]:
+    """read_stats, each line parsed into its role's record (the role is the file's name)."""
+    role = Path(path).stem
+    return [parse_stats_line(role, raw) for raw in read_stats(path, max_bytes)]
+
+
+def latest_stats(stats_dir: Path) -> dict[str, StatsLine]:
     """The last complete line of every role's stats file (cheap: reads the last 16 KiB per role,
     more only when no complete line fits in that)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, StatsLine] = {}
     stats_dir = Path(stats_dir)
     if not stats_dir.is_dir():
         return out
     for path in stats_files(stats_dir):
         lines = read_stats(path, 16384) or read_stats(path, 1 << 20)
         if lines:
-            out[path.stem] = lines[-1]
+            out[path.stem] = parse_stats_line(path.stem, lines[-1])
     return out
 
 
-def stats_history(stats_dir: Path, max_bytes: int = 32 << 20) -> dict[str, list[dict[str, Any]]]:
+def stats_history(stats_dir: Path, max_bytes: int = 32 << 20) -> dict[str, list[StatsLine]]:
     stats_dir = Path(stats_dir)
     if not stats_dir.is_dir():
         return {}
-    return {p.stem: read_stats(p, max_bytes) for p in stats_files(stats_dir)}
+    return {p.stem: read_role_stats(p, max_bytes) for p in stats_files(stats_dir)}
 
 
-def line_alive(line: dict[str, Any]) -> bool | None:
-    return pid_alive(line.get("pid"), line.get("host"))
+def line_alive(line: StatsLine) -> bool | None:
+    return pid_alive(line.pid, line.host)
 
 
-def _is_actor(role: str) -> bool:
-    return role.startswith("actor_")
+def actor_lines(roles: dict[str, StatsLine]) -> dict[str, ActorStats]:
+    return {role: line for role, line in roles.items() if isinstance(line, ActorStats)}
 
 
 def _num(value: Any) -> float:
@@ -153,7 +162,24 @@ def _num(value: Any) -> float:
         return 0.0
 
 
-def aggregate(roles: dict[str, dict[str, Any]], live_only_in_flight: bool = True) -> dict[str, Any]:
+def _weighted_mean(pairs: list[tuple[float | None, float]]) -> float | None:
+    """The mean of the values that are set, each weighted (a zero total weight: the last value)."""
+    vals = [(v, w) for v, w in pairs if v is not None]
+    if not vals:
+        return None
+    weight = sum(w for _, w in vals)
+    return sum(v * w for v, w in vals) / weight if weight else vals[-1][0]
+
+
+def _summed(dicts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for d in dicts:
+        for k, v in (d or {}).items():
+            total[k] = total.get(k, 0) + int(_num(v))
+    return total
+
+
+def aggregate(roles: dict[str, StatsLine], live_only_in_flight: bool = True) -> dict[str, Any]:
     """One metrics dict from the latest line of every role (no rates: see `Rates`).
 
     Latency: p50 is the request-weighted mean of the actors' p50s, p95 the worst actor's p95 (each
@@ -161,104 +187,87 @@ def aggregate(roles: dict[str, dict[str, Any]], live_only_in_flight: bool = True
     the units each actor completed. Counts are summed over the actors' current processes.
     """
     out: dict[str, Any] = {}
-    actors = {r: line for r, line in roles.items() if _is_actor(r)}
-    completed = sum(int(_num(a.get("completed"))) for a in actors.values())
-    out["actors/completed"] = completed
-    out["actors/failed"] = sum(int(_num(a.get("failed"))) for a in actors.values())
-    out["actors/requests"] = sum(int(_num(a.get("requests"))) for a in actors.values())
-    out["actors/output_tokens"] = sum(int(_num(a.get("output_tokens"))) for a in actors.values())
+    actors = list(actor_lines(roles).values())
+    out["actors/completed"] = sum(a.completed for a in actors)
+    out["actors/failed"] = sum(a.failed for a in actors)
+    out["actors/requests"] = sum(a.requests for a in actors)
+    out["actors/output_tokens"] = sum(a.output_tokens for a in actors)
     in_flight = requests_in_flight = alive = 0
-    for a in actors.values():
+    for a in actors:
         live = line_alive(a)
         if live is not False:
             alive += 1
-        if a.get("final") or (live_only_in_flight and live is False):
+        if a.final or (live_only_in_flight and live is False):
             continue
-        in_flight += int(_num(a.get("in_flight")))
-        requests_in_flight += int(_num(a.get("requests_in_flight")))
+        in_flight += a.in_flight
+        requests_in_flight += a.requests_in_flight
     out["actors/alive"] = alive
     out["actors/total"] = len(actors)
     out["actors/in_flight"] = in_flight
     out["actors/requests_in_flight"] = requests_in_flight
-    weights = [(a, _num(a.get("requests"))) for a in actors.values() if a.get("latency_p50_s") is not None]
-    if weights:
-        total_w = sum(w for _, w in weights) or float(len(weights))
-        out["latency/p50_s"] = sum(_num(a["latency_p50_s"]) * (w or 1.0) for a, w in weights) / total_w
-        out["latency/p95_s"] = max(_num(a.get("latency_p95_s")) for a, _ in weights)
-    for key, name in (("mean_turns", "turns/mean"), ("mean_response_length", "response_length/mean"),
-                      ("mean_reward", "reward/mean")):
-        vals = [(_num(a[key]), _num(a.get("completed")) or 1.0) for a in actors.values() if a.get(key) is not None]
-        if vals:
-            out[name] = sum(v * w for v, w in vals) / sum(w for _, w in vals)
-    finish: dict[str, int] = {}
-    errors: dict[str, int] = {}
-    for a in actors.values():
-        for k, v in (a.get("finish_reasons") or {}).items():
-            finish[k] = finish.get(k, 0) + int(_num(v))
-        for k, v in (a.get("errors") or {}).items():
-            errors[k] = errors.get(k, 0) + int(_num(v))
-    for k, v in finish.items():
+    timed = [a for a in actors if a.latency_p50_s is not None]
+    if timed:
+        out["latency/p50_s"] = _weighted_mean([(a.latency_p50_s, float(a.requests or 1)) for a in timed])
+        out["latency/p95_s"] = max(_num(a.latency_p95_s) for a in timed)
+    for name, mean in (("turns/mean", lambda a: a.mean_turns), ("response_length/mean", lambda a: a.mean_response_length),
+                       ("reward/mean", lambda a: a.mean_reward)):
+        value = _weighted_mean([(mean(a), float(a.completed or 1)) for a in actors])
+        if value is not None:
+            out[name] = value
+    for k, v in _summed([a.finish_reasons for a in actors]).items():
         out[f"finish_reason/{k}"] = v
+    errors = _summed([a.errors for a in actors])
     for k, v in errors.items():
         out[f"errors/{k}"] = v
     out["errors/total"] = sum(errors.values())
-    out["servers/out_of_rotation"] = len({u for a in actors.values() for u in a.get("servers_out_of_rotation") or []})
+    out["servers/out_of_rotation"] = len({u for a in actors for u in a.servers_out_of_rotation or []})
     # the stall watchdog and the tail's hedging (summed over the actors' current processes)
-    for key in ("stalled", "aborts_sent", "hedges", "hedge_wins"):
-        out[f"requests/{key}"] = sum(int(_num(a.get(key))) for a in actors.values())
+    out["requests/stalled"] = sum(a.stalled for a in actors)
+    out["requests/aborts_sent"] = sum(a.aborts_sent for a in actors)
+    out["requests/hedges"] = sum(a.hedges for a in actors)
+    out["requests/hedge_wins"] = sum(a.hedge_wins for a in actors)
     # the concurrency each server is driven at: units in flight the actors allow towards it (their
     # latest line: a finished run shows what it ran at)
-    driven: dict[str, int] = {}
-    for a in actors.values():
-        for url, limit in (a.get("concurrency_by_server") or {}).items():
-            driven[url] = driven.get(url, 0) + int(_num(limit))
-    for url, limit in driven.items():
+    for url, limit in _summed([a.concurrency_by_server for a in actors]).items():
         out[f"concurrency/{url}"] = limit
-    writer = roles.get("writer")
-    if writer:
-        for key in ("duplicates", "torn_lines", "unknown_units", "buffered", "lines"):
-            if key in writer:
-                out[f"writer/{key}"] = int(_num(writer.get(key)))
+    writer = roles.get(WriterStats.ROLE)
+    if isinstance(writer, WriterStats):
+        for name, value in (("duplicates", writer.duplicates), ("torn_lines", writer.torn_lines),
+                            ("unknown_units", writer.unknown_units), ("buffered", writer.buffered),
+                            ("lines", writer.lines)):
+            if value is not None:
+                out[f"writer/{name}"] = int(value)
     return out
 
 
-_SUMMED = ("completed", "failed", "requests", "output_tokens", "trajectories", "retries")
-_MEANS = ("mean_turns", "mean_response_length", "mean_reward")
-
-
-def across_processes(history: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def across_processes(history: dict[str, list[StatsLine]]) -> dict[str, StatsLine]:
     """One line per role that counts every process of it (a resumed run's earlier launches, restarts):
     an actor's counters, finish reasons and errors are summed over the last line of each of its
     processes, its means weighted by the units each completed; liveness and in-flight counts stay
     those of the newest process. Other roles keep their newest line (the writer counts from its
     checkpoint, across launches already)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, StatsLine] = {}
     for role, lines in history.items():
         if not lines:
             continue
-        if not _is_actor(role):
-            out[role] = lines[-1]
+        newest = lines[-1]
+        if not isinstance(newest, ActorStats):
+            out[role] = newest
             continue
-        last_of: dict[tuple[Any, Any], dict[str, Any]] = {}
+        last_of: dict[tuple[Any, Any], ActorStats] = {}
         for line in lines:  # oldest first: each process's latest line wins
-            last_of[(line.get("host"), line.get("pid"))] = line
-        merged = dict(lines[-1])
+            last_of[(line.host, line.pid)] = line  # type: ignore[assignment]  (one role, one type)
         ends = list(last_of.values())
-        for key in _SUMMED:
-            if any(key in e for e in ends):
-                merged[key] = sum(int(_num(e.get(key))) for e in ends)
-        for key in ("finish_reasons", "errors"):
-            total: dict[str, int] = {}
-            for e in ends:
-                for k, v in (e.get(key) or {}).items():
-                    total[k] = total.get(k, 0) + int(_num(v))
-            merged[key] = total
-        for key in _MEANS:
-            vals = [(_num(e[key]), _num(e.get("completed"))) for e in ends if e.get(key) is not None]
-            weight = sum(w for _, w in vals)
-            if vals:
-                merged[key] = sum(v * w for v, w in vals) / weight if weight else vals[-1][0]
-        out[role] = merged
+        out[role] = replace(
+            newest,
+            completed=sum(e.completed for e in ends), failed=sum(e.failed for e in ends),
+            requests=sum(e.requests for e in ends), output_tokens=sum(e.output_tokens for e in ends),
+            trajectories=sum(e.trajectories for e in ends), retries=sum(e.retries for e in ends),
+            finish_reasons=_summed([e.finish_reasons for e in ends]), errors=_summed([e.errors for e in ends]),
+            mean_turns=_weighted_mean([(e.mean_turns, float(e.completed)) for e in ends]),
+            mean_response_length=_weighted_mean([(e.mean_response_length, float(e.completed)) for e in ends]),
+            mean_reward=_weighted_mean([(e.mean_reward, float(e.completed)) for e in ends]),
+        )
     return out
 
 
@@ -284,34 +293,34 @@ class Rates:
         return (v1 - v0) / (t1 - t0) if t1 > t0 else None
 
 
-def history_rates(history: dict[str, list[dict[str, Any]]], window_s: float = RATE_WINDOW_S) -> dict[str, Any]:
+def history_rates(history: dict[str, list[StatsLine]], window_s: float = RATE_WINDOW_S) -> dict[str, Any]:
     """Units/s and output tokens/s from the actors' stats history, recent (the last window_s of
     each actor's current process) and overall (from each process's first line to its last)."""
     recent_units = recent_tokens = 0.0
     overall_units = overall_tokens = 0.0
     seen = False
-    for role, lines in history.items():
-        if not _is_actor(role) or not lines:
+    for lines in history.values():
+        if not lines or not isinstance(lines[-1], ActorStats):
             continue
         last = lines[-1]
-        same = [ln for ln in lines if ln.get("pid") == last.get("pid") and ln.get("host") == last.get("host")]
+        same = [ln for ln in lines if ln.pid == last.pid and ln.host == last.host and isinstance(ln, ActorStats)]
         first = same[0]
-        span = _num(last.get("time")) - _num(first.get("time"))
+        span = _num(last.time) - _num(first.time)
         if span <= 0:
             continue
         seen = True
         # the first line of a process counts from its start (uptime), so no early work is lost
-        start_t = _num(first.get("time")) - _num(first.get("uptime_s"))
-        whole = _num(last.get("time")) - start_t
-        overall_units += _num(last.get("completed")) / whole if whole > 0 else 0.0
-        overall_tokens += _num(last.get("output_tokens")) / whole if whole > 0 else 0.0
-        cutoff = _num(last.get("time")) - window_s
-        base = next((ln for ln in same if _num(ln.get("time")) >= cutoff), first)
+        start_t = _num(first.time) - _num(first.uptime_s)
+        whole = _num(last.time) - start_t
+        overall_units += last.completed / whole if whole > 0 else 0.0
+        overall_tokens += last.output_tokens / whole if whole > 0 else 0.0
+        cutoff = _num(last.time) - window_s
+        base = next((ln for ln in same if _num(ln.time) >= cutoff), first)
         if base is last:
             base = same[-2]
-        dt = _num(last.get("time")) - _num(base.get("time"))
-        recent_units += (_num(last.get("completed")) - _num(base.get("completed"))) / dt
-        recent_tokens += (_num(last.get("output_tokens")) - _num(base.get("output_tokens"))) / dt
+        dt = _num(last.time) - _num(base.time)
+        recent_units += (last.completed - base.completed) / dt
+        recent_tokens += (last.output_tokens - base.output_tokens) / dt
     if not seen:
         return {}
     return {"recent_units_per_s": recent_units, "recent_output_tokens_per_s": recent_tokens,

@@ -33,6 +33,7 @@ from pipegen.observe.progress import snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive,
                                    stats_history)
+from pipegen.run.stats_line import ActorStats, ClusterStats
 
 
 @dataclass
@@ -63,7 +64,7 @@ class RunStatus:
     logs_files: list[dict[str, Any]] = field(default_factory=list)
     servers: list[dict[str, Any]] = field(default_factory=list)  # {"url", "answering"}
     startup: dict[str, Any] | None = None  # this launch's start-up phases (pipegen/observe/startup.py)
-    cluster: dict[str, Any] | None = None  # cluster=ray: the launcher's latest cluster line (launch/ray_cluster.py)
+    cluster: ClusterStats | None = None  # cluster=ray: the launcher's latest cluster line (launch/ray_cluster.py)
 
 
 class NotARun(Exception):
@@ -113,12 +114,12 @@ def gather(run: RunDir) -> RunStatus:
         line = snap.roles.get(name)
         rs = RoleStatus(name)
         if line is not None:
-            rs.pid = int(line["pid"]) if line.get("pid") is not None else None
-            rs.host = line.get("host")
+            rs.pid = int(line.pid) if line.pid is not None else None
+            rs.host = line.host
             rs.alive = line_alive(line)
-            rs.stats_age_s = now - float(line.get("time") or now)
-            rs.final = bool(line.get("final"))
-            rs.cpu_busy = line.get("cpu_busy")
+            rs.stats_age_s = now - float(line.time or now)
+            rs.final = bool(line.final)
+            rs.cpu_busy = line.cpu_busy if isinstance(line, ActorStats) else None
         entry = log_by_role.get(name)
         if entry is not None:
             rs.log = str(run.logs / entry["file"])
@@ -167,9 +168,11 @@ def gather(run: RunDir) -> RunStatus:
     for url in run.read_launch().servers[:16]:
         servers.append({"url": url, "answering": _answers(url) if state != "finished" else None})
     phases = startup_phases(snap.roles, run.read_launch().started)
+    cluster = snap.roles.get(ClusterStats.ROLE)
     return RunStatus(str(run.root), state, hint, progress, rates, snap.metrics, roles, lock,
                      dict(snap.failed_units), str(run.logs), logs, servers,
-                     {**phases.as_dict(), "text": phases.render()} if phases else None, snap.roles.get("cluster"))
+                     {**phases.as_dict(), "text": phases.render()} if phases else None,
+                     cluster if isinstance(cluster, ClusterStats) else None)
 
 
 def _answers(url: str, timeout_s: float = 0.3) -> bool | None:
@@ -297,25 +300,24 @@ def render(st: RunStatus) -> str:
     return "\n".join(out)
 
 
-def render_cluster(line: dict[str, Any]) -> list[str]:
+def render_cluster(line: ClusterStats) -> list[str]:
     """cluster=ray: each node's state and leases out, and the units leased again after a loss."""
-    out = [f"  cluster    {len(line.get('nodes') or {})} node runner(s) | units not leased yet "
-           f"{line.get('units_queued', 0)} | leased again after a loss {line.get('units_released', 0)}"]
-    for name, node in sorted((line.get("nodes") or {}).items()):
-        state = "rejoined" if node.get("rejoined") else node.get("state", "?")
-        where = f" on {node['host']}, incarnation {node['incarnation']}" if node.get("host") else ""
-        error = f" ({node['error']})" if node.get("error") else ""
-        out.append(f"    {name:<8} {state}{error}{where}: {node.get('leases_out', 0)} lease(s) out "
-                   f"({node.get('units_out', 0)} units), {node.get('leases_done', 0)} done, "
-                   f"{node.get('leases_lost', 0)} lost"
-                   + (f", {node['units_taken_back']} unstarted unit(s) taken back for idle nodes"
-                      if node.get("units_taken_back") else ""))
-    for release in line.get("releases") or []:
-        if release.get("units"):
-            after = release.get("all_leased_again_after_s")
+    out = [f"  cluster    {len(line.nodes)} node runner(s) | units not leased yet "
+           f"{line.units_queued} | leased again after a loss {line.units_released}"]
+    for name, node in sorted(line.nodes.items()):
+        state = "rejoined" if node.rejoined else node.state
+        where = f" on {node.host}, incarnation {node.incarnation}" if node.host else ""
+        error = f" ({node.error})" if node.error else ""
+        out.append(f"    {name:<8} {state}{error}{where}: {node.leases_out} lease(s) out "
+                   f"({node.units_out} units), {node.leases_done} done, {node.leases_lost} lost"
+                   + (f", {node.units_taken_back} unstarted unit(s) taken back for idle nodes"
+                      if node.units_taken_back else ""))
+    for release in line.releases:
+        if release.units:
+            after = release.all_leased_again_after_s
             when = (f"all leased again {after:.1f}s after the loss" if after is not None
-                    else f"{release.get('left', 0)} still waiting")
-            out.append(f"    lost lease of {release['node']}: {release['units']} open unit(s), {when}")
+                    else f"{release.left} still waiting")
+            out.append(f"    lost lease of {release.node}: {release.units} open unit(s), {when}")
     return out
 
 

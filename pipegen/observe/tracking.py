@@ -32,11 +32,14 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from pipegen.run.layout import RunDir
-from pipegen.observe.stats import Rates, StatsAppender, flatten_numbers
+from pipegen.observe.stats import Rates, StatsAppender, actor_lines, flatten_numbers
+from pipegen.run.stats_line import LaunchStats, StatsLine
 
 log = logging.getLogger("pipegen.tracking")
 
 DEFAULT_INTERVAL_S = 10.0
+ELAPSED_S = "time/elapsed_s"  # the launch's age at this step (the launcher's closing summary reads these two)
+LAUNCH_UNITS_PER_S = "throughput/units_per_s_launch_avg"
 CONSOLE_KEYS = ("progress/done", "progress/committed", "progress/total", "progress/failed", "progress/in_flight",
                 "throughput/units_per_s", "throughput/output_tokens_per_s", "latency/p50_s", "latency/p95_s",
                 "reward/mean", "errors/total")
@@ -92,7 +95,7 @@ class RunTracker:
     """Aggregated run metrics over time, logged through verl's Tracking every interval_s."""
 
     def __init__(self, cfg: DictConfig, run: RunDir, interval_s: float | None = None, console: bool | None = None,
-                 stats_role: str | None = "launch"):
+                 stats_role: str | None = LaunchStats.ROLE):
         self.cfg = cfg
         self.run = run
         gen = cfg.generation
@@ -132,17 +135,15 @@ class RunTracker:
             "progress/failed": snap.failed,
             "progress/in_flight": snap.in_flight,
             "progress/requests_in_flight": snap.requests_in_flight,
-            "time/elapsed_s": now - self.started,
+            ELAPSED_S: now - self.started,
         }
         m.update(snap.metrics)
         units = self.rates.observe("done", now, snap.done)
         tokens = None
-        for role, line in snap.roles.items():
-            if not role.startswith("actor_") or line.get("output_tokens") is None:
-                continue
-            r = self.rates.observe(f"tokens/{role}", float(line.get("time") or now), float(line["output_tokens"]),
-                                   identity=(line.get("host"), line.get("pid")))
-            if r is not None and not line.get("final"):
+        for role, line in actor_lines(snap.roles).items():
+            r = self.rates.observe(f"tokens/{role}", float(line.time or now), float(line.output_tokens),
+                                   identity=(line.host, line.pid))
+            if r is not None and not line.final:
                 tokens = (tokens or 0.0) + r
         if units is not None:
             m["throughput/units_per_s"] = units
@@ -152,11 +153,11 @@ class RunTracker:
             self._done0 = snap.done
         elapsed = now - self.started
         if elapsed > 0:
-            m["throughput/units_per_s_launch_avg"] = max(0, snap.done - self._done0) / elapsed
+            m[LAUNCH_UNITS_PER_S] = max(0, snap.done - self._done0) / elapsed
         snap.tokens_per_s = tokens
         return m
 
-    def update(self, snap: Any, roles: dict[str, dict[str, Any]] | None = None, force: bool = False) -> dict[str, Any]:
+    def update(self, snap: Any, roles: dict[str, StatsLine] | None = None, force: bool = False) -> dict[str, Any]:
         """Compute the metrics for snap (roles: latest stats lines, default snap.roles); log them
         when interval_s has passed since the last log, or when force."""
         if roles is not None:
@@ -174,7 +175,7 @@ class RunTracker:
         numbers = flatten_numbers(m)
         if self.stats is not None:
             try:
-                self.stats.append({"step": self.step, **numbers})
+                self.stats.append(LaunchStats(step=self.step, metrics=numbers))
             except OSError as e:
                 log.warning("could not append launcher stats: %s", e)
         if self.tracking is None:

@@ -49,9 +49,16 @@ def legacy_batch_file_name(number: int) -> str:
     return f"batch_{number:05d}.pkl"
 
 
+ACTOR_ROLE_PREFIX = "actor_"
+
+
 def actor_role(rank: int | str) -> str:
     """An actor's name: its log, its stats file and its shard folder under each topic."""
-    return f"actor_{rank}"
+    return f"{ACTOR_ROLE_PREFIX}{rank}"
+
+
+def is_actor_role(role: str) -> bool:
+    return role.startswith(ACTOR_ROLE_PREFIX)
 
 
 def node_actor_role(node: str, incarnation: str, k: int) -> str:

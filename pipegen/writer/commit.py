@@ -46,6 +46,7 @@ from omegaconf import DictConfig
 
 from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
+from pipegen.run.stats_line import WriterStats
 from pipegen.run.atomic import fsync_dir, remove_stale_temporaries, temporary_sibling, write_synced
 from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
 from pipegen.run.ownership import DirectoryLock, LockHeld
@@ -177,7 +178,7 @@ class Writer:
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
         self.parser = LineParser()
         self.committer = Committer(run, self.fault)
-        self.stats = StatsAppender(run.stats, "writer", baseline={"committed": self.ckpt.num_committed})
+        self.stats = StatsAppender(run.stats, WriterStats.ROLE, baseline={"committed": self.ckpt.num_committed})
         # The writer's tensor ops are small: torch's intra-op threads only fight the commit thread and
         # the actors for cores (verl's _postprocess ran 30x slower with 2 threads on a busy 2-core box).
         import torch  # here, not at the top: the launcher imports this module for its exit codes
@@ -349,18 +350,18 @@ class Writer:
 
     def write_stats(self, final: bool = False) -> None:
         self.stats.append(
-            {
-                "final": final,
-                "committed": self.ckpt.num_committed,
-                "units_total": self.total_units,
-                "batches": len(self.ckpt.batches),
-                "buffered": len(self.buffer),
-                "failed": len(self.ckpt.failed),
-                "duplicates": self.duplicates,
-                "unknown_units": self.unknown_units,
-                "torn_lines": self.rollouts.stats.torn_lines + self.failures.stats.torn_lines,
-                "lines": self.rollouts.stats.lines,
-            }
+            WriterStats(
+                final=final,
+                committed=self.ckpt.num_committed,
+                units_total=self.total_units,
+                batches=len(self.ckpt.batches),
+                buffered=len(self.buffer),
+                failed=len(self.ckpt.failed),
+                duplicates=self.duplicates,
+                unknown_units=self.unknown_units,
+                torn_lines=self.rollouts.stats.torn_lines + self.failures.stats.torn_lines,
+                lines=self.rollouts.stats.lines,
+            )
         )
 
     async def main(self) -> int:
@@ -478,7 +479,7 @@ def refuse(run: RunDir, damage: DamagedFile) -> int:
     closes with it); nothing on disk is touched."""
     print(f"pipegen.writer: error: {damage}", file=sys.stderr)
     try:
-        StatsAppender(run.stats, "writer").append({"final": True, "refused": str(damage)})
+        StatsAppender(run.stats, WriterStats.ROLE).append(WriterStats(final=True, refused=str(damage)))
     except OSError:
         pass
     return EXIT_DAMAGED
