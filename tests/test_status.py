@@ -296,9 +296,9 @@ OLDER_WRITER_LINE = (
 
 def written_keys(raw: dict) -> dict:
     """A stats line less what the appender adds (the identity head and the `_per_s` rates)."""
-    from pipegen.run.stats_line import StatsLine
+    from pipegen.run.stats_line import HEAD, RATE_SUFFIX
 
-    return {k: v for k, v in raw.items() if k not in StatsLine.HEAD and not k.endswith("_per_s")}
+    return {k: v for k, v in raw.items() if k not in HEAD and not k.endswith(RATE_SUFFIX)}
 
 
 def test_stats_lines_of_an_older_run_read_the_same_and_keep_their_keys(tmp_path):

@@ -54,7 +54,6 @@ class PromptTokens:
         self._lock = threading.Lock()
         self._key_locks: dict[bytes, Any] = {}
         self.max_prompts = max_prompts
-        self.hits = self.misses = 0
 
     def wrap(self, builder: Any) -> Any:
         return _CachingBuilder(builder, self)
@@ -66,7 +65,6 @@ class PromptTokens:
             ids = self._ids.get(key)
             if ids is not None:  # the common case (n-1 of n samples): no per-key lock needed
                 self._ids.move_to_end(key)
-                self.hits += 1
                 return list(ids)
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
@@ -74,11 +72,9 @@ class PromptTokens:
                 ids = self._ids.get(key)
                 if ids is not None:
                     self._ids.move_to_end(key)
-                    self.hits += 1
                     return list(ids)
             ids = tuple(builder.build_initial_tokens(messages, tools=tools))
             with self._lock:
-                self.misses += 1
                 self._ids[key] = ids
                 while len(self._ids) > self.max_prompts:
                     old, _ = self._ids.popitem(last=False)

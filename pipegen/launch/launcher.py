@@ -42,7 +42,6 @@ class Launcher(NodeProcesses):
     def __init__(self, cfg: DictConfig, run: RunDir):
         super().__init__(cfg, run)
         self.n = int(cfg.actor_rollout_ref.rollout.n)
-        self._stopping = False
         self._outside_writer: int | None = None  # pid of a writer this launcher did not start
         self._outside_checked = 0.0
         self._startup_logged = False
@@ -323,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(e))
     launch_id = uuid.uuid4().hex
     run.write_launch(LaunchRecord(launch=launch_id, run_key=run.run_key(), servers=plan.urls,
-                                  node_rank=plan.node.rank, num_actors=plan.num_actors * plan.node.world_size))
+                                  num_actors=plan.num_actors * plan.node.world_size))
     launcher = Launcher(cfg, run)
 
     def on_signal(signum, _frame):

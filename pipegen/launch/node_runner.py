@@ -197,7 +197,7 @@ class NodeRunner:
         actors = [node_actor_role(node, self.incarnation, k) for k in range(plan.num_actors)]
         self.run.write_node(NodeRecord(
             launch=launch, run_key=self.run.run_key(), servers=plan.urls, num_actors=plan.num_actors, node=node,
-            incarnation=self.incarnation, host=self.host, actors=actors,
+            incarnation=self.incarnation, host=self.host,
             server_pgids=[r.proc.pid for r in self.processes.sup.roles.values() if r.proc is not None]))
         for role in actors:
             rank = role.removeprefix("actor_")

@@ -15,9 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pipegen.run.stats_line import ACTOR_PHASES, ActorStats, StatsLine
-
-__all__ = ["ACTOR_PHASES", "StartupPhases", "startup_phases"]
+from pipegen.run.stats_line import ActorStats, StatsLine
 
 
 @dataclass

@@ -25,10 +25,8 @@ import orjson
 
 from pipegen.run.layout import stats_file, stats_files
 from pipegen.run.ownership import HOST, pid_alive
-from pipegen.run.stats_line import ActorStats, StatsLine, WriterStats, parse_stats_line
+from pipegen.run.stats_line import RATE_SUFFIX, ActorStats, StatsHead, StatsLine, WriterStats, parse_stats_line
 
-# Cumulative counters that get a `<name>_per_s` companion (the rate since this process's previous line).
-RATE_COUNTERS = ("completed", "output_tokens", "requests", "committed", "lines")
 RATE_WINDOW_S = 60.0  # "recent" rates are measured over about this much of the newest history
 CPU_BOUND = 0.85  # an actor busier than this on its one core (cpu_busy) is what limits the run
 
@@ -42,11 +40,11 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
 
 class StatsAppender:
     """Appends one role's stats lines. Adds the identity (time, role, pid, host, seq, uptime_s) and,
-    from the second line on, `<name>_per_s` since the previous line for the cumulative counters in
-    RATE_COUNTERS; on the `final` line, `<name>_per_s` over the process's whole life instead
-    (counter - baseline) / uptime_s."""
+    from the second line on, `<name>_per_s` since the previous line for the line's rated counters
+    (StatsLine.rated_counters); on the `final` line, `<name>_per_s` over the process's whole life
+    instead (counter - baseline) / uptime_s."""
 
-    def __init__(self, stats_dir: Path, role: str, baseline: dict[str, float] | None = None):
+    def __init__(self, stats_dir: Path, role: str, baseline: StatsLine | None = None):
         Path(stats_dir).mkdir(parents=True, exist_ok=True)
         self.role = role
         self.path = stats_file(stats_dir, role)
@@ -54,7 +52,7 @@ class StatsAppender:
         self.seq = 0
         self._previous: tuple[float, dict[str, float]] = (self.started, {})
         # the counters' values when this process started (0, or what a resumed writer found committed)
-        self.baseline = {k: float(v) for k, v in (baseline or {}).items()}
+        self.baseline = baseline.rated_counters() if baseline is not None else {}
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def append(self, line: StatsLine) -> None:
@@ -62,19 +60,18 @@ class StatsAppender:
             return
         metrics = line.body()
         now = time.time()
-        head = {"time": now, "role": self.role, "pid": os.getpid(), "host": HOST, "seq": self.seq,
-                "uptime_s": round(now - self.started, 3)}
+        head = StatsHead(time=now, role=self.role, pid=os.getpid(), host=HOST, seq=self.seq,
+                         uptime_s=round(now - self.started, 3)).as_dict()
         then, before = self._previous
-        counters = {k: float(metrics[k]) for k in RATE_COUNTERS
-                    if isinstance(metrics.get(k), (int, float)) and not isinstance(metrics.get(k), bool)}
+        counters = line.rated_counters()
         rates = {}
         if line.final and now > self.started:
             # the closing line: rates over the whole life of the process (wall clock), not since the
             # previous line (units finish in bursts, so a last short interval says nothing)
-            rates = {f"{k}_per_s": round((v - self.baseline.get(k, 0.0)) / (now - self.started), 3)
+            rates = {k + RATE_SUFFIX: round((v - self.baseline.get(k, 0.0)) / (now - self.started), 3)
                      for k, v in counters.items()}
         elif before and now > then:  # not on the first line: a resumed writer starts from its checkpoint
-            rates = {f"{k}_per_s": round((v - before.get(k, 0.0)) / (now - then), 3) for k, v in counters.items()}
+            rates = {k + RATE_SUFFIX: round((v - before.get(k, 0.0)) / (now - then), 3) for k, v in counters.items()}
         self._previous = (now, counters)
         os.write(self._fd, orjson.dumps({**head, **metrics, **rates}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
         self.seq += 1
@@ -262,7 +259,6 @@ def across_processes(history: dict[str, list[StatsLine]]) -> dict[str, StatsLine
             newest,
             completed=sum(e.completed for e in ends), failed=sum(e.failed for e in ends),
             requests=sum(e.requests for e in ends), output_tokens=sum(e.output_tokens for e in ends),
-            trajectories=sum(e.trajectories for e in ends), retries=sum(e.retries for e in ends),
             finish_reasons=_summed([e.finish_reasons for e in ends]), errors=_summed([e.errors for e in ends]),
             mean_turns=_weighted_mean([(e.mean_turns, float(e.completed)) for e in ends]),
             mean_response_length=_weighted_mean([(e.mean_response_length, float(e.completed)) for e in ends]),

@@ -109,7 +109,6 @@ class RunTracker:
         self._last_log: float | None = None
         self.rates = Rates()
         self.stats = StatsAppender(run.stats, stats_role) if stats_role else None
-        self.last_metrics: dict[str, Any] = {}
         self._done0: int | None = None
         if self.backends:
             try:
@@ -163,7 +162,6 @@ class RunTracker:
         if roles is not None:
             snap.roles = roles
         m = self.metrics(snap)
-        self.last_metrics = m
         now = time.monotonic()
         if force or self._last_log is None or now - self._last_log >= self.interval_s:
             self._last_log = now

@@ -5,13 +5,13 @@ DIR/
   conf/config.yaml        the resolved config every process reads
   conf/fingerprint.json   what defines the data (the resume guard); its digest is the run key
   conf/units.json         the unit manifest: the dataset's indices in order (units = index x sample)
-  conf/launch.json        the current launch: its id, the run key, the server URLs, this node's rank
-  conf/nodes/<node>.json  with cluster=ray, one per node runner: the launch id, its incarnation, host, servers, actors
+  conf/launch.json        the current launch: its id, the run key, the server URLs, the actor count
+  conf/nodes/<node>.json  with cluster=ray, one per node runner: the launch id, its incarnation, host, servers
   .launcher.lock          held by the one launcher of this directory (its pid and host inside)
   logs/<role>.log         one log per process; logs/<role>.cmd.sh restarts that role by hand
   streams/rollouts/actor_<k>/<seq>.jsonl   RolloutRecord lines (records.py), one appender per file
   streams/failures/actor_<k>/<seq>.jsonl   FailureRecord lines
-  streams/stats/<role>.jsonl               periodic metrics lines
+  streams/stats/<role>.jsonl               periodic metrics lines, one typed record per role (stats_line.py)
   checkpoint.json         the writer's commit record (checkpoint.py)
   batch_00000.arrow ...   padded DataProto batches (batchfile.py: Arrow IPC, nothing in one executes on load)
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
@@ -292,7 +292,6 @@ class LaunchRecord:
     run_key: str  # RunDir.run_key(): seeds each prompt's uid
     servers: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.time)
-    node_rank: int = 0
     num_actors: int = 0  # actor processes in the whole run (0: a record from before pipegen wrote it)
 
     @classmethod
@@ -320,7 +319,6 @@ class NodeRecord(LaunchRecord):
     node: str = ""
     incarnation: str = ""  # a fresh id per runner start; in every actor name of that start
     host: str = ""
-    actors: list[str] = field(default_factory=list)  # role names
     server_pgids: list[int] = field(default_factory=list)  # swept by the next incarnation on the same host
 
 

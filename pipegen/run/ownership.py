@@ -55,7 +55,6 @@ class LockHeld(RuntimeError):
         pid, _, host = holder.partition(" ")
         who = f"pid {pid} on {host}" if host else f"pid {pid}"
         super().__init__(f"another {role} ({who}) already owns {path.parent}; stop it first or wait for it")
-        self.holder = pid
 
 
 @dataclass

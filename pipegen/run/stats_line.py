@@ -29,15 +29,19 @@ from typing import Any, ClassVar
 
 from pipegen.run.layout import is_actor_role
 
-# The actor's start-up phases, in the order a healthy launch reaches them (ready may come after
-# server_ready: then the server waited). ActorStartup has one field per phase.
-ACTOR_PHASES = ("ready", "server_ready", "first_request", "first_unit")
 STARTUP_PREFIX = "startup/"
+RATE_SUFFIX = "_per_s"  # the appender's `<counter>_per_s` beside each rated counter
+RATED = {"rated": True}  # a field's metadata: a cumulative counter that gets a rate
 
 
 @cache
 def _names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
+
+
+@cache
+def _rated(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls) if f.metadata.get("rated"))
 
 
 def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
@@ -46,10 +50,8 @@ def _known(cls: type, raw: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class StatsLine:
-    """The head every line starts with (the appender writes it), and `final` (the process's last line)."""
-
-    HEAD: ClassVar[tuple[str, ...]] = ("time", "role", "pid", "host", "seq", "uptime_s")
+class StatsHead:
+    """What every line starts with: the appender (observe/stats.py) writes it."""
 
     time: float | None = None
     role: str | None = None
@@ -57,11 +59,27 @@ class StatsLine:
     host: str | None = None
     seq: int | None = None
     uptime_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in HEAD}
+
+
+HEAD = _names(StatsHead)
+
+
+@dataclass
+class StatsLine(StatsHead):
+    """A line: the head, `final` (the process's last line), and the role's own fields (subclasses)."""
+
     final: bool = False
 
     def body(self) -> dict[str, Any]:
         """The role's own keys (not the head: the appender adds it), in declaration order."""
-        return {name: getattr(self, name) for name in _names(type(self)) if name not in self.HEAD}
+        return {name: getattr(self, name) for name in _names(type(self)) if name not in HEAD}
+
+    def rated_counters(self) -> dict[str, float]:
+        """The cumulative counters that get a rate (fields with RATED metadata), where set."""
+        return {name: float(value) for name in _rated(type(self)) if (value := getattr(self, name)) is not None}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "StatsLine":
@@ -72,7 +90,7 @@ class StatsLine:
 class ActorStartup:
     """Wall-clock times (time.time()) of an actor's start-up phases; None until reached."""
 
-    process_started: float | None = None
+    process_started: float | None = None  # the process's own start (from /proc)
     server_answered_first_poll: bool = False  # True: the server was up before this actor (the actor was the wait)
     ready: float | None = None
     server_ready: float | None = None
@@ -84,19 +102,24 @@ class ActorStartup:
         return getattr(self, name)
 
 
+# The actor's start-up phases (ActorStartup's fields after the two about the process), in the order a
+# healthy launch reaches them (ready may come after server_ready: then the server waited).
+ACTOR_PHASES = _names(ActorStartup)[2:]
+
+
 @dataclass
 class ActorStats(StatsLine):
     """One actor process's counters, cumulative over the process (a restart starts again from zero)."""
 
     units_total: int = 0  # units this actor was given (its share, or leased so far)
-    completed: int = 0
+    completed: int = field(default=0, metadata=RATED)
     failed: int = 0
     in_flight: int = 0
     trajectories: int = 0  # rows: a multi-trajectory agent loop returns several per unit
-    requests: int = 0
+    requests: int = field(default=0, metadata=RATED)
     retries: int = 0
     requests_in_flight: int = 0
-    output_tokens: int = 0
+    output_tokens: int = field(default=0, metadata=RATED)
     latency_p50_s: float | None = None  # over the process's newest requests
     latency_p95_s: float | None = None
     finish_reasons: dict[str, int] = field(default_factory=dict)
@@ -136,7 +159,7 @@ class WriterStats(StatsLine):
 
     ROLE: ClassVar[str] = "writer"
 
-    committed: int | None = None  # units in batch files, over every launch (from the checkpoint)
+    committed: int | None = field(default=None, metadata=RATED)  # units in batch files, every launch's
     units_total: int | None = None
     batches: int | None = None
     buffered: int | None = None  # units read from the shards, not yet in a batch file
@@ -144,7 +167,7 @@ class WriterStats(StatsLine):
     duplicates: int | None = None  # a unit's second complete record, dropped
     unknown_units: int | None = None  # a record for no unit of this run, dropped
     torn_lines: int | None = None  # a crash's partial last line, skipped
-    lines: int | None = None  # rollout lines read
+    lines: int | None = field(default=None, metadata=RATED)  # rollout lines read
     refused: str | None = None  # the damaged file the writer refused to go on with (its one line)
 
     def body(self) -> dict[str, Any]:
@@ -219,9 +242,10 @@ class LaunchStats(StatsLine):
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "LaunchStats":
-        head = {k: v for k, v in raw.items() if k in cls.HEAD}
-        metrics = {k: v for k, v in raw.items() if k not in cls.HEAD and k not in ("step", "final")}
-        return cls(**head, step=int(raw.get("step") or 0), metrics=metrics)
+        line = cls(**_known(StatsHead, raw))
+        line.step = int(raw.get("step") or 0)
+        line.metrics = {k: v for k, v in raw.items() if k not in _names(cls)}
+        return line
 
 
 def parse_stats_line(role: str, raw: dict[str, Any]) -> StatsLine:

@@ -88,7 +88,6 @@ class ShardAppender:
 class TailStats:
     lines: int = 0
     torn_lines: int = 0
-    bytes_read: int = 0
 
 
 @dataclass
@@ -160,7 +159,6 @@ class ShardTailer:
                     start = nl + 1
                     self.offsets[rel] = offset + start
                     self.stats.lines += 1
-                    self.stats.bytes_read += len(line)
                     yield rel, offset + start, line
                 offset += start
             if sealed and offset < size:

@@ -178,7 +178,7 @@ class Writer:
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
         self.parser = LineParser()
         self.committer = Committer(run, self.fault)
-        self.stats = StatsAppender(run.stats, WriterStats.ROLE, baseline={"committed": self.ckpt.num_committed})
+        self.stats = StatsAppender(run.stats, WriterStats.ROLE, baseline=WriterStats(committed=self.ckpt.num_committed))
         # The writer's tensor ops are small: torch's intra-op threads only fight the commit thread and
         # the actors for cores (verl's _postprocess ran 30x slower with 2 threads on a busy 2-core box).
         import torch  # here, not at the top: the launcher imports this module for its exit codes
