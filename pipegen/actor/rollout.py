@@ -28,7 +28,7 @@ from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.verl_private import agent_loop_registry
-from pipegen.run.records import RolloutRecord, UnitKeys, prompt_uid, unit_seed
+from pipegen.run.records import RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid, unit_seed
 
 
 class InvalidTrajectory(ValueError):
@@ -107,23 +107,23 @@ def check_trajectories(result: Any, prompt_length: int, response_length: int) ->
     return checked
 
 
-TOKEN_LISTS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs")
-_TOKEN_LIST_SET = frozenset(TOKEN_LISTS)
+_TOKEN_LIST_SET = frozenset(TrajectoryKeys.TOKEN_LISTS)
+_LOGPROBS = TrajectoryKeys.RESPONSE_LOGPROBS
 
 
 def trajectory_json(output) -> dict[str, Any]:
     """An AgentLoopOutput as the record carries it: `model_dump(mode="json")`, except that plain token
     lists go to orjson as they are (pydantic's JSON mode copies every element: about half the cost of
     this function at 256 tokens, for the same bytes)."""
-    lists = {k: getattr(output, k) for k in TOKEN_LISTS}
-    if all(type(v) is list for k, v in lists.items() if v is not None or k != "response_logprobs"):
+    lists = {k: getattr(output, k) for k in TrajectoryKeys.TOKEN_LISTS}
+    if all(type(v) is list for k, v in lists.items() if v is not None or k != _LOGPROBS):
         rest = output.model_dump(mode="json", exclude=_TOKEN_LIST_SET)
         data = {k: lists[k] if k in lists else rest[k] for k in type(output).model_fields}
     else:  # anything unusual (arrays, tensors) goes through pydantic's conversion
         data = output.model_dump(mode="json")
-    if data.get("response_logprobs") is not None:
+    if data.get(_LOGPROBS) is not None:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
-        data["response_logprobs"] = np.asarray(data["response_logprobs"], dtype=np.float32)
+        data[_LOGPROBS] = np.asarray(data[_LOGPROBS], dtype=np.float32)
     return data
 
 

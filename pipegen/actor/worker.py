@@ -39,7 +39,7 @@ from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.handshake import import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
-from pipegen.run.records import FailureRecord, RolloutRecord
+from pipegen.run.records import FailureRecord, RolloutRecord, TrajectoryKeys
 from pipegen.run.streams import ShardAppender, count_units, next_free_seq, scan_units
 
 log = logging.getLogger("pipegen.actor")
@@ -62,10 +62,10 @@ class ActorCounters:
         self.completed += 1
         self.trajectories += record.num_rows
         for t in record.trajectories:
-            self.response_lengths.append(len(t["response_ids"]))
-            self.turns.append(t["num_turns"])
-            if t.get("reward_score") is not None:
-                self.rewards.append(t["reward_score"])
+            self.response_lengths.append(len(t[TrajectoryKeys.RESPONSE_IDS]))
+            self.turns.append(t[TrajectoryKeys.NUM_TURNS])
+            if t.get(TrajectoryKeys.REWARD_SCORE) is not None:
+                self.rewards.append(t[TrajectoryKeys.REWARD_SCORE])
 
     def count_failure(self, kind: str) -> None:
         self.failed += 1

@@ -132,12 +132,13 @@ def scan_template():
     one per unit, make the scanned shards."""
     import numpy as np
 
-    from pipegen.run.records import RolloutRecord, prompt_uid, unit_seed
+    from pipegen.run.records import RolloutRecord, TrajectoryKeys, prompt_uid, unit_seed
 
     rng = np.random.default_rng(0)
-    trajectory = {"prompt_ids": rng.integers(c.TOKEN_LO, c.TOKEN_HI, 128).tolist(),
-                  "response_ids": rng.integers(c.TOKEN_LO, c.TOKEN_HI, 256).tolist(), "response_mask": [1] * 256,
-                  "response_logprobs": (-rng.exponential(1.0, 256)).astype(np.float32)}
+    prompt_ids, response_ids, response_mask, response_logprobs = TrajectoryKeys.TOKEN_LISTS
+    trajectory = {prompt_ids: rng.integers(c.TOKEN_LO, c.TOKEN_HI, 128).tolist(),
+                  response_ids: rng.integers(c.TOKEN_LO, c.TOKEN_HI, 256).tolist(), response_mask: [1] * 256,
+                  response_logprobs: (-rng.exponential(1.0, 256)).astype(np.float32)}
     return RolloutRecord(index=0, sample=0, uid=prompt_uid(c.LAUNCH, 0), priority=0, seed=unit_seed(0, 0, 0),
                          agent_name="single_turn_agent", launch="x" * 32,
                          row={"data_source": "openai/gsm8k", "raw_prompt": [{"role": "user", "content": "q" * 160}]},

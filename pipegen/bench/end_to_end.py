@@ -106,7 +106,7 @@ def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
     from pipegen.engines import engine
     from pipegen.actor.protocol import ClientLimits
     from pipegen.run.config import load_run_config
-    from pipegen.run.records import RolloutRecord
+    from pipegen.run.records import RolloutRecord, TrajectoryKeys
 
     rollout = load_run_config(run).actor_rollout_ref.rollout
     limits = ClientLimits(prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),
@@ -114,9 +114,8 @@ def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
     params = dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                   repetition_penalty=1.0, logprobs=rollout.calculate_log_probs)
     records = [RolloutRecord.from_line(line) for line in c.shard_lines(run.rollouts)]
-    # prompt_ids: a field of verl's AgentLoopOutput, which the record carries as JSON
     build = engine(protocol).build
-    return [build(r.trajectories[0]["prompt_ids"], params, limits, r.seed).body for r in records]
+    return [build(r.trajectories[0][TrajectoryKeys.PROMPT_IDS], params, limits, r.seed).body for r in records]
 
 
 def run_raw(url: str, bodies: list[dict], concurrency: int) -> list[float]:

@@ -12,6 +12,8 @@ every unit that gave up becomes one `FailureRecord`; each is one JSON line in an
   stall resends, hedges) are counted in the actor's stats, not here. A reader keeps the first complete
   record of a unit and drops any later one as a duplicate, whatever its attempt: the late answer of a
   superseded try never becomes a second row.
+- `TrajectoryKeys` names the keys of one trajectory in a record: verl `AgentLoopOutput`'s fields,
+  which pipegen reads back by name (the actor's checks and counters, the writer's parse and padding).
 - `unit_seed` and `prompt_uid` derive the per-unit sampling seed and the prompt's uid, so a rerun of
   the same setup reproduces both.
 
@@ -21,7 +23,7 @@ against pydantic and msgspec on 1k-token records (ARCHITECTURE.md, "Stream lines
 dataclass natively and decoding is one `orjson.loads` plus a constructor call, with no extra
 dependency and no validation cost on the hot path.
 
-Owns: every record key, the unit-key arithmetic, seed and uid derivation.
+Owns: every record key (a trajectory's included), the unit-key arithmetic, seed and uid derivation.
 Must never: touch files or know about processes (streams.py moves the bytes).
 """
 
@@ -31,7 +33,7 @@ import hashlib
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -78,6 +80,25 @@ def unit_seed(base_seed: int, index: int, sample: int) -> int:
 def prompt_uid(run_key: str, index: int) -> str:
     """verl gives the n samples of one prompt one shared uid; pipegen derives it so reruns match."""
     return str(uuid.uuid5(uuid.NAMESPACE_OID, f"{run_key}:{index}"))
+
+
+class TrajectoryKeys:
+    """The keys of one trajectory in `RolloutRecord.trajectories`, which is verl's `AgentLoopOutput` as JSON:
+    the field names pipegen reads by name. Plain str constants (not an Enum), so the JSON keys are verl's
+    own bytes and hot loops can bind them to module-level names."""
+
+    PROMPT_IDS: Final = "prompt_ids"
+    RESPONSE_IDS: Final = "response_ids"
+    RESPONSE_MASK: Final = "response_mask"  # 1 for a model token, 0 for a tool/user token
+    RESPONSE_LOGPROBS: Final = "response_logprobs"  # None unless the servers returned log-probs
+    REWARD_SCORE: Final = "reward_score"
+    NUM_TURNS: Final = "num_turns"
+    METRICS: Final = "metrics"
+    EXTRA_FIELDS: Final = "extra_fields"
+    MULTI_MODAL_DATA: Final = "multi_modal_data"
+    ROUTED_EXPERTS: Final = "routed_experts"
+    # one entry per token; the writer reads these as arrays
+    TOKEN_LISTS: Final = (PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, RESPONSE_LOGPROBS)
 
 
 @dataclass

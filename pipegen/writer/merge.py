@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipegen.run.atomic import atomic_write, atomic_write_bytes
+from pipegen.run.batchfile import BatchColumns
 from pipegen.run.checkpoint import Checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.sorted_rows import ROW_ORDER, SortedRows
@@ -75,13 +76,13 @@ class MergePlan(SortedRows):
 
     def run_meta(self) -> dict[str, Any]:
         """meta_info of every output piece: the run's (so sharded parts concatenate with DataProto.concat)."""
-        if "timing" not in self.meta and self.metrics and "prompts" in self.tensor_specs:
+        if "timing" not in self.meta and self.metrics and BatchColumns.PROMPTS in self.tensor_specs:
             # verl reads the prompt width and the slowest row's attention mask: one row, fetched when asked.
-            shim = _Shape({"prompts": torch.empty((0, *self.tensor_specs["prompts"][1])),
-                           "attention_mask": _LazyRow(self)})
+            shim = _Shape({BatchColumns.PROMPTS: torch.empty((0, *self.tensor_specs[BatchColumns.PROMPTS][1])),
+                           BatchColumns.ATTENTION_MASK: _LazyRow(self)})
             self.meta["timing"] = performance_metrics([self.metrics], shim)
         meta = dict(self.meta)
-        if self.reward_keys is not None and "rm_scores" in self.tensor_specs:
+        if self.reward_keys is not None and BatchColumns.RM_SCORES in self.tensor_specs:
             meta["reward_extra_keys"] = self.reward_keys
         return meta
 
@@ -114,7 +115,7 @@ class _LazyRow:
     plan: MergePlan
 
     def __getitem__(self, i: Any) -> torch.Tensor:
-        return torch.from_numpy(self.plan.tensors(int(i), int(i) + 1)["attention_mask"][0])
+        return torch.from_numpy(self.plan.tensors(int(i), int(i) + 1)[BatchColumns.ATTENTION_MASK][0])
 
 
 def output_meta(cfg: DictConfig) -> dict[str, Any]:

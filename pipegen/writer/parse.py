@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 import simdjson
 
-from pipegen.run.records import RolloutRecord
+from pipegen.run.records import RolloutRecord, TrajectoryKeys
 
 # verl AgentLoopOutput lists read as arrays: buffer type code, numpy dtype
 ARRAY_KEYS = {
-    "prompt_ids": ("i", np.int64),
-    "response_ids": ("i", np.int64),
-    "response_mask": ("i", np.int64),
-    "response_logprobs": ("d", np.float64),
+    TrajectoryKeys.PROMPT_IDS: ("i", np.int64),
+    TrajectoryKeys.RESPONSE_IDS: ("i", np.int64),
+    TrajectoryKeys.RESPONSE_MASK: ("i", np.int64),
+    TrajectoryKeys.RESPONSE_LOGPROBS: ("d", np.float64),
 }
 _SCALAR_FIELDS = tuple(f.name for f in fields(RolloutRecord) if f.name not in ("trajectories", "row"))
 _MISSING = object()
