@@ -129,7 +129,7 @@ def trajectory_json(output) -> dict[str, Any]:
 
 class UnitServerManager:
     """The object handed to one verl agent loop: pins the unit's prompt to one server and its seed, and
-    tells the unit's slot (pacing.UnitSlot) when it asks a server and when it was answered."""
+    tells the unit's slot (admission.UnitSlot) when it asks a server and when it was answered."""
 
     def __init__(self, pool: Any, sticky_key: Any, sampling_seed: int | None, slot: Any):
         self.pool = pool
@@ -226,7 +226,7 @@ class UnitRunner:
         return uid
 
     async def run(self, pool, pos: int, sample: int, slot) -> RolloutRecord:
-        """Run the unit's agent loop against the server pool (`slot`: the unit's pacing.UnitSlot); raises
+        """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot); raises
         on any failure of the unit."""
         index = self.indices[pos]
         row = self.row(pos)

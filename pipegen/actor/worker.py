@@ -9,10 +9,9 @@ Pending = the actor's share of all units (every A-th dataset position from K) - 
 has committed - units already in a complete shard line past the checkpoint's offsets. Units run
 prompt-major, so the n samples of one prompt reach the same server's prefix cache together.
 
-Owns: the actor's shards (a new one per start; one RolloutRecord or FailureRecord per unit), admitting
-units up to the concurrency pacing.py's controller allows (fixed, or `auto`: following the servers'
-limits and load), telling the client when the tail starts (nothing left to admit: hedging may begin),
-and the actor's stats lines.
+Owns: the actor's shards (a new one per start; one RolloutRecord or FailureRecord per unit), wiring the
+actor's parts together (its units, admission.py's policy, the server pool, the unit runner), and the
+actor's stats lines. How many units run at once, and when, is admission.py's alone.
 Must never: write to another actor's shard, or write a failed unit as a trajectory.
 """
 
@@ -108,7 +107,7 @@ class Actor:
         self.runner = UnitRunner(cfg, run, self.launch, who=f"actor {rank}")
         self.counters = ActorCounters()
         self.clock = StartupClock()  # start-up phases, in every stats line (pipegen.status shows them)
-        self.control = None  # pacing.ConcurrencyControl, once main() started
+        self.admission = None  # admission.Admission, once main() started
         # a unit's attempt number = its tries that ended in a FailureRecord before (any launch, any actor)
         self.failed_tries = count_units(run.failures)
         self._busy_since = (time.monotonic(), time.process_time())  # for cpu_busy in the stats lines
@@ -152,7 +151,7 @@ class Actor:
         import aiohttp
 
         from pipegen.actor.client import ClientLimits, ServerPool
-        from pipegen.actor.pacing import ConcurrencyControl, Slots, WatchdogLimits, unit_memory_bytes
+        from pipegen.actor.admission import Admission, ConcurrencyControl, WatchdogLimits, unit_memory_bytes
 
         if self.leases_url is None:
             todo = pending_units(self.runner, self.run, int(self.rank), self.num_actors)
@@ -180,10 +179,16 @@ class Actor:
             request_timeout_s=float(self.cfg.llm.request_timeout_s),
             max_attempts=int(self.cfg.generation.max_attempts),
             vocab_size=self.runner.vocab_size,
-            watchdog=WatchdogLimits(stall_floor_s=float(self.cfg.llm.stall_floor_s),
-                                    stall_margin=float(self.cfg.llm.stall_margin), hedge=bool(self.cfg.actors.hedge)),
         )
+        watchdog = WatchdogLimits(stall_floor_s=float(self.cfg.llm.stall_floor_s),
+                                  stall_margin=float(self.cfg.llm.stall_margin), hedge=bool(self.cfg.actors.hedge))
         stats = StatsAppender(self.run.stats, actor_role(self.rank))
+        control = ConcurrencyControl(
+            list(self.launch.servers), actors_cfg.concurrency, sharing=self.num_actors,
+            memory_cap_units=int(actors_cfg.max_memory_mb) * 2**20 // unit_memory_bytes(
+                self.runner.prompt_length, self.runner.response_length),
+            configured_max_running=self.cfg.llm.max_running_requests)
+        self.admission = admission = Admission(watchdog, control)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             if self.leases_url is None:
@@ -191,60 +196,16 @@ class Actor:
             else:
                 self.units = LeasedUnits(self.leases_url, actor_role(self.rank), session, self.runner.keys,
                                          self.runner.indices, lambda: (rollouts.sync(), failures.sync()))
-            pool = ServerPool(list(self.launch.servers), limits, session, str(self.cfg.llm.protocol))
-            pool.on_first_request = lambda: self.clock.mark("first_request")
+            pool = ServerPool(list(self.launch.servers), limits, session, str(self.cfg.llm.protocol), admission,
+                              on_first_request=lambda: self.clock.mark("first_request"))
             reporter = asyncio.create_task(self._report(pool, stats))
             # servers may still be loading (the launcher starts actors beside them): send once one answers,
             # then read the limits of those that answer (a late one starts at the default; its load adapts it)
             await wait_for_first_server(session, pool, self.clock)
-            control = ConcurrencyControl(
-                list(self.launch.servers), actors_cfg.concurrency, sharing=self.num_actors,
-                memory_cap_units=int(actors_cfg.max_memory_mb) * 2**20 // unit_memory_bytes(
-                    self.runner.prompt_length, self.runner.response_length),
-                configured_max_running=self.cfg.llm.max_running_requests)
             await control.discover(session, pool.engine)
-            self.control = control
-            running: set[asyncio.Task] = set()
-            # one event for "a slot freed up" and "the limit changed" (pacing sets it): waiting on it costs a
-            # future, where waiting on two events would cost two tasks and an asyncio.wait per unit
-            wake = control.changed
-            slots = Slots(wake)
-            holding = lambda: slots.holding(len(running))  # noqa: E731  (units waiting on a server)
-            pool.capacity = control.total
-            pool.units_in_flight = holding
-            follower = asyncio.create_task(control.follow(
-                session, pool.engine, lambda url: sum(s.in_flight for s in pool.servers if s.url == url), holding))
-
-            lost_writes: list[BaseException] = []  # a shard append failed (a unit's own failure is a record)
-
-            def finished(task: asyncio.Task) -> None:
-                running.discard(task)
-                if not task.cancelled() and task.exception() is not None:
-                    lost_writes.append(task.exception())
-                wake.set()
-
-            while True:
-                while (holding() >= control.total()
-                       or len(running) >= Slots.held_cap(control.total(), control.memory_cap)):
-                    slots.round_done()
-                    wake.clear()
-                    await wake.wait()
-                if lost_writes:
-                    raise lost_writes[0]
-                unit = await self.units.next(control.total() - holding())
-                if unit is None:
-                    break
-                pos, sample = unit
-                task = asyncio.create_task(self.run_unit(pool, pos, sample, rollouts, failures, slots.admitted()))
-                running.add(task)
-                task.add_done_callback(finished)
-            slots.round_done(closed=True)
-            pool.start_draining()  # the tail: nothing left to start, hedging may use idle capacity
-            while running:
-                await asyncio.gather(*list(running))
-            if lost_writes:
-                raise lost_writes[0]
-            follower.cancel()
+            await admission.run(
+                self.units, lambda pos, sample, slot: self.run_unit(pool, pos, sample, rollouts, failures, slot),
+                session, pool.engine)
             reporter.cancel()
             await self.units.close()
             self._write_stats(pool, stats, final=True)
@@ -278,9 +239,10 @@ class Actor:
 
     def _write_stats(self, pool, stats: StatsAppender, final: bool = False) -> None:
         c = self.counters
+        control = self.admission.control if self.admission is not None else None
         busy = self.cpu_busy()
         if not final:
-            self.warn_if_cpu_bound(busy, pool.draining)
+            self.warn_if_cpu_bound(busy, self.admission is not None and self.admission.draining)
         lat = sorted(pool.latencies)
         recent = lambda xs: xs[-10000:]  # noqa: E731  (bounded memory and work per line)
         c.turns, c.response_lengths, c.rewards = recent(c.turns), recent(c.response_lengths), recent(c.rewards)
@@ -308,10 +270,10 @@ class Actor:
                 "aborts_sent": pool.aborts_sent,
                 "hedges": pool.hedges,
                 "hedge_wins": pool.hedge_wins,
-                "concurrency": self.control.total() if self.control else None,
-                "concurrency_by_server": self.control.by_server() if self.control else {},
-                "server_load": ({s.url: {"running": s.running, "waiting": s.waiting} for s in self.control.servers}
-                                if self.control and self.control.auto else {}),
+                "concurrency": control.total() if control else None,
+                "concurrency_by_server": control.by_server() if control else {},
+                "server_load": ({s.url: {"running": s.running, "waiting": s.waiting} for s in control.servers}
+                                if control and control.auto else {}),
                 "requests_by_server": {s.url: s.requests for s in pool.servers},
                 "cpu_busy": busy,
                 **self.clock.as_stats(),

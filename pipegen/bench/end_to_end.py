@@ -329,5 +329,5 @@ def run(quick: bool) -> c.ScenarioResult:
         "pass each for parsing, generating and answering), so a client that wrote every record of a burst before "
         "sending the next requests left it idle meanwhile: the ratio then tended to (server + raw) ÷ (server + "
         "actor) CPU per unit. The actor frees a unit's slot when the server answers and builds the record once "
-        "the replacement's request is out (actor/pacing.py, Slots), so the server works while records are built.")
+        "the replacement's request is out (actor/admission.py, Slots), so the server works while records are built.")
     return res
