@@ -108,7 +108,6 @@ def check_trajectories(result: Any, prompt_length: int, response_length: int) ->
 
 
 _TOKEN_LIST_SET = frozenset(TrajectoryKeys.TOKEN_LISTS)
-_LOGPROBS = TrajectoryKeys.RESPONSE_LOGPROBS
 
 
 def trajectory_json(output) -> dict[str, Any]:
@@ -116,14 +115,14 @@ def trajectory_json(output) -> dict[str, Any]:
     lists go to orjson as they are (pydantic's JSON mode copies every element: about half the cost of
     this function at 256 tokens, for the same bytes)."""
     lists = {k: getattr(output, k) for k in TrajectoryKeys.TOKEN_LISTS}
-    if all(type(v) is list for k, v in lists.items() if v is not None or k != _LOGPROBS):
+    if all(type(v) is list for k, v in lists.items() if v is not None or k != TrajectoryKeys.RESPONSE_LOGPROBS):
         rest = output.model_dump(mode="json", exclude=_TOKEN_LIST_SET)
         data = {k: lists[k] if k in lists else rest[k] for k in type(output).model_fields}
     else:  # anything unusual (arrays, tensors) goes through pydantic's conversion
         data = output.model_dump(mode="json")
-    if data.get(_LOGPROBS) is not None:
+    if data.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
-        data[_LOGPROBS] = np.asarray(data[_LOGPROBS], dtype=np.float32)
+        data[TrajectoryKeys.RESPONSE_LOGPROBS] = np.asarray(data[TrajectoryKeys.RESPONSE_LOGPROBS], dtype=np.float32)
     return data
 
 

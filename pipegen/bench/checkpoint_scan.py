@@ -135,10 +135,10 @@ def scan_template():
     from pipegen.run.records import RolloutRecord, TrajectoryKeys, prompt_uid, unit_seed
 
     rng = np.random.default_rng(0)
-    prompt_ids, response_ids, response_mask, response_logprobs = TrajectoryKeys.TOKEN_LISTS
-    trajectory = {prompt_ids: rng.integers(c.TOKEN_LO, c.TOKEN_HI, 128).tolist(),
-                  response_ids: rng.integers(c.TOKEN_LO, c.TOKEN_HI, 256).tolist(), response_mask: [1] * 256,
-                  response_logprobs: (-rng.exponential(1.0, 256)).astype(np.float32)}
+    trajectory = {TrajectoryKeys.PROMPT_IDS: rng.integers(c.TOKEN_LO, c.TOKEN_HI, 128).tolist(),
+                  TrajectoryKeys.RESPONSE_IDS: rng.integers(c.TOKEN_LO, c.TOKEN_HI, 256).tolist(),
+                  TrajectoryKeys.RESPONSE_MASK: [1] * 256,
+                  TrajectoryKeys.RESPONSE_LOGPROBS: (-rng.exponential(1.0, 256)).astype(np.float32)}
     return RolloutRecord(index=0, sample=0, uid=prompt_uid(c.LAUNCH, 0), priority=0, seed=unit_seed(0, 0, 0),
                          agent_name="single_turn_agent", launch="x" * 32,
                          row={"data_source": "openai/gsm8k", "raw_prompt": [{"role": "user", "content": "q" * 160}]},

@@ -36,8 +36,6 @@ from pipegen.run.records import RolloutRecord, TrajectoryKeys
 from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 
 INT64_COLUMNS = (BatchColumns.SAMPLE, BatchColumns.TRAJECTORY, BatchColumns.PRIORITY)
-# a trajectory's keys, bound once: pad_text_batch reads them for every row
-_PROMPT_IDS, _RESPONSE_IDS, _RESPONSE_MASK, _LOGPROBS = TrajectoryKeys.TOKEN_LISTS
 
 
 class BatchBuilder:
@@ -51,12 +49,12 @@ class BatchBuilder:
 
     def plain_text(self, traj: dict[str, Any]) -> bool:
         """Whether verl's per-trajectory postprocessing reduces to plain padding for this trajectory."""
-        logprobs = traj.get(_LOGPROBS)
+        logprobs = traj.get(TrajectoryKeys.RESPONSE_LOGPROBS)
         return (traj.get(TrajectoryKeys.ROUTED_EXPERTS) is None and not traj.get(TrajectoryKeys.MULTI_MODAL_DATA)
                 and self.worker.processor is None
-                and len(traj[_PROMPT_IDS]) <= self.prompt_length
-                and len(traj[_RESPONSE_IDS]) <= self.response_length
-                and len(traj[_RESPONSE_MASK]) == len(traj[_RESPONSE_IDS])
+                and len(traj[TrajectoryKeys.PROMPT_IDS]) <= self.prompt_length
+                and len(traj[TrajectoryKeys.RESPONSE_IDS]) <= self.response_length
+                and len(traj[TrajectoryKeys.RESPONSE_MASK]) == len(traj[TrajectoryKeys.RESPONSE_IDS])
                 and (logprobs is None or len(logprobs) <= self.response_length))
 
     async def build(self, records: list[RolloutRecord], int32: bool = False):
@@ -80,15 +78,15 @@ class BatchBuilder:
                 samples.append(record.sample)
                 trajectory_numbers.append(t)
                 seeds.append(record.seed)
-        # each row's kwargs plus these
+        # the columns each row has besides its kwargs
         per_row = {BatchColumns.SAMPLE: samples, BatchColumns.TRAJECTORY: trajectory_numbers, BatchColumns.SEED: seeds}
-        has_logprobs = {traj.get(_LOGPROBS) is not None for traj in trajs}
+        has_logprobs = {traj.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None for traj in trajs}
         if len(has_logprobs) == 1 and all(self.plain_text(traj) for traj in trajs):
             items = pad_text_batch(trajs, kwargs_of, self.prompt_length, self.response_length, self.pad_id,
                                    np.int32 if int32 else np.int64)
             derived = {BatchColumns.INPUT_IDS: None, BatchColumns.POSITION_IDS: None, BatchColumns.ATTENTION_MASK: (
-                np.array([len(t[_PROMPT_IDS]) for t in trajs], dtype=np.int32),
-                np.array([len(t[_RESPONSE_IDS]) for t in trajs], dtype=np.int32))}
+                np.array([len(t[TrajectoryKeys.PROMPT_IDS]) for t in trajs], dtype=np.int32),
+                np.array([len(t[TrajectoryKeys.RESPONSE_IDS]) for t in trajs], dtype=np.int32))}
         else:
             items = [await self._verl_postprocess(traj, kwargs) for traj, kwargs in zip(trajs, kwargs_of)]
             derived = {}
@@ -143,21 +141,21 @@ def pad_text_batch(trajs: list[dict[str, Any]], kwargs_of: list[dict[str, Any]],
     prompts = np.full((rows, P), pad_id, dtype=dtype)
     responses = np.full((rows, R), pad_id, dtype=dtype)
     response_mask = np.zeros((rows, R), dtype=dtype)
-    with_logprobs = trajs[0].get(_LOGPROBS) is not None
+    with_logprobs = trajs[0].get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None
     logprobs = np.zeros((rows, R), dtype=np.float32) if with_logprobs else None
     prompt_lens = np.empty(rows, dtype=np.intp)
     response_lens = np.empty(rows, dtype=np.intp)
     for i, traj in enumerate(trajs):
-        p, r = traj[_PROMPT_IDS], traj[_RESPONSE_IDS]
+        p, r = traj[TrajectoryKeys.PROMPT_IDS], traj[TrajectoryKeys.RESPONSE_IDS]
         prompt_lens[i] = n = len(p)
         if n:
             prompts[i, P - n:] = p
         response_lens[i] = n = len(r)
         if n:
             responses[i, :n] = r
-            response_mask[i, :n] = traj[_RESPONSE_MASK]
+            response_mask[i, :n] = traj[TrajectoryKeys.RESPONSE_MASK]
         if with_logprobs:
-            lp = traj[_LOGPROBS]
+            lp = traj[TrajectoryKeys.RESPONSE_LOGPROBS]
             if len(lp):
                 # float64 -> float32 rounds to nearest, as torch.tensor(list_of_floats, dtype=float32) does
                 logprobs[i, : len(lp)] = lp
