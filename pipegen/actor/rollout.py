@@ -1,15 +1,17 @@
-"""One unit of work: a dataset row -> a verl agent loop over HTTP -> one RolloutRecord.
+"""One unit of work: a dataset row -> a verl agent loop over HTTP -> one RolloutRecord -> its line in the
+actor's shard.
 
 `UnitRunner` is built once per actor process: it loads the tokenizer, the dataset (verl's
 RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
 (loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (client.py), checks
-what the loop returned, scores it, and packs it into a `RolloutRecord` (records.py).
+what the loop returned, scores it, packs it into a `RolloutRecord` (records.py) and appends its line to
+the actor's shard (or a `FailureRecord` to its failures shard).
 
 Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky
 server, seed, concurrency slot), checking the agent loops' output before it reaches a shard.
-Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record
-(it raises; the worker writes a FailureRecord), or write files (the worker owns the shards).
+Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record (its
+line is a FailureRecord), or open a file (it appends to the shards the worker opened for it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.verl_private import agent_loop_registry
-from pipegen.run.records import RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid, unit_seed
+from pipegen.run.records import FailureRecord, RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid, unit_seed
+from pipegen.run.streams import ShardAppender
 
 
 class InvalidTrajectory(ValueError):
@@ -254,3 +257,21 @@ class UnitRunner:
         return RolloutRecord(index=index, sample=sample, uid=uid, priority=priority, seed=seed,
                              agent_name=agent_name, launch=self.launch.launch, row=row,
                              trajectories=[trajectory_json(o) for o in outputs])
+
+    async def run_unit(self, pool, pos: int, sample: int, slot, attempt: int, rollouts: ShardAppender,
+                       failures: ShardAppender) -> RolloutRecord | Exception:
+        """One unit from its dataset row to its line: the RolloutRecord appended to `rollouts`, or, on any
+        failure of the unit, a FailureRecord appended to `failures` (never a sample). Returns the record, or
+        the unit's exception. A failed append (the disk) raises: that is the actor's failure, not the unit's."""
+        index = self.indices[pos]
+        try:
+            record = await self.run(pool, pos, sample, slot)
+            record.attempt = attempt
+            line = record.to_line()
+        except Exception as e:  # any failure of this unit is recorded, never turned into a sample
+            failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
+                                          seed=self.seed(index, sample), agent_name=self.agent_name(pos),
+                                          reason=f"{type(e).__name__}: {e}", attempt=attempt).to_line())
+            return e
+        rollouts.append(line)
+        return record

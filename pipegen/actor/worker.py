@@ -1,18 +1,18 @@
-"""The actor process: its share of the pending units, run with bounded concurrency, one line per unit.
+"""The actor process: its parts wired together, its shards opened, its stats lines written.
 
 `python -m pipegen.actor output_dir=DIR rank=K [num_actors=A]` (started by the launcher; restartable
 by hand: it resumes with what is still pending). With cluster=ray a node runner starts it as
 `rank=NODE-INCARNATION-K node=NODE leases=URL`: it reads its node's own launch record and pulls its units
-from the runner (actor/units.py) instead of taking a fixed share.
+from the runner instead of taking a fixed share.
 
-Pending = the actor's share of all units (every A-th dataset position from K) - units the checkpoint
-has committed - units already in a complete shard line past the checkpoint's offsets. Units run
-prompt-major, so the n samples of one prompt reach the same server's prefix cache together.
+The parts: units.py (which units: its share of what is pending, or its node's leases), admission.py (how
+many at once, and when), client.py (the server pool), rollout.py (one unit, row to shard line). No sample
+passes through this module: it hands each admitted unit to rollout.py and counts what became of it.
 
-Owns: the actor's shards (a new one per start; one RolloutRecord or FailureRecord per unit), wiring the
-actor's parts together (its units, admission.py's policy, the server pool, the unit runner), and the
-actor's stats lines. How many units run at once, and when, is admission.py's alone.
-Must never: write to another actor's shard, or write a failed unit as a trajectory.
+Owns: the actor's shards (a new one per start, so a restart never appends to a line a crash tore), the
+process's lifetime (start-up, gc tuning, the final stats line) and the actor's stats lines.
+Must never: write to another actor's shard, decide which units run or how many at once, or write a
+failed unit as a trajectory.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from pipegen.actor.rollout import UnitRunner
 from pipegen.actor.startup import ACTOR_IMPORTS, StartupClock, wait_for_first_server
-from pipegen.actor.units import FixedUnits, LeasedUnits
+from pipegen.actor.units import FixedUnits, LeasedUnits, pending_units
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
@@ -38,8 +38,8 @@ from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.handshake import import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
-from pipegen.run.records import FailureRecord, RolloutRecord, TrajectoryKeys
-from pipegen.run.streams import ShardAppender, count_units, next_free_seq, scan_units
+from pipegen.run.records import RolloutRecord, TrajectoryKeys
+from pipegen.run.streams import ShardAppender, count_units, next_free_seq
 
 log = logging.getLogger("pipegen.actor")
 
@@ -78,21 +78,6 @@ def arg_value(argv: list[str], key: str, default: str | None = None) -> str | No
     return default
 
 
-def pending_units(runner: UnitRunner, run: RunDir, rank: int, num_actors: int) -> list[tuple[int, int]]:
-    """(position, sample) pairs this actor still has to run, prompt-major so n samples share a prefix."""
-    keys = runner.keys
-    ckpt = load_checkpoint(run.checkpoint)
-    in_shards = scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
-    todo = []
-    for pos in range(rank, len(runner.indices), num_actors):
-        index = runner.indices[pos]
-        for s in range(keys.n):
-            if keys.key(index, s) in ckpt.committed or (index, s) in in_shards:
-                continue
-            todo.append((pos, s))
-    return todo
-
-
 class Actor:
     def __init__(self, cfg: DictConfig, run: RunDir, rank: int | str, num_actors: int, node: str | None = None,
                  leases_url: str | None = None):
@@ -115,37 +100,23 @@ class Actor:
 
     async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
                        slot) -> None:
-        try:
-            await self._run_unit(pool, pos, sample, rollouts, failures, slot)
-        finally:
-            slot.release()  # as the task ends, so the slot counts never drift
-
-    async def _run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
-                        slot) -> None:
-        runner = self.runner
-        index = runner.indices[pos]
+        """Run one admitted unit (rollout.py writes its line) and count what became of it."""
+        index = self.runner.indices[pos]
         attempt = self.failed_tries.get((index, sample), 0)
         self.counters.in_flight += 1
         try:
-            record = await runner.run(pool, pos, sample, slot)
-            record.attempt = attempt
-            line = record.to_line()
-        except Exception as e:  # any failure of this unit is recorded, never turned into a sample
-            reason = f"{type(e).__name__}: {e}"
-            self.counters.count_failure(type(e).__name__)
-            log.warning("unit (%d, %d) failed: %s", index, sample, reason)
-            failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
-                                          seed=runner.seed(index, sample), agent_name=runner.agent_name(pos),
-                                          reason=reason, attempt=attempt).to_line())
-            self.failed_tries[(index, sample)] = attempt + 1
-            self.units.done(index, sample)
-            return
+            outcome = await self.runner.run_unit(pool, pos, sample, slot, attempt, rollouts, failures)
         finally:
             self.counters.in_flight -= 1
-        rollouts.append(line)
-        self.units.done(index, sample)
-        self.clock.unit_written()
-        self.counters.count_record(record)
+            slot.release()  # as the task ends, so the slot counts never drift
+        self.units.done(index, sample)  # after its line is written: a lease reports it finished
+        if isinstance(outcome, Exception):
+            self.counters.count_failure(type(outcome).__name__)
+            log.warning("unit (%d, %d) failed: %s: %s", index, sample, type(outcome).__name__, outcome)
+            self.failed_tries[(index, sample)] = attempt + 1
+        else:
+            self.clock.unit_written()
+            self.counters.count_record(outcome)
 
     async def main(self) -> int:
         import aiohttp
@@ -154,7 +125,7 @@ class Actor:
         from pipegen.actor.admission import Admission, ConcurrencyControl, WatchdogLimits, unit_memory_bytes
 
         if self.leases_url is None:
-            todo = pending_units(self.runner, self.run, int(self.rank), self.num_actors)
+            todo = pending_units(self.runner.keys, self.runner.indices, self.run, int(self.rank), self.num_actors)
             log.info("actor %s: %d units pending", self.rank, len(todo))
             if not todo:
                 return 0
