@@ -442,9 +442,6 @@ def main(argv: list[str] | None = None) -> int:
         lock.release()
         print(f"pipegen.writer: {problem}", file=sys.stderr)
         return 2
-    import uvloop
-
-
     writer = None
     try:
         if "--rebuild" in argv:
@@ -452,10 +449,6 @@ def main(argv: list[str] | None = None) -> int:
 
             print(rebuild(run, int(cfg.actor_rollout_ref.rollout.n)).summary(run))
             return 0
-        problem = check_fingerprint(cfg, run)
-        if problem:
-            print(f"pipegen.writer: {problem}", file=sys.stderr)
-            return 2
         import uvloop
 
         import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
