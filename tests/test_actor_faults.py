@@ -259,7 +259,7 @@ def test_actor_sigkill_mid_run_loses_nothing_duplicates_nothing_and_never_resend
     import sys
 
     from conftest import REPO
-    from pipegen.run.records import unit_seed
+    from pipegen.run.stream import unit_seed
 
     server = FakeServer("slow", tmp_path, tiny_model, "--token-latency", "0.02", "--slots", "4").wait_ready()
     proxy = RecordingProxy("proxy", tmp_path, server.url).wait_ready()
@@ -428,7 +428,7 @@ def test_server_dying_mid_run_is_routed_around(tmp_path, tiny_model):
 
 @pytest.mark.slow  # two whole launches (~45 s on 2 cores)
 def test_n_samples_have_distinct_recorded_seeds_and_reruns_are_identical(tmp_path, tiny_model):
-    from pipegen.run.records import unit_seed
+    from pipegen.run.stream import unit_seed
 
     args = [f"model_path={tiny_model}", *FAST, "max_samples=4", "n=3", "seed=7", FAKE_ENGINE,
             f"llm.engine_args=[--token-latency,{TOKEN_LATENCY}]"]

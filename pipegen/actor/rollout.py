@@ -5,7 +5,7 @@ actor's shard.
 RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
 (loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (client.py), checks
-what the loop returned, scores it, packs it into a `RolloutRecord` (records.py) and appends its line to
+what the loop returned, scores it, packs it into a `RolloutRecord` (run/stream.py) and appends its line to
 the actor's shard (or a `FailureRecord` to its failures shard).
 
 Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky
@@ -30,8 +30,7 @@ from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.verl_private import agent_loop_registry
-from pipegen.run.records import FailureRecord, RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid, unit_seed
-from pipegen.run.streams import ShardAppender
+from pipegen.run.stream import FailureRecord, prompt_uid, RolloutRecord, ShardAppender, TrajectoryKeys, unit_seed, UnitKeys
 
 
 class InvalidTrajectory(ValueError):

@@ -21,8 +21,7 @@ import orjson
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
-from pipegen.run.records import UnitKeys
-from pipegen.run.streams import scan_units
+from pipegen.run.stream import scan_units, UnitKeys
 
 log = logging.getLogger("pipegen.actor")
 

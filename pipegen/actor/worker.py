@@ -38,8 +38,7 @@ from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.handshake import import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
-from pipegen.run.records import RolloutRecord, TrajectoryKeys
-from pipegen.run.streams import ShardAppender, count_units, next_free_seq
+from pipegen.run.stream import count_units, next_free_seq, RolloutRecord, ShardAppender, TrajectoryKeys
 
 log = logging.getLogger("pipegen.actor")
 

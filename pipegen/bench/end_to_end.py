@@ -106,7 +106,7 @@ def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
     from pipegen.engines import engine
     from pipegen.actor.protocol import ClientLimits
     from pipegen.run.config import load_run_config
-    from pipegen.run.records import RolloutRecord, TrajectoryKeys
+    from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 
     rollout = load_run_config(run).actor_rollout_ref.rollout
     limits = ClientLimits(prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),
@@ -273,7 +273,7 @@ def launcher_vs_raw(res: c.ScenarioResult, server, tmp: Path, spec: RunSpec, rep
 
 
 def actor_vs_ray(res: c.ScenarioResult, tmp: Path, spec: RunSpec, label: str, figures: ActorFigures) -> None:
-    from pipegen.run.records import RolloutRecord
+    from pipegen.run.stream import RolloutRecord
 
     lines = c.shard_lines(figures.run.rollouts)
     records = [RolloutRecord.from_line(line) for line in lines]

@@ -105,7 +105,7 @@ def run_pipegen(root: Path, url: str, model: str, overrides: list[str], timeout_
     from pipegen.observe.stats import latest_stats
     from pipegen.run.config import load_run_config
     from pipegen.run.layout import RunDir
-    from pipegen.run.records import RolloutRecord, TrajectoryKeys
+    from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 
     run = RunDir(root)
     started = time.time()

@@ -26,8 +26,7 @@ import torch
 from omegaconf import DictConfig
 
 from pipegen.run.atomic import atomic_write
-from pipegen.run.batchfile import ROW_KEYS, BatchColumns
-from pipegen.run.sorted_rows import SortedRows
+from pipegen.run.batchfile import ROW_KEYS, BatchColumns, SortedRows
 
 FORMATS = ("parquet", "jsonl")
 ROW_GROUP_ROWS = 1024
