@@ -52,15 +52,17 @@ def pool_run(urls: list[str], body, **limit_kw):
     """Run `await body(pool)` with a fresh ServerPool over urls; returns (result, pool)."""
     import aiohttp
 
+    from pipegen.actor.admission import Admission, WatchdogLimits
     from pipegen.actor.client import ClientLimits, ServerPool
 
     async def main():
         kw = dict(request_timeout_s=10.0, max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05,
                   probe_interval_s=0.2, vocab_size=2048)
         kw.update(limit_kw)
+        watchdog = kw.pop("watchdog", WatchdogLimits())  # the actor's admission policy sets the stall deadline
         limits = ClientLimits(prompt_length=64, response_length=8, max_model_len=8192, **kw)
         async with aiohttp.ClientSession() as session:
-            pool = ServerPool(urls, limits, session)
+            pool = ServerPool(urls, limits, session, admission=Admission(watchdog))
             try:
                 return await body(pool), pool
             finally:
@@ -134,7 +136,7 @@ def test_failing_servers_leave_rotation_and_requests_go_elsewhere(servers):
 def test_stalled_request_is_aborted_on_its_server_and_retried_elsewhere(servers):
     """The watchdog's mechanism (its deadline is shortened here; the pipeline test below runs the defaults):
     past the deadline the request is aborted on the hanging server by rid and re-sent elsewhere."""
-    from pipegen.actor.pacing import WatchdogLimits
+    from pipegen.actor.admission import WatchdogLimits
 
     a, hangs = servers["a"], servers["hangs"]
     before = hangs.stats()["hung_aborted"]
@@ -153,7 +155,7 @@ def test_stalled_request_is_aborted_on_its_server_and_retried_elsewhere(servers)
 
 
 def test_deadline_follows_what_the_request_asks_and_what_the_server_showed():
-    from pipegen.actor.pacing import TokenClock, WatchdogLimits, stall_deadline
+    from pipegen.actor.admission import TokenClock, WatchdogLimits, stall_deadline
 
     wd = WatchdogLimits()
     clock = TokenClock()
@@ -169,7 +171,7 @@ def test_deadline_follows_what_the_request_asks_and_what_the_server_showed():
 def test_the_hedge_threshold_follows_the_recent_p90_latency():
     """The tail hedges requests older than the recent p90; asked on every wake, it is re-sorted only every
     few answers, but it must still follow the window: a slower server shows up within a few dozen answers."""
-    from pipegen.actor.pacing import TokenClock
+    from pipegen.actor.admission import TokenClock
 
     clock = TokenClock(window=512)
     assert clock.latency_p90() is None  # nothing observed yet: no hedging
@@ -257,7 +259,7 @@ def test_actor_sigkill_mid_run_loses_nothing_duplicates_nothing_and_never_resend
     import sys
 
     from conftest import REPO
-    from pipegen.run.records import unit_seed
+    from pipegen.run.stream import unit_seed
 
     server = FakeServer("slow", tmp_path, tiny_model, "--token-latency", "0.02", "--slots", "4").wait_ready()
     proxy = RecordingProxy("proxy", tmp_path, server.url).wait_ready()
@@ -426,7 +428,7 @@ def test_server_dying_mid_run_is_routed_around(tmp_path, tiny_model):
 
 @pytest.mark.slow  # two whole launches (~45 s on 2 cores)
 def test_n_samples_have_distinct_recorded_seeds_and_reruns_are_identical(tmp_path, tiny_model):
-    from pipegen.run.records import unit_seed
+    from pipegen.run.stream import unit_seed
 
     args = [f"model_path={tiny_model}", *FAST, "max_samples=4", "n=3", "seed=7", FAKE_ENGINE,
             f"llm.engine_args=[--token-latency,{TOKEN_LATENCY}]"]

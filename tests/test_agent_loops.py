@@ -256,7 +256,7 @@ def test_multi_turn_records_are_token_exact_and_scored(tmp_path, tiny_model, scr
     """Every record's response = the server's outputs interleaved with tool tokens; rm_scores = verl's score."""
     from verl.utils.reward_score import default_compute_score
 
-    from pipegen.run.records import unit_seed
+    from pipegen.run.stream import unit_seed
 
     proxy = RecordingProxy("proxy", tmp_path, scripted.url)
     try:

@@ -291,8 +291,8 @@ def test_verify_fails_on_a_batch_file_the_checkpoint_does_not_list(complete_copy
 def test_a_new_shard_never_reuses_the_name_of_a_read_shard_that_is_gone(tmp_path):
     """An actor's newest shard deleted after the writer read it: the next shard must get a new number,
     or the writer would skip its first bytes as read (units in a shard, never committed: a hang)."""
-    from pipegen.run.records import encode_record
-    from pipegen.run.streams import ShardAppender, ShardTailer, next_free_seq
+    from pipegen.run.stream import encode_record
+    from pipegen.run.stream import ShardAppender, ShardTailer, next_free_seq
 
     topic = tmp_path / "rollouts"
     first = ShardAppender(topic, 0, 1 << 20, 1.0)

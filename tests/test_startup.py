@@ -6,24 +6,18 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import FAST, REPO
 from fake_servers import FakeServer
+from pipegen.engines import ready_problem
+from pipegen.engines.sglang import SGLang
 from pipegen.observe.startup import startup_phases
 from pipegen.run.layout import RunDir, list_shards
 
-
-def answers_health(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health_generate", timeout=5) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-        return False
+SGLANG_HEALTH = SGLang.health_path  # what the actors and the launcher poll
 
 
 def first_shard_line_exists(run: RunDir) -> bool:
@@ -45,7 +39,7 @@ def test_first_unit_lands_within_seconds_of_a_slow_server_becoming_ready(tmp_pat
             server_ready = None
             deadline = time.monotonic() + 120
             while server_ready is None and time.monotonic() < deadline:
-                if answers_health(url):
+                if ready_problem(url, SGLANG_HEALTH) is None:  # the product's own readiness probe
                     server_ready = time.monotonic()
                 time.sleep(0.05)
             assert server_ready is not None, server.log_tail()

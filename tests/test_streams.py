@@ -4,8 +4,7 @@ from pathlib import Path
 
 import orjson
 
-from pipegen.run.records import encode_record, read_head
-from pipegen.run.streams import ShardAppender, ShardTailer, scan_units
+from pipegen.run.stream import encode_record, read_head, scan_units, ShardAppender, ShardTailer
 
 
 def _append_raw(path: Path, data: bytes) -> None:

@@ -3,7 +3,7 @@
 import random
 
 from pipegen.run.checkpoint import Checkpoint, RangeSet, load_checkpoint, save_checkpoint
-from pipegen.run.records import prompt_uid, unit_seed
+from pipegen.run.stream import prompt_uid, unit_seed
 
 
 def test_rangeset_matches_a_python_set_under_random_adds():
@@ -44,8 +44,8 @@ def test_seeds_distinct_per_unit_and_stable():
 
 
 def test_fully_read_sealed_shards_fold_into_a_per_actor_watermark(tmp_path):
-    from pipegen.run.records import encode_record
-    from pipegen.run.streams import ShardAppender, ShardTailer, scan_units
+    from pipegen.run.stream import encode_record
+    from pipegen.run.stream import ShardAppender, ShardTailer, scan_units
 
     app = ShardAppender(tmp_path, 0, max_bytes=200, fsync_interval_s=60)
     for i in range(50):

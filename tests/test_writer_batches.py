@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipegen.bench import common as c
-from pipegen.run.records import RolloutRecord
+from pipegen.run.stream import RolloutRecord
 from pipegen.verl_private import postprocess_batch
 
 
@@ -62,7 +62,7 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("with_logprobs", [True, False])
 def test_fast_rows_equal_verls_per_trajectory_postprocess(setup, with_logprobs):
     from pipegen.writer.batches import from_storage
-    from pipegen.writer.parse import LineParser
+    from pipegen.run.stream import LineParser
 
     cfg, _, builder = setup
     records = _odd_records(cfg, 12)
@@ -110,7 +110,7 @@ def test_batch_file_round_trips_to_the_same_dataproto(setup, tmp_path):
 
 
 def test_lines_the_fast_parser_cannot_read_go_through_the_record_contract():
-    from pipegen.writer.parse import LineParser
+    from pipegen.run.stream import LineParser
 
     parser = LineParser()
     odd = b'{"index":1,"sample":0,"uid":"u","priority":0,"seed":null,"agent_name":"a","launch":"l","row":{},' \

@@ -6,12 +6,11 @@ Owns:
 - routing: every request of one sticky key (the prompt's index: its n samples and every turn of a unit)
   goes to one server, chosen by least in-flight requests when the key is new or its server is out of
   rotation;
-- failure handling: a stall watchdog on every request (pacing.py's deadline from its max_new_tokens and
-  the server's observed time per token; on expiry the request is aborted on that server (SGLang:
-  `POST /abort_request {rid}`; every engine: its connection is closed) and re-sent elsewhere with a new id), `llm.request_timeout_s` as the outer
-  bound; in the tail (the actor has nothing left to start and capacity sits idle) a request older than a
-  few times the recent p90 latency is hedged: sent once more, first answer wins, the other is aborted;
-  connection errors, 5xx/408/429, stalls, aborts and unreadable answers are retried with exponential
+- failure handling: a stall watchdog on every request (the deadline is admission.py's, from its
+  max_new_tokens and the server's observed time per token; on expiry the request is aborted on that server
+  (SGLang: `POST /abort_request {rid}`; every engine: its connection is closed) and re-sent elsewhere with a
+  new id), `llm.request_timeout_s` as the outer bound; when admission.py says a request may be hedged (the
+  tail), it is sent once more, first answer wins, the other is aborted; connection errors, 5xx/408/429, stalls, aborts and unreadable answers are retried with exponential
   backoff and jitter on another server when there is one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
   (the engine's health route) until it answers 200; when no server is in rotation, requests wait for one
   to come back (bounded by the request timeout).
@@ -34,7 +33,7 @@ import aiohttp
 import orjson
 
 from pipegen.engines import AUTO, Engine, EngineRequest, engine, is_ready
-from pipegen.actor.pacing import TokenClock, stall_deadline
+from pipegen.actor.admission import Admission, TokenClock, WatchdogLimits
 from pipegen.actor.protocol import ClientLimits
 from pipegen.engines.request import RequestRejected
 
@@ -74,7 +73,8 @@ class ServerPool:
     """
 
     def __init__(self, urls: list[str], limits: ClientLimits, session: aiohttp.ClientSession,
-                 protocol: str = "sglang"):
+                 protocol: str = "sglang", admission: Admission | None = None,
+                 on_first_request: Callable[[], None] | None = None):
         if not urls:
             raise ValueError("no LLM server URLs to send requests to")
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
@@ -94,14 +94,11 @@ class ServerPool:
         self.aborts_sent = 0  # requests aborted by this client (stalls and hedge losers)
         self.hedges = 0  # tail requests sent a second time
         self.hedge_wins = 0  # ...whose second copy answered first
-        self.draining = False  # set through start_draining() when the actor has no unit left to start
-        self._tail: asyncio.Future | None = None  # resolved when draining starts: wakes watched requests
-        self.capacity = lambda: 0  # units that may wait on servers at once (set by the actor)
-        self.units_in_flight = lambda: 0  # units waiting on servers now (set by the actor)
-        self._clock_all = TokenClock(window=1024)
+        # stall deadlines and hedging are the actor's admission policy's; on its own, a pool only has deadlines
+        self.admission = admission if admission is not None else Admission(WatchdogLimits())
         self._superseded: set[str] = set()  # rids being aborted by this client (their abort answer is no failure)
         self._json_headers = {"Content-Type": "application/json"}
-        self.on_first_request: Callable[[], None] | None = None  # called as the first request is sent
+        self._on_first_request = on_first_request  # called as the first request is sent (the start-up clock)
 
     # ---- routing ----
     def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:
@@ -143,23 +140,32 @@ class ServerPool:
                         server.consecutive_failures, kind)
             if not any(s.healthy for s in self.servers):
                 self._recovered.clear()
-            task = self._probes.get(server.url)
-            if task is None or task.done():
-                self._probes[server.url] = asyncio.get_running_loop().create_task(self._probe(server))
+            self._start_probe(server, "again")
 
     def _record_success(self, server: ServerState) -> None:
         server.consecutive_failures = 0
         server.successes += 1
 
-    async def _probe(self, server: ServerState) -> None:
-        """Poll the engine's health route until 200, then put the server back into rotation."""
+    async def _probe(self, server: ServerState, why: str) -> None:
+        """Poll the engine's health route until 200, then put the server (back) into rotation."""
         while True:
             await asyncio.sleep(self.limits.probe_interval_s)
             if await is_ready(self.session, server.url, self.engine.health_path,
                               min(self.limits.probe_timeout_s, self.limits.request_timeout_s)):
-                log.warning("server %s answers %s again: back in rotation", server.url, self.engine.health_path)
+                log.warning("server %s answers %s %s: in rotation", server.url, self.engine.health_path, why)
                 self.admit(server)
                 return
+
+    def _start_probe(self, server: ServerState, why: str) -> None:
+        task = self._probes.get(server.url)
+        if task is None or task.done():
+            self._probes[server.url] = asyncio.get_running_loop().create_task(self._probe(server, why))
+
+    def hold_out(self, server: ServerState) -> None:
+        """A server still loading at start-up: out of rotation (no unit is retried against it) until its
+        readiness probe answers."""
+        server.healthy = False
+        self._start_probe(server, "now")
 
     def admit(self, server: ServerState) -> None:
         """Put a server that answers its readiness probe into rotation, and wake the requests that wait
@@ -223,33 +229,14 @@ class ServerPool:
             return result
         raise RetriesExhausted(f"gave up after {self.limits.max_attempts} attempts: " + "; ".join(errors[-4:]))
 
-    def start_draining(self) -> None:
-        """The tail begins (no unit left to start): requests already in flight may now be hedged."""
-        self.draining = True
-        if self._tail is not None and not self._tail.done():
-            self._tail.set_result(None)
-
-    def _tail_future(self) -> asyncio.Future:
-        if self._tail is None:
-            self._tail = asyncio.get_running_loop().create_future()
-        return self._tail
-
-    def _hedge_after(self) -> float | None:
-        """Age past which a request may be hedged now, or None while hedging is off or not worth it."""
-        wd = self.limits.watchdog
-        if not (wd.hedge and self.draining and self.units_in_flight() < self.capacity()):
-            return None
-        p90 = self._clock_all.latency_p90()
-        return None if p90 is None else max(wd.hedge_min_s, wd.hedge_factor * p90)
-
     async def _watched(self, server: ServerState, request: EngineRequest, key: Any, stalls: int):
         """One attempt under the stall watchdog (and, in the tail, with one hedge): the TokenOutput, or a
         string naming a transient failure. RequestRejected propagates."""
         loop = asyncio.get_running_loop()
         started = loop.time()
         max_new = request.max_new_tokens or self.limits.response_length
-        deadline = started + min(stall_deadline(server.clock, max_new, self.limits.watchdog, stalls),
-                                 self.limits.request_timeout_s)
+        admission = self.admission
+        deadline = started + min(admission.stall_deadline(server.clock, max_new, stalls), self.limits.request_timeout_s)
         primary = self._start(server, request)
         copies = {primary: (server, request)}
         last_sent = started
@@ -257,7 +244,7 @@ class ServerPool:
         try:
             while copies:
                 now = loop.time()
-                hedge_after = self._hedge_after() if len(copies) < MAX_COPIES else None
+                hedge_after = admission.hedge_after() if len(copies) < MAX_COPIES else None
                 wake = deadline - now
                 if hedge_after is not None:
                     if now - last_sent >= hedge_after:
@@ -269,7 +256,7 @@ class ServerPool:
                         last_sent = now
                         continue
                     wake = min(wake, max(0.05, last_sent + hedge_after - now), 1.0)
-                elif self.draining and self.limits.watchdog.hedge and len(copies) < MAX_COPIES:
+                elif admission.may_hedge_later() and len(copies) < MAX_COPIES:
                     wake = min(wake, 1.0)  # re-check: capacity may free up in the tail
                 if wake <= 0:
                     for task, (srv, b) in copies.items():
@@ -281,8 +268,9 @@ class ServerPool:
                     return (f"stalled: no answer from {server.url} in {waited:.0f}s (watchdog deadline from "
                             f"max_new_tokens={max_new}); aborted there")
                 waiting_on = set(copies)
-                if self.limits.watchdog.hedge and not self.draining:
-                    waiting_on.add(self._tail_future())  # wake when the tail starts, to consider a hedge
+                tail = admission.tail_started()
+                if tail is not None:
+                    waiting_on.add(tail)  # wake when the tail starts, to consider a hedge
                 done, _ = await asyncio.wait(waiting_on, timeout=wake, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if task not in copies:
@@ -316,8 +304,8 @@ class ServerPool:
 
     def _start(self, server: ServerState, request: EngineRequest) -> asyncio.Task:
         """Count the request against its server now (the next pick sees it), then send it in a task."""
-        if not self.requests_sent and self.on_first_request is not None:
-            self.on_first_request()
+        if not self.requests_sent and self._on_first_request is not None:
+            self._on_first_request()
         server.in_flight += 1
         server.requests += 1
         self.requests_sent += 1
@@ -367,7 +355,7 @@ class ServerPool:
         latency = time.monotonic() - started
         self.latencies.append(latency)
         server.clock.observe(latency, len(out.token_ids))
-        self._clock_all.observe(latency, len(out.token_ids))
+        self.admission.answered(latency, len(out.token_ids))
         self.output_tokens += len(out.token_ids)
         reason = finish_type or "none"
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1

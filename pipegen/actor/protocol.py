@@ -1,16 +1,16 @@
 """What an actor's requests may ask and how its client behaves: `ClientLimits`.
 
 The request itself (the token budget rule, the ids check, each engine's body and answer) is
-pipegen/engines/'s; the limits here add the client's timing knobs to the token budget engines read.
+pipegen/engines/'s; the limits here add the client's timing knobs to the token budget engines read (a request's stall
+deadline and hedging are the actor's admission policy: admission.py).
 Owns: `ClientLimits`. Must never: do I/O (client.py sends and retries).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pipegen.engines import READY_TIMEOUT_S
-from pipegen.actor.pacing import WatchdogLimits
 from pipegen.run.schema import CpuServers, Generation
 
 @dataclass
@@ -26,5 +26,4 @@ class ClientLimits:
     probe_interval_s: float = 1.0
     probe_timeout_s: float = READY_TIMEOUT_S  # the readiness probe's own bound
     vocab_size: int | None = None  # ids >= this are refused before sending (SGLang does not check)
-    watchdog: WatchdogLimits = field(default_factory=WatchdogLimits)
     abort_timeout_s: float = 5.0  # POST /abort_request; a wedged server may not answer it either

@@ -1,15 +1,17 @@
-"""One unit of work: a dataset row -> a verl agent loop over HTTP -> one RolloutRecord.
+"""One unit of work: a dataset row -> a verl agent loop over HTTP -> one RolloutRecord -> its line in the
+actor's shard.
 
 `UnitRunner` is built once per actor process: it loads the tokenizer, the dataset (verl's
 RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
 (loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (client.py), checks
-what the loop returned, scores it, and packs it into a `RolloutRecord` (records.py).
+what the loop returned, scores it, packs it into a `RolloutRecord` (run/stream.py) and appends its line to
+the actor's shard (or a `FailureRecord` to its failures shard).
 
 Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky
 server, seed, concurrency slot), checking the agent loops' output before it reaches a shard.
-Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record
-(it raises; the worker writes a FailureRecord), or write files (the worker owns the shards).
+Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record (its
+line is a FailureRecord), or open a file (it appends to the shards the worker opened for it).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.verl_private import agent_loop_registry
-from pipegen.run.records import RolloutRecord, UnitKeys, prompt_uid, unit_seed
+from pipegen.run.stream import FailureRecord, prompt_uid, RolloutRecord, ShardAppender, TrajectoryKeys, unit_seed, UnitKeys
 
 
 class InvalidTrajectory(ValueError):
@@ -107,29 +109,28 @@ def check_trajectories(result: Any, prompt_length: int, response_length: int) ->
     return checked
 
 
-TOKEN_LISTS = ("prompt_ids", "response_ids", "response_mask", "response_logprobs")
-_TOKEN_LIST_SET = frozenset(TOKEN_LISTS)
+_TOKEN_LIST_SET = frozenset(TrajectoryKeys.TOKEN_LISTS)
 
 
 def trajectory_json(output) -> dict[str, Any]:
     """An AgentLoopOutput as the record carries it: `model_dump(mode="json")`, except that plain token
     lists go to orjson as they are (pydantic's JSON mode copies every element: about half the cost of
     this function at 256 tokens, for the same bytes)."""
-    lists = {k: getattr(output, k) for k in TOKEN_LISTS}
-    if all(type(v) is list for k, v in lists.items() if v is not None or k != "response_logprobs"):
+    lists = {k: getattr(output, k) for k in TrajectoryKeys.TOKEN_LISTS}
+    if all(type(v) is list for k, v in lists.items() if v is not None or k != TrajectoryKeys.RESPONSE_LOGPROBS):
         rest = output.model_dump(mode="json", exclude=_TOKEN_LIST_SET)
         data = {k: lists[k] if k in lists else rest[k] for k in type(output).model_fields}
     else:  # anything unusual (arrays, tensors) goes through pydantic's conversion
         data = output.model_dump(mode="json")
-    if data.get("response_logprobs") is not None:
+    if data.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
-        data["response_logprobs"] = np.asarray(data["response_logprobs"], dtype=np.float32)
+        data[TrajectoryKeys.RESPONSE_LOGPROBS] = np.asarray(data[TrajectoryKeys.RESPONSE_LOGPROBS], dtype=np.float32)
     return data
 
 
 class UnitServerManager:
     """The object handed to one verl agent loop: pins the unit's prompt to one server and its seed, and
-    tells the unit's slot (pacing.UnitSlot) when it asks a server and when it was answered."""
+    tells the unit's slot (admission.UnitSlot) when it asks a server and when it was answered."""
 
     def __init__(self, pool: Any, sticky_key: Any, sampling_seed: int | None, slot: Any):
         self.pool = pool
@@ -226,7 +227,7 @@ class UnitRunner:
         return uid
 
     async def run(self, pool, pos: int, sample: int, slot) -> RolloutRecord:
-        """Run the unit's agent loop against the server pool (`slot`: the unit's pacing.UnitSlot); raises
+        """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot); raises
         on any failure of the unit."""
         index = self.indices[pos]
         row = self.row(pos)
@@ -255,3 +256,21 @@ class UnitRunner:
         return RolloutRecord(index=index, sample=sample, uid=uid, priority=priority, seed=seed,
                              agent_name=agent_name, launch=self.launch.launch, row=row,
                              trajectories=[trajectory_json(o) for o in outputs])
+
+    async def run_unit(self, pool, pos: int, sample: int, slot, attempt: int, rollouts: ShardAppender,
+                       failures: ShardAppender) -> RolloutRecord | Exception:
+        """One unit from its dataset row to its line: the RolloutRecord appended to `rollouts`, or, on any
+        failure of the unit, a FailureRecord appended to `failures` (never a sample). Returns the record, or
+        the unit's exception. A failed append (the disk) raises: that is the actor's failure, not the unit's."""
+        index = self.indices[pos]
+        try:
+            record = await self.run(pool, pos, sample, slot)
+            record.attempt = attempt
+            line = record.to_line()
+        except Exception as e:  # any failure of this unit is recorded, never turned into a sample
+            failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
+                                          seed=self.seed(index, sample), agent_name=self.agent_name(pos),
+                                          reason=f"{type(e).__name__}: {e}", attempt=attempt).to_line())
+            return e
+        rollouts.append(line)
+        return record

@@ -11,7 +11,7 @@ they answer.
 
 Owns: the actor's start-up clock (wall-clock times, written into its stats lines under `startup/...`,
 the names pipegen/observe/startup.py reads), the wait for the manifest and for the first server, and
-keeping servers that are still loading out of the client's rotation until they answer.
+handing servers that are still loading to the pool's readiness probe (out of rotation until they answer).
 Must never: send a generation request, or give up on a server that is still loading (only the launcher's
 `llm.ready_timeout_s` decides that).
 """
@@ -44,7 +44,6 @@ def process_start_time() -> float:
 
 PROCESS_STARTED = process_start_time()
 
-_JOINING: set[asyncio.Task] = set()
 HEALTH_POLL_S = 0.2  # how often an actor asks the servers whether they are ready; costs nothing measurable
 
 
@@ -100,13 +99,6 @@ async def _answers(session, pool, url: str) -> bool:
     return await is_ready(session, url, pool.engine.health_path)
 
 
-async def _join_when_ready(session, pool, server, poll_s: float) -> None:
-    while not await _answers(session, pool, server.url):
-        await asyncio.sleep(poll_s)
-    pool.admit(server)
-    log.info("server %s ready: joins the rotation", server.url)
-
-
 async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: float = HEALTH_POLL_S) -> None:
     """Poll every server of `pool` (the actor's client.ServerPool) until one answers its health route; mark
     `server_ready`. Servers still loading then stay out of rotation until they answer (so no unit is
@@ -132,8 +124,4 @@ async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: floa
              next(s.url for s, ok in zip(pool.servers, results) if ok), time.monotonic() - started,
              len(pool.servers) - len(late), len(pool.servers))
     for server in late:
-        server.healthy = False
-    for server in late:
-        task = asyncio.get_running_loop().create_task(_join_when_ready(session, pool, server, max(poll_s, 0.5)))
-        _JOINING.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(_JOINING.discard)
+        pool.hold_out(server)  # its readiness probe brings it into rotation when it answers

@@ -18,16 +18,35 @@ from typing import Callable
 
 import orjson
 
+from pipegen.run.checkpoint import load_checkpoint
+from pipegen.run.layout import RunDir
 from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
-from pipegen.run.records import UnitKeys
+from pipegen.run.stream import scan_units, UnitKeys
 
 log = logging.getLogger("pipegen.actor")
 
 REPORT_INTERVAL_S = 0.5  # finished units reach the runner within this (one fsync per report)
 
 
+def pending_units(keys: UnitKeys, indices: list[int], run: RunDir, rank: int,
+                  num_actors: int) -> list[tuple[int, int]]:
+    """One node: the (position, sample) pairs actor `rank` of `num_actors` still has to run - its share of
+    the manifest (every num_actors-th position from rank), minus units the checkpoint has committed and
+    units already in a complete shard line past its offsets - prompt-major, so n samples share a prefix."""
+    ckpt = load_checkpoint(run.checkpoint)
+    in_shards = scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
+    todo = []
+    for pos in range(rank, len(indices), num_actors):
+        index = indices[pos]
+        for s in range(keys.n):
+            if keys.key(index, s) in ckpt.committed or (index, s) in in_shards:
+                continue
+            todo.append((pos, s))
+    return todo
+
+
 class FixedUnits:
-    """One node: the (position, sample) pairs worker.pending_units computed at start."""
+    """One node: the (position, sample) pairs pending_units computed at start."""
 
     def __init__(self, todo: list[tuple[int, int]]):
         self._todo = deque(todo)

@@ -1,19 +1,18 @@
-"""The actor process: its share of the pending units, run with bounded concurrency, one line per unit.
+"""The actor process: its parts wired together, its shards opened, its stats lines written.
 
 `python -m pipegen.actor output_dir=DIR rank=K [num_actors=A]` (started by the launcher; restartable
 by hand: it resumes with what is still pending). With cluster=ray a node runner starts it as
 `rank=NODE-INCARNATION-K node=NODE leases=URL`: it reads its node's own launch record and pulls its units
-from the runner (actor/units.py) instead of taking a fixed share.
+from the runner instead of taking a fixed share.
 
-Pending = the actor's share of all units (every A-th dataset position from K) - units the checkpoint
-has committed - units already in a complete shard line past the checkpoint's offsets. Units run
-prompt-major, so the n samples of one prompt reach the same server's prefix cache together.
+The parts: units.py (which units: its share of what is pending, or its node's leases), admission.py (how
+many at once, and when), client.py (the server pool), rollout.py (one unit, row to shard line). No sample
+passes through this module: it hands each admitted unit to rollout.py and counts what became of it.
 
-Owns: the actor's shards (a new one per start; one RolloutRecord or FailureRecord per unit), admitting
-units up to the concurrency pacing.py's controller allows (fixed, or `auto`: following the servers'
-limits and load), telling the client when the tail starts (nothing left to admit: hedging may begin),
-and the actor's stats lines.
-Must never: write to another actor's shard, or write a failed unit as a trajectory.
+Owns: the actor's shards (a new one per start, so a restart never appends to a line a crash tore), the
+process's lifetime (start-up, gc tuning, the final stats line) and the actor's stats lines.
+Must never: write to another actor's shard, decide which units run or how many at once, or write a
+failed unit as a trajectory.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from omegaconf import DictConfig
 
 from pipegen.actor.rollout import UnitRunner
 from pipegen.actor.startup import ACTOR_IMPORTS, StartupClock, wait_for_first_server
-from pipegen.actor.units import FixedUnits, LeasedUnits
+from pipegen.actor.units import FixedUnits, LeasedUnits, pending_units
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
@@ -39,9 +38,8 @@ from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.handshake import import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
-from pipegen.run.records import FailureRecord, RolloutRecord
 from pipegen.run.stats_line import ActorStats
-from pipegen.run.streams import ShardAppender, count_units, next_free_seq, scan_units
+from pipegen.run.stream import count_units, next_free_seq, RolloutRecord, ShardAppender, TrajectoryKeys
 
 log = logging.getLogger("pipegen.actor")
 
@@ -63,10 +61,10 @@ class ActorCounters:
         self.completed += 1
         self.trajectories += record.num_rows
         for t in record.trajectories:
-            self.response_lengths.append(len(t["response_ids"]))
-            self.turns.append(t["num_turns"])
-            if t.get("reward_score") is not None:
-                self.rewards.append(t["reward_score"])
+            self.response_lengths.append(len(t[TrajectoryKeys.RESPONSE_IDS]))
+            self.turns.append(t[TrajectoryKeys.NUM_TURNS])
+            if t.get(TrajectoryKeys.REWARD_SCORE) is not None:
+                self.rewards.append(t[TrajectoryKeys.REWARD_SCORE])
 
     def count_failure(self, kind: str) -> None:
         self.failed += 1
@@ -78,21 +76,6 @@ def arg_value(argv: list[str], key: str, default: str | None = None) -> str | No
         if a.startswith(f"{key}="):
             return a.split("=", 1)[1]
     return default
-
-
-def pending_units(runner: UnitRunner, run: RunDir, rank: int, num_actors: int) -> list[tuple[int, int]]:
-    """(position, sample) pairs this actor still has to run, prompt-major so n samples share a prefix."""
-    keys = runner.keys
-    ckpt = load_checkpoint(run.checkpoint)
-    in_shards = scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
-    todo = []
-    for pos in range(rank, len(runner.indices), num_actors):
-        index = runner.indices[pos]
-        for s in range(keys.n):
-            if keys.key(index, s) in ckpt.committed or (index, s) in in_shards:
-                continue
-            todo.append((pos, s))
-    return todo
 
 
 class Actor:
@@ -109,7 +92,7 @@ class Actor:
         self.runner = UnitRunner(cfg, run, self.launch, who=f"actor {rank}")
         self.counters = ActorCounters()
         self.clock = StartupClock()  # start-up phases, in every stats line (pipegen.status shows them)
-        self.control = None  # pacing.ConcurrencyControl, once main() started
+        self.admission = None  # admission.Admission, once main() started
         # a unit's attempt number = its tries that ended in a FailureRecord before (any launch, any actor)
         self.failed_tries = count_units(run.failures)
         self._busy_since = (time.monotonic(), time.process_time())  # for cpu_busy in the stats lines
@@ -117,46 +100,32 @@ class Actor:
 
     async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
                        slot) -> None:
-        try:
-            await self._run_unit(pool, pos, sample, rollouts, failures, slot)
-        finally:
-            slot.release()  # as the task ends, so the slot counts never drift
-
-    async def _run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
-                        slot) -> None:
-        runner = self.runner
-        index = runner.indices[pos]
+        """Run one admitted unit (rollout.py writes its line) and count what became of it."""
+        index = self.runner.indices[pos]
         attempt = self.failed_tries.get((index, sample), 0)
         self.counters.in_flight += 1
         try:
-            record = await runner.run(pool, pos, sample, slot)
-            record.attempt = attempt
-            line = record.to_line()
-        except Exception as e:  # any failure of this unit is recorded, never turned into a sample
-            reason = f"{type(e).__name__}: {e}"
-            self.counters.count_failure(type(e).__name__)
-            log.warning("unit (%d, %d) failed: %s", index, sample, reason)
-            failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
-                                          seed=runner.seed(index, sample), agent_name=runner.agent_name(pos),
-                                          reason=reason, attempt=attempt).to_line())
-            self.failed_tries[(index, sample)] = attempt + 1
-            self.units.done(index, sample)
-            return
+            outcome = await self.runner.run_unit(pool, pos, sample, slot, attempt, rollouts, failures)
         finally:
             self.counters.in_flight -= 1
-        rollouts.append(line)
-        self.units.done(index, sample)
-        self.clock.unit_written()
-        self.counters.count_record(record)
+            slot.release()  # as the task ends, so the slot counts never drift
+        self.units.done(index, sample)  # after its line is written: a lease reports it finished
+        if isinstance(outcome, Exception):
+            self.counters.count_failure(type(outcome).__name__)
+            log.warning("unit (%d, %d) failed: %s: %s", index, sample, type(outcome).__name__, outcome)
+            self.failed_tries[(index, sample)] = attempt + 1
+        else:
+            self.clock.unit_written()
+            self.counters.count_record(outcome)
 
     async def main(self) -> int:
         import aiohttp
 
         from pipegen.actor.client import ClientLimits, ServerPool
-        from pipegen.actor.pacing import ConcurrencyControl, Slots, WatchdogLimits, unit_memory_bytes
+        from pipegen.actor.admission import Admission, ConcurrencyControl, WatchdogLimits, unit_memory_bytes
 
         if self.leases_url is None:
-            todo = pending_units(self.runner, self.run, int(self.rank), self.num_actors)
+            todo = pending_units(self.runner.keys, self.runner.indices, self.run, int(self.rank), self.num_actors)
             log.info("actor %s: %d units pending", self.rank, len(todo))
             if not todo:
                 return 0
@@ -181,10 +150,16 @@ class Actor:
             request_timeout_s=float(self.cfg.llm.request_timeout_s),
             max_attempts=int(self.cfg.generation.max_attempts),
             vocab_size=self.runner.vocab_size,
-            watchdog=WatchdogLimits(stall_floor_s=float(self.cfg.llm.stall_floor_s),
-                                    stall_margin=float(self.cfg.llm.stall_margin), hedge=bool(self.cfg.actors.hedge)),
         )
+        watchdog = WatchdogLimits(stall_floor_s=float(self.cfg.llm.stall_floor_s),
+                                  stall_margin=float(self.cfg.llm.stall_margin), hedge=bool(self.cfg.actors.hedge))
         stats = StatsAppender(self.run.stats, actor_role(self.rank))
+        control = ConcurrencyControl(
+            list(self.launch.servers), actors_cfg.concurrency, sharing=self.num_actors,
+            memory_cap_units=int(actors_cfg.max_memory_mb) * 2**20 // unit_memory_bytes(
+                self.runner.prompt_length, self.runner.response_length),
+            configured_max_running=self.cfg.llm.max_running_requests)
+        self.admission = admission = Admission(watchdog, control)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             if self.leases_url is None:
@@ -192,60 +167,16 @@ class Actor:
             else:
                 self.units = LeasedUnits(self.leases_url, actor_role(self.rank), session, self.runner.keys,
                                          self.runner.indices, lambda: (rollouts.sync(), failures.sync()))
-            pool = ServerPool(list(self.launch.servers), limits, session, str(self.cfg.llm.protocol))
-            pool.on_first_request = lambda: self.clock.mark("first_request")
+            pool = ServerPool(list(self.launch.servers), limits, session, str(self.cfg.llm.protocol), admission,
+                              on_first_request=lambda: self.clock.mark("first_request"))
             reporter = asyncio.create_task(self._report(pool, stats))
             # servers may still be loading (the launcher starts actors beside them): send once one answers,
             # then read the limits of those that answer (a late one starts at the default; its load adapts it)
             await wait_for_first_server(session, pool, self.clock)
-            control = ConcurrencyControl(
-                list(self.launch.servers), actors_cfg.concurrency, sharing=self.num_actors,
-                memory_cap_units=int(actors_cfg.max_memory_mb) * 2**20 // unit_memory_bytes(
-                    self.runner.prompt_length, self.runner.response_length),
-                configured_max_running=self.cfg.llm.max_running_requests)
             await control.discover(session, pool.engine)
-            self.control = control
-            running: set[asyncio.Task] = set()
-            # one event for "a slot freed up" and "the limit changed" (pacing sets it): waiting on it costs a
-            # future, where waiting on two events would cost two tasks and an asyncio.wait per unit
-            wake = control.changed
-            slots = Slots(wake)
-            holding = lambda: slots.holding(len(running))  # noqa: E731  (units waiting on a server)
-            pool.capacity = control.total
-            pool.units_in_flight = holding
-            follower = asyncio.create_task(control.follow(
-                session, pool.engine, lambda url: sum(s.in_flight for s in pool.servers if s.url == url), holding))
-
-            lost_writes: list[BaseException] = []  # a shard append failed (a unit's own failure is a record)
-
-            def finished(task: asyncio.Task) -> None:
-                running.discard(task)
-                if not task.cancelled() and task.exception() is not None:
-                    lost_writes.append(task.exception())
-                wake.set()
-
-            while True:
-                while (holding() >= control.total()
-                       or len(running) >= Slots.held_cap(control.total(), control.memory_cap)):
-                    slots.round_done()
-                    wake.clear()
-                    await wake.wait()
-                if lost_writes:
-                    raise lost_writes[0]
-                unit = await self.units.next(control.total() - holding())
-                if unit is None:
-                    break
-                pos, sample = unit
-                task = asyncio.create_task(self.run_unit(pool, pos, sample, rollouts, failures, slots.admitted()))
-                running.add(task)
-                task.add_done_callback(finished)
-            slots.round_done(closed=True)
-            pool.start_draining()  # the tail: nothing left to start, hedging may use idle capacity
-            while running:
-                await asyncio.gather(*list(running))
-            if lost_writes:
-                raise lost_writes[0]
-            follower.cancel()
+            await admission.run(
+                self.units, lambda pos, sample, slot: self.run_unit(pool, pos, sample, rollouts, failures, slot),
+                session, pool.engine)
             reporter.cancel()
             await self.units.close()
             self._write_stats(pool, stats, final=True)
@@ -279,9 +210,10 @@ class Actor:
 
     def _write_stats(self, pool, stats: StatsAppender, final: bool = False) -> None:
         c = self.counters
+        control = self.admission.control if self.admission is not None else None
         busy = self.cpu_busy()
         if not final:
-            self.warn_if_cpu_bound(busy, pool.draining)
+            self.warn_if_cpu_bound(busy, self.admission is not None and self.admission.draining)
         lat = sorted(pool.latencies)
         recent = lambda xs: xs[-10000:]  # noqa: E731  (bounded memory and work per line)
         c.turns, c.response_lengths, c.rewards = recent(c.turns), recent(c.response_lengths), recent(c.rewards)
@@ -309,10 +241,10 @@ class Actor:
                 aborts_sent=pool.aborts_sent,
                 hedges=pool.hedges,
                 hedge_wins=pool.hedge_wins,
-                concurrency=self.control.total() if self.control else None,
-                concurrency_by_server=self.control.by_server() if self.control else {},
-                server_load=({s.url: {"running": s.running, "waiting": s.waiting} for s in self.control.servers}
-                             if self.control and self.control.auto else {}),
+                concurrency=control.total() if control else None,
+                concurrency_by_server=control.by_server() if control else {},
+                server_load=({s.url: {"running": s.running, "waiting": s.waiting} for s in control.servers}
+                             if control and control.auto else {}),
                 requests_by_server={s.url: s.requests for s in pool.servers},
                 cpu_busy=busy,
                 startup=self.clock.as_stats(),

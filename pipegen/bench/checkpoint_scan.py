@@ -1,5 +1,5 @@
 """Scenario `checkpoint`: checkpoint write time at 1k vs 1M committed units, and the actor's restart scan
-(`pipegen.run.streams.scan_units`) vs run size.
+(`pipegen.run.stream.scan_units`) vs run size.
 
 Checkpoint: two `Checkpoint`s built the way the writer builds them: units arrive slightly out of order
 (each unit's completion is displaced by up to 4 × 64 positions, as with 4 actors × 64 in flight), the
@@ -132,12 +132,13 @@ def scan_template():
     one per unit, make the scanned shards."""
     import numpy as np
 
-    from pipegen.run.records import RolloutRecord, prompt_uid, unit_seed
+    from pipegen.run.stream import RolloutRecord, TrajectoryKeys, prompt_uid, unit_seed
 
     rng = np.random.default_rng(0)
-    trajectory = {"prompt_ids": rng.integers(c.TOKEN_LO, c.TOKEN_HI, 128).tolist(),
-                  "response_ids": rng.integers(c.TOKEN_LO, c.TOKEN_HI, 256).tolist(), "response_mask": [1] * 256,
-                  "response_logprobs": (-rng.exponential(1.0, 256)).astype(np.float32)}
+    trajectory = {TrajectoryKeys.PROMPT_IDS: rng.integers(c.TOKEN_LO, c.TOKEN_HI, 128).tolist(),
+                  TrajectoryKeys.RESPONSE_IDS: rng.integers(c.TOKEN_LO, c.TOKEN_HI, 256).tolist(),
+                  TrajectoryKeys.RESPONSE_MASK: [1] * 256,
+                  TrajectoryKeys.RESPONSE_LOGPROBS: (-rng.exponential(1.0, 256)).astype(np.float32)}
     return RolloutRecord(index=0, sample=0, uid=prompt_uid(c.LAUNCH, 0), priority=0, seed=unit_seed(0, 0, 0),
                          agent_name="single_turn_agent", launch="x" * 32,
                          row={"data_source": "openai/gsm8k", "raw_prompt": [{"role": "user", "content": "q" * 160}]},
@@ -146,7 +147,7 @@ def scan_template():
 
 def write_lines(topic, count: int) -> int:
     """`count` records of units 0..count-1 (SCAN_N samples a prompt) in one actor's shards; their bytes."""
-    from pipegen.run.records import UnitKeys
+    from pipegen.run.stream import UnitKeys
 
     keys, template = UnitKeys(SCAN_N), scan_template()
     records = []
@@ -159,14 +160,14 @@ def write_lines(topic, count: int) -> int:
 
 def offsets_before_tail(topic, tail_lines: int) -> dict[str, int]:
     """The shard offsets a checkpoint holds when all but the last tail_lines lines are committed."""
-    from pipegen.run.streams import ShardTailer
+    from pipegen.run.stream import ShardTailer
 
     ends = [(rel, off) for rel, off, _ in ShardTailer(topic).lines()]
     return dict(ends[: len(ends) - tail_lines])
 
 
 def scan_rows(res: c.ScenarioResult, quick: bool) -> None:
-    from pipegen.run.streams import scan_units
+    from pipegen.run.stream import scan_units
 
     small_n, big_n = (2_000, 20_000) if quick else (10_000, 100_000)
     tail = 1000

@@ -106,7 +106,7 @@ def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
     from pipegen.engines import engine
     from pipegen.actor.protocol import ClientLimits
     from pipegen.run.config import load_run_config
-    from pipegen.run.records import RolloutRecord
+    from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 
     rollout = load_run_config(run).actor_rollout_ref.rollout
     limits = ClientLimits(prompt_length=int(rollout.prompt_length), response_length=int(rollout.response_length),
@@ -114,9 +114,8 @@ def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
     params = dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                   repetition_penalty=1.0, logprobs=rollout.calculate_log_probs)
     records = [RolloutRecord.from_line(line) for line in c.shard_lines(run.rollouts)]
-    # prompt_ids: a field of verl's AgentLoopOutput, which the record carries as JSON
     build = engine(protocol).build
-    return [build(r.trajectories[0]["prompt_ids"], params, limits, r.seed).body for r in records]
+    return [build(r.trajectories[0][TrajectoryKeys.PROMPT_IDS], params, limits, r.seed).body for r in records]
 
 
 def run_raw(url: str, bodies: list[dict], concurrency: int) -> list[float]:
@@ -274,7 +273,7 @@ def launcher_vs_raw(res: c.ScenarioResult, server, tmp: Path, spec: RunSpec, rep
 
 
 def actor_vs_ray(res: c.ScenarioResult, tmp: Path, spec: RunSpec, label: str, figures: ActorFigures) -> None:
-    from pipegen.run.records import RolloutRecord
+    from pipegen.run.stream import RolloutRecord
 
     lines = c.shard_lines(figures.run.rollouts)
     records = [RolloutRecord.from_line(line) for line in lines]
@@ -330,5 +329,5 @@ def run(quick: bool) -> c.ScenarioResult:
         "pass each for parsing, generating and answering), so a client that wrote every record of a burst before "
         "sending the next requests left it idle meanwhile: the ratio then tended to (server + raw) ÷ (server + "
         "actor) CPU per unit. The actor frees a unit's slot when the server answers and builds the record once "
-        "the replacement's request is out (actor/pacing.py, Slots), so the server works while records are built.")
+        "the replacement's request is out (actor/admission.py, Slots), so the server works while records are built.")
     return res

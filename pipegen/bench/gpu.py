@@ -105,7 +105,7 @@ def run_pipegen(root: Path, url: str, model: str, overrides: list[str], timeout_
     from pipegen.observe.stats import actor_lines, latest_stats
     from pipegen.run.config import load_run_config
     from pipegen.run.layout import RunDir
-    from pipegen.run.records import RolloutRecord
+    from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 
     run = RunDir(root)
     started = time.time()
@@ -124,7 +124,8 @@ def run_pipegen(root: Path, url: str, model: str, overrides: list[str], timeout_
     lines = c.shard_lines(run.rollouts)
     if len(lines) < total:
         raise RuntimeError(f"pipegen wrote {len(lines)} of {total} units; see {run.root}")
-    tokens = sum(len(t["response_ids"]) for line in lines for t in RolloutRecord.from_line(line).trajectories)
+    tokens = sum(len(t[TrajectoryKeys.RESPONSE_IDS]) for line in lines
+                 for t in RolloutRecord.from_line(line).trajectories)
     last = max(p.stat().st_mtime for p in c.shard_files(run.rollouts))
     roles = latest_stats(run.stats)
     actors = actor_lines(roles).values()

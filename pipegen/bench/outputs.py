@@ -88,7 +88,7 @@ def child(what: str, root: str) -> dict:
             cfg.generation.upload_artifact = False
         merge.merge_run(cfg, run, ckpt)
     elif what == "verl":
-        from pipegen.run.sorted_rows import ROW_ORDER
+        from pipegen.run.batchfile import ROW_ORDER
         from pipegen.writer.batches import from_storage, load_batch
 
         import numpy as np
@@ -125,6 +125,7 @@ def bare_parquet(run, ckpt) -> int:
     import pyarrow.parquet as pq
     import torch
 
+    from pipegen.run.batchfile import BatchColumns
     from pipegen.writer.batches import load_batch
 
     path = run.root / "bare.parquet"
@@ -132,11 +133,11 @@ def bare_parquet(run, ckpt) -> int:
     with pq.ParquetWriter(path, schema, compression="zstd") as writer:
         for i in ckpt.batches.numbers():
             b = load_batch(run.batch_file(i)).batch
-            p = b["prompts"].shape[1]
-            att = b["attention_mask"][:, p:].bool()
+            p = b[BatchColumns.PROMPTS].shape[1]
+            att = b[BatchColumns.ATTENTION_MASK][:, p:].bool()
             off = pa.array([0, *att.sum(1).cumsum(0).tolist()], pa.int32())
-            ids = pa.ListArray.from_arrays(off, pa.array(b["responses"][att].to(torch.int32).numpy()))
-            lps = pa.ListArray.from_arrays(off, pa.array(b["rollout_log_probs"][att].numpy()))
+            ids = pa.ListArray.from_arrays(off, pa.array(b[BatchColumns.RESPONSES][att].to(torch.int32).numpy()))
+            lps = pa.ListArray.from_arrays(off, pa.array(b[BatchColumns.ROLLOUT_LOG_PROBS][att].numpy()))
             writer.write_table(pa.Table.from_arrays([ids, lps], schema=schema))
     return path.stat().st_size
 

@@ -98,7 +98,7 @@ def run(quick: bool) -> c.ScenarioResult:
 
 def _run(quick: bool) -> c.ScenarioResult:
     from pipegen.inputs.dataset import load_tokenizer
-    from pipegen.run.records import RolloutRecord
+    from pipegen.run.stream import RolloutRecord
     from pipegen.writer.batches import BatchBuilder
 
     res = c.ScenarioResult(KEY, TITLE)

@@ -368,18 +368,14 @@ class ReferenceServer:
 def build_app(server: ReferenceServer) -> web.Application:
     """The aiohttp application with every route of the contract."""
     app = web.Application(client_max_size=512 * 1024 * 1024)
-    app.router.add_route("POST", "/generate", server.generate)
-    app.router.add_route("PUT", "/generate", server.generate)
-    app.router.add_get("/health", server.health)
-    app.router.add_get("/health_generate", server.health_generate)
-    app.router.add_get("/get_model_info", server.get_model_info)
-    app.router.add_get("/model_info", server.get_model_info)
-    app.router.add_get("/get_server_info", server.get_server_info)
-    app.router.add_get("/server_info", server.get_server_info)
-    app.router.add_get("/v1/models", server.v1_models)
-    app.router.add_get("/get_load", server.get_load)
-    app.router.add_get("/flush_cache", server.flush_cache)
-    app.router.add_post("/flush_cache", server.flush_cache)
-    app.router.add_post("/abort_request", server.abort_request)
-    app.router.add_get("/pipegen_stats", server.pipegen_stats)
+    app.router.add_routes([
+        web.post("/generate", server.generate), web.put("/generate", server.generate),
+        web.get("/health", server.health), web.get("/health_generate", server.health_generate),
+        # SGLang serves both spellings of its info routes, depending on the version
+        web.get("/get_model_info", server.get_model_info), web.get("/model_info", server.get_model_info),
+        web.get("/get_server_info", server.get_server_info), web.get("/server_info", server.get_server_info),
+        web.get("/v1/models", server.v1_models), web.get("/get_load", server.get_load),
+        web.get("/flush_cache", server.flush_cache), web.post("/flush_cache", server.flush_cache),
+        web.post("/abort_request", server.abort_request), web.get("/pipegen_stats", server.pipegen_stats),
+    ])
     return app

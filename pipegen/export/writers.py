@@ -26,11 +26,11 @@ import torch
 from omegaconf import DictConfig
 
 from pipegen.run.atomic import atomic_write
-from pipegen.run.sorted_rows import SortedRows
+from pipegen.run.batchfile import ROW_KEYS, BatchColumns, SortedRows
 
 FORMATS = ("parquet", "jsonl")
 ROW_GROUP_ROWS = 1024
-LEADING = ("index", "sample", "trajectory", "uid", "raw_prompt")
+LEADING = (*ROW_KEYS, BatchColumns.UID, BatchColumns.RAW_PROMPT)
 
 
 def plain(value: Any) -> Any:
@@ -65,8 +65,7 @@ class RowSchema:
 
         self.fields = [k for k in LEADING if k in plan.non_tensor] + \
                       [k for k in plan.non_tensor if k not in LEADING]
-        self.types: dict[str, Any] = {"index": pa.int64(), "sample": pa.int64(), "trajectory": pa.int64(),
-                                      "uid": pa.string()}
+        self.types: dict[str, Any] = {**{key: pa.int64() for key in ROW_KEYS}, BatchColumns.UID: pa.string()}
         self.json_columns: list[str] = []
         for key in self.fields:
             if key in self.types:
@@ -81,8 +80,8 @@ class RowSchema:
                 self.json_columns.append(key)
                 t = pa.string()
             self.types[key] = t
-        self.has_logprobs = "rollout_log_probs" in plan.tensor_specs
-        self.has_reward = "rm_scores" in plan.tensor_specs
+        self.has_logprobs = BatchColumns.ROLLOUT_LOG_PROBS in plan.tensor_specs
+        self.has_reward = BatchColumns.RM_SCORES in plan.tensor_specs
 
     def arrow(self) -> Any:
         import pyarrow as pa
@@ -122,28 +121,29 @@ class RowBuilder:
         """Column name -> values for the piece's rows. Token lists are (flat values, offsets) pairs.
         ``json_strings``: nested fields no Arrow type fits become JSON text (Parquet); JSON lines keep them."""
         b, nt = piece.batch, piece.non_tensor_batch
-        p = b["prompts"].shape[1]
-        attn = b["attention_mask"].bool()
+        p = b[BatchColumns.PROMPTS].shape[1]
+        attn = b[BatchColumns.ATTENTION_MASK].bool()
         prompt_att, resp_att = attn[:, :p], attn[:, p:]
         prompt_off = _offsets(prompt_att.sum(1))
         resp_len = resp_att.sum(1)
         resp_off = _offsets(resp_len)
-        response_ids = b["responses"][resp_att].to(torch.int32).numpy()
-        mask = b["response_mask"][resp_att].to(torch.int8).numpy()
+        response_ids = b[BatchColumns.RESPONSES][resp_att].to(torch.int32).numpy()
+        mask = b[BatchColumns.RESPONSE_MASK][resp_att].to(torch.int8).numpy()
         per_row = np.split(response_ids, resp_off[1:-1])
         out: dict[str, Any] = {}
         for k in self.schema.fields:
             if k in LEADING:
                 out[k] = self._values(k, nt[k], json_strings)
         out["response_text"] = self._decode([r.tolist() for r in per_row])
-        out["prompt_ids"] = (b["prompts"][prompt_att].to(torch.int32).numpy(), prompt_off)
+        out["prompt_ids"] = (b[BatchColumns.PROMPTS][prompt_att].to(torch.int32).numpy(), prompt_off)
         out["response_ids"] = (response_ids, resp_off)
         out["response_mask"] = (mask, resp_off)
         if self.schema.has_logprobs:
-            out["rollout_log_probs"] = (b["rollout_log_probs"][resp_att].to(torch.float32).numpy(), resp_off)
+            logprobs = b[BatchColumns.ROLLOUT_LOG_PROBS][resp_att].to(torch.float32).numpy()
+            out["rollout_log_probs"] = (logprobs, resp_off)
         else:
             out["rollout_log_probs"] = [None] * len(piece)
-        out["reward"] = (b["rm_scores"].sum(-1).to(torch.float32).numpy() if self.schema.has_reward
+        out["reward"] = (b[BatchColumns.RM_SCORES].sum(-1).to(torch.float32).numpy() if self.schema.has_reward
                          else [None] * len(piece))
         out["finish_reason"] = [self._finish(r, m) for r, m in zip(per_row, np.split(mask, resp_off[1:-1]))]
         for k in self.schema.fields:
@@ -160,7 +160,7 @@ class RowBuilder:
         return self.tokenizer.batch_decode(rows, skip_special_tokens=False)
 
     def _values(self, key: str, values: np.ndarray, json_strings: bool) -> list[Any]:
-        if key in ("index", "sample", "trajectory"):
+        if key in ROW_KEYS:
             return [int(v) for v in values]
         if json_strings and key in self.schema.json_columns:
             return [orjson.dumps(plain(v)).decode() for v in values]

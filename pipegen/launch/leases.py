@@ -27,8 +27,7 @@ from typing import Callable, Iterable
 
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
-from pipegen.run.records import UnitKeys
-from pipegen.run.streams import scan_units
+from pipegen.run.stream import scan_units, UnitKeys
 
 
 @dataclass

@@ -15,10 +15,10 @@ import re
 from dataclasses import dataclass
 
 from pipegen.run.layout import RunDir, list_shards
-from pipegen.run.records import read_head
+from pipegen.run.stream import TrajectoryKeys, read_head
 
 MAX_BYTES = 2 << 30
-_REWARD = re.compile(rb'"reward_score":(-?[0-9][0-9.eE+-]*)')
+_REWARD = re.compile(b'"%s":(-?[0-9][0-9.eE+-]*)' % TrajectoryKeys.REWARD_SCORE.encode())
 
 
 @dataclass

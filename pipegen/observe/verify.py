@@ -32,8 +32,7 @@ from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import load_fingerprint
 from pipegen.run.integrity import DamagedFile, set_aside_files
 from pipegen.run.layout import RunDir, list_shards
-from pipegen.run.records import UnitKeys, parse_unit_label, read_head, unit_label
-from pipegen.run.streams import ShardTailer
+from pipegen.run.stream import parse_unit_label, read_head, ShardTailer, unit_label, UnitKeys
 
 SHOWN = 5  # units named per problem
 

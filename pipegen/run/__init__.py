@@ -1,8 +1,10 @@
 """The run contract: what every pipegen process shares through the run directory.
 
-`layout` (every path, launch.json, units.json, the run key), `records` (what a stream line is),
-`streams` (appending and tailing shards), `checkpoint` (the writer's commit record), `batchfile` (the
-batch file's format: Arrow, never a pickle), `sorted_rows` (a run's rows in the output's order),
-`fingerprint` (the resume guard), `config` (the one resolved config), `atomic` (crash-safe replacement).
-Nothing here imports verl or torch: every role, the status command included, can afford it.
+`layout` (every path, launch.json, units.json, the run key), `stream` (the line on disk: what a stream
+line is, the unit key, appending and tailing shards), `checkpoint` (the writer's commit record),
+`batchfile` (the batch on disk: Arrow, never a pickle, and a run's rows read back in the output's order),
+`schema` and `config` (every key, and the one resolved config), `fingerprint` (the resume guard),
+`atomic` (crash-safe replacement), `ownership` and `handshake` (locks, pids, exit codes, the manifest
+wait), `integrity` and `diskfull` (damaged files, a full disk), `lease_protocol` (cluster leases).
+Nothing here imports verl or torch or a role: every role, the status command included, can afford it.
 """

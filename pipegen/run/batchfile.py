@@ -32,33 +32,71 @@ else is stored as it is.
 Object columns hold what the stream line held: JSON values. A numpy array or scalar inside one is
 stored as its JSON list or number; any other Python object is refused at encode, naming the column.
 
-Owns: the batch file's format (encode, read, the typed error) and the layout of verl's padded rows
+Reading a run back (`SortedRows`): a run's committed rows in the merged output's order, with bounded
+memory. `SortedRows.scan` reads every batch once for its sort keys and non-tensor columns (tensors are
+not read), then `tensors(lo, hi)` fills preallocated arrays row range by row range, reading only the
+batches that hold rows of that range (a small cache keeps the last few, as the writer commits roughly in
+order). The merge (pipegen/writer/merge.py) and the export (pipegen/export/) both read a run through it:
+the export runs after the merge and needs nothing from it.
+
+Owns: the batch file's format (encode, read, the typed error), the order of a run's rows when read back,
+(index, sample, trajectory), and which batch file holds each, the names of a batch's columns
+(`BatchColumns`: verl's tensor keys and the non-tensor columns pipegen reads by name), and the layout of verl's padded rows
 that the format rebuilds (`attention_mask_of`, `position_ids_of`).
-Must never: import verl or torch (status reads batch files), unpickle anything, or decide which batch
-files are committed (the checkpoint does).
+Must never: import verl or torch (status reads batch files), unpickle anything, decide which batch
+files are committed (the checkpoint does; readers are given its list), or hold more than a few batches'
+tensors at once when reading a run back.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Iterator, Optional, Sequence
 
 import numpy as np
 import orjson
 import pyarrow as pa
 
-from pipegen.run.checkpoint import damaged_batch
-from pipegen.run.records import UnitKeys
+from pipegen.run.checkpoint import Checkpoint, damaged_batch
+from pipegen.run.layout import RunDir
+from pipegen.run.stream import UnitKeys
+
+
+class BatchColumns:
+    """The names of a batch's columns, as verl's DataProto holds them and a batch file stores them
+    (`tensor/<name>`, `column/<name>`): changing one makes existing run directories unreadable. The dataset
+    row's other fields keep their own names."""
+
+    # tensors of verl's agent-loop postprocessing (`AgentLoopWorker._postprocess`), one row per trajectory
+    PROMPTS: Final = "prompts"  # prompt ids, left-padded to prompt_length
+    RESPONSES: Final = "responses"  # response ids, right-padded to response_length
+    INPUT_IDS: Final = "input_ids"  # prompts ++ responses
+    ATTENTION_MASK: Final = "attention_mask"
+    POSITION_IDS: Final = "position_ids"
+    RESPONSE_MASK: Final = "response_mask"
+    ROLLOUT_LOG_PROBS: Final = "rollout_log_probs"  # only when the servers returned log-probs
+    RM_SCORES: Final = "rm_scores"  # the reward at each row's last response token; only when all were scored
+    # non-tensor columns: verl's (the dataset row's index, the agent-loop kwargs) and pipegen's own
+    INDEX: Final = "index"
+    SAMPLE: Final = "sample"  # 0..n-1
+    TRAJECTORY: Final = "trajectory"  # the row's place among its unit's trajectories
+    SEED: Final = "seed"  # the unit's sampling seed
+    UID: Final = "uid"
+    PRIORITY: Final = "priority"
+    RAW_PROMPT: Final = "raw_prompt"  # the chat messages sent
+
 
 FORMAT = "pipegen.batch/2"
 META_KEY = b"pipegen.batch"
 FILE_MAGIC = b"ARROW1"  # Arrow IPC files start (and end) with it
 LEGACY_MAGIC = b"PGBATCH1"  # pipegen's pickle-framed batch files before FORMAT 2
-INT_TENSORS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
-MASK_TENSORS = ("response_mask", "attention_mask")  # 0/1 values: int8 on disk
-ROW_KEYS = ("index", "sample", "trajectory")  # the non-tensor columns that name a row
+INT_TENSORS = (BatchColumns.PROMPTS, BatchColumns.RESPONSES, BatchColumns.RESPONSE_MASK, BatchColumns.INPUT_IDS,
+               BatchColumns.ATTENTION_MASK, BatchColumns.POSITION_IDS)
+MASK_TENSORS = (BatchColumns.RESPONSE_MASK, BatchColumns.ATTENTION_MASK)  # 0/1 values: int8 on disk
+ROW_KEYS = (BatchColumns.INDEX, BatchColumns.SAMPLE, BatchColumns.TRAJECTORY)  # the non-tensor columns that name a row
 CONVERT_FLAG = "--convert-pickle-batches"
 _INT32 = np.dtype(np.int32).str
 _JSON, _INT = "json", "int"  # kinds of object columns: JSON values, or Python ints stored as int64
@@ -113,7 +151,10 @@ def encode_batch_file(tensors: dict[str, np.ndarray], non_tensor: dict[str, np.n
     dtypes: dict[str, str] = {}
     keys = list(tensors)
     derived_known = derived_known or {}
-    derived = [key for key in ("input_ids", "position_ids") if key in derived_known and key in keys]
+    prompts, responses, input_ids, attention, positions = (
+        BatchColumns.PROMPTS, BatchColumns.RESPONSES, BatchColumns.INPUT_IDS, BatchColumns.ATTENTION_MASK,
+        BatchColumns.POSITION_IDS)
+    derived = [key for key in (input_ids, positions) if key in derived_known and key in keys]
     binary: set[str] = set()  # masks with only 0 and 1
     for key, arr in tensors.items():
         if int32 and key in INT_TENSORS:
@@ -132,23 +173,22 @@ def encode_batch_file(tensors: dict[str, np.ndarray], non_tensor: dict[str, np.n
             dtypes[key] = arr.dtype.str
         if key not in derived:
             stored[key] = np.ascontiguousarray(arr)
-    if "input_ids" not in derived and {"prompts", "responses", "input_ids"} <= stored.keys() and np.array_equal(
-            stored["input_ids"], np.concatenate([stored["prompts"], stored["responses"]], axis=1)):
-        derived.append("input_ids")
-    if "position_ids" not in derived and {"attention_mask", "position_ids"} <= stored.keys() and \
-            stored["position_ids"].ndim == 2 and \
-            np.array_equal(stored["position_ids"], position_ids_of(stored["attention_mask"])):
-        derived.append("position_ids")
-    spans = derived_known["attention_mask"] if "attention_mask" in derived_known else _spans(stored)
+    if input_ids not in derived and {prompts, responses, input_ids} <= stored.keys() and np.array_equal(
+            stored[input_ids], np.concatenate([stored[prompts], stored[responses]], axis=1)):
+        derived.append(input_ids)
+    if positions not in derived and {attention, positions} <= stored.keys() and \
+            stored[positions].ndim == 2 and np.array_equal(stored[positions], position_ids_of(stored[attention])):
+        derived.append(positions)
+    spans = derived_known[attention] if attention in derived_known else _spans(stored)
     scores = _last_token_scores(stored, None if spans is None else spans[1])
     extra: dict[str, np.ndarray] = {}
     if scores is not None:
-        derived.append("rm_scores")
+        derived.append(BatchColumns.RM_SCORES)
         extra[_LAST_TOKEN_REWARD] = scores
     if spans is not None:
-        derived.append("attention_mask")
+        derived.append(attention)
         extra[_PROMPT_LENS], extra[_RESPONSE_LENS] = (np.asarray(s, dtype=np.int32) for s in spans)
-    packed = [key for key in ("response_mask",) if key in binary and key not in derived]  # 0/1: a bit each
+    packed = [key for key in (BatchColumns.RESPONSE_MASK,) if key in binary and key not in derived]  # a bit each
     for key in packed:
         stored[key] = np.packbits(stored[key], axis=-1)
     rows = len(next(iter(non_tensor.values()))) if non_tensor else len(next(iter(tensors.values())))
@@ -322,7 +362,7 @@ def batch_rows(path: Path, whole: bool = False) -> BatchRows:
             columns = {k: np.asarray(v).astype(np.int64) for k, v in read_batch(path).non_tensor.items() if k in ROW_KEYS}
         else:
             columns = read_row_keys(path)
-        return BatchRows(*(columns[k] for k in ("index", "sample", "trajectory")))
+        return BatchRows(*(columns[k] for k in ROW_KEYS))
     except (BatchFileError, KeyError, OSError) as e:
         raise damaged_batch(path, f"cannot be read: {getattr(e, 'reason', e)}") from None
 
@@ -435,21 +475,22 @@ def restore_tensors(stored: dict[str, Any], info: dict[str, Any]) -> dict[str, n
     `_scores` (each row's reward) when attention_mask and rm_scores were dropped."""
     arrays = dict(stored)
     derived = info["derived"]
+    prompts, responses, attention = BatchColumns.PROMPTS, BatchColumns.RESPONSES, BatchColumns.ATTENTION_MASK
     for key in info.get("bit_packed", ()):
-        arrays[key] = np.unpackbits(arrays[key], axis=-1, count=arrays["responses"].shape[-1]).view(np.int8)
-    if "attention_mask" in derived:
+        arrays[key] = np.unpackbits(arrays[key], axis=-1, count=arrays[responses].shape[-1]).view(np.int8)
+    if attention in derived:
         prompt_lens, response_lens = arrays["_spans"]
-        arrays["attention_mask"] = attention_mask_of(prompt_lens, response_lens, arrays["prompts"].shape[1],
-                                             arrays["responses"].shape[1]).view(np.int8)
-    if "input_ids" in derived:
-        arrays["input_ids"] = np.concatenate([arrays["prompts"], arrays["responses"]], axis=1)
-    if "position_ids" in derived:
-        arrays["position_ids"] = position_ids_of(arrays["attention_mask"])
-    if "rm_scores" in derived:
+        arrays[attention] = attention_mask_of(prompt_lens, response_lens, arrays[prompts].shape[1],
+                                              arrays[responses].shape[1]).view(np.int8)
+    if BatchColumns.INPUT_IDS in derived:
+        arrays[BatchColumns.INPUT_IDS] = np.concatenate([arrays[prompts], arrays[responses]], axis=1)
+    if BatchColumns.POSITION_IDS in derived:
+        arrays[BatchColumns.POSITION_IDS] = position_ids_of(arrays[attention])
+    if BatchColumns.RM_SCORES in derived:
         scores = arrays["_scores"]
-        rm_scores = np.zeros((len(scores), arrays["responses"].shape[1]), dtype=scores.dtype)
-        rm_scores[np.arange(len(scores)), _score_columns(arrays["attention_mask"], arrays["prompts"].shape[1])] = scores
-        arrays["rm_scores"] = rm_scores
+        rm_scores = np.zeros((len(scores), arrays[responses].shape[1]), dtype=scores.dtype)
+        rm_scores[np.arange(len(scores)), _score_columns(arrays[attention], arrays[prompts].shape[1])] = scores
+        arrays[BatchColumns.RM_SCORES] = rm_scores
     return {k: arrays[k].astype(np.dtype(info["dtypes"][k]), copy=False) for k in info["keys"]}
 
 
@@ -477,7 +518,8 @@ def position_ids_of(attention_mask: np.ndarray) -> np.ndarray:
 
 def _spans(tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray] | None:
     """(prompt lengths, response lengths) when the attention mask is exactly `attention_mask_of` of them."""
-    mask, prompts, responses = (tensors.get(k) for k in ("attention_mask", "prompts", "responses"))
+    mask, prompts, responses = (tensors.get(k) for k in
+                                (BatchColumns.ATTENTION_MASK, BatchColumns.PROMPTS, BatchColumns.RESPONSES))
     if mask is None or prompts is None or responses is None or mask.ndim != 2 or \
             mask.shape != (len(prompts), prompts.shape[1] + responses.shape[1]):
         return None
@@ -496,7 +538,8 @@ def _last_token_scores(tensors: dict[str, np.ndarray], response_lens: np.ndarray
     """rm_scores as one value per row when it is exactly verl's layout (zeros, each row's reward at
     `_score_columns`; compared bit for bit, so -0.0 or NaN elsewhere keeps the full tensor): a quarter
     of a batch file's bytes at 1k tokens, for one float per row."""
-    rm, mask, prompts = (tensors.get(k) for k in ("rm_scores", "attention_mask", "prompts"))
+    rm, mask, prompts = (tensors.get(k) for k in
+                         (BatchColumns.RM_SCORES, BatchColumns.ATTENTION_MASK, BatchColumns.PROMPTS))
     if rm is None or mask is None or prompts is None or rm.dtype != np.float32 or rm.ndim != 2 \
             or mask.ndim != 2 or prompts.ndim != 2 or rm.shape != (len(mask), mask.shape[1] - prompts.shape[1]):
         return None
@@ -505,3 +548,115 @@ def _last_token_scores(tensors: dict[str, np.ndarray], response_lens: np.ndarray
     if np.count_nonzero(rm.view(np.int32)) != np.count_nonzero(scores.view(np.int32)):
         return None
     return scores
+
+
+# ---- a run read back in the output's order ----
+
+ROW_ORDER = ROW_KEYS  # the non-tensor columns the merged output is sorted by
+
+
+@dataclass
+class SortedRows:
+    """Where every committed row goes in the sorted output: pass one of the merge (keys and non-tensor columns)."""
+
+    paths: list[Path]
+    dest: list[np.ndarray]  # per batch: each row's position in the sorted output
+    non_tensor: dict[str, np.ndarray]  # whole run, sorted
+    metrics: list[dict]  # verl's per-row agent-loop metrics, sorted
+    tensor_specs: dict[str, tuple[np.dtype, tuple[int, ...]]]  # output dtype (int64 tokens) and trailing shape
+    reward_keys: Optional[list[str]]
+    cache_size: int = 4
+    batch_reads: int = 0
+    _cache: OrderedDict = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        self._span = [(int(d.min()), int(d.max())) if len(d) else (0, -1) for d in self.dest]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(d) for d in self.dest)
+
+    @classmethod
+    def scan(cls, paths: Sequence[Path], **kwargs: Any) -> "SortedRows":
+        """Read each batch once (one at a time, tensors left out) for its sort keys, non-tensor columns,
+        metrics and tensor shapes. Raises BatchFileError naming a batch file that cannot be read."""
+        paths = list(paths)
+        if not paths:
+            raise ValueError("no batches to merge")
+        columns: list[dict[str, np.ndarray]] = []
+        metrics: list[dict] = []
+        tensor_sets: list[dict[str, tuple[np.dtype, tuple[int, ...]]]] = []
+        reward_keys = None
+        for i, path in enumerate(paths):
+            part = read_batch(path, tensors=False)
+            columns.append(part.non_tensor)
+            metrics.extend(part.meta_info.get("metrics", []))
+            if i == 0:
+                reward_keys = part.meta_info.get("reward_extra_keys")
+            tensor_sets.append({k: (np.dtype(np.int64) if k in INT_TENSORS else np.dtype(dtype), shape)
+                                for k, (dtype, shape) in part.tensor_shapes.items()})
+        # rm_scores exists only where every row was scored: keep the tensors every batch has.
+        common = [k for k in tensor_sets[0] if all(k in s for s in tensor_sets)]
+        for k in common:
+            if any(s[k] != tensor_sets[0][k] for s in tensor_sets):
+                raise ValueError(f"batch files disagree on the shape of {k!r}: rerun the writer on a clean run")
+        keys: list[str] = []
+        for cols in columns:  # custom loops may set extra_fields only sometimes
+            keys += [k for k in cols if k not in keys]
+        sizes = [len(next(iter(cols.values()))) for cols in columns]
+        merged = {k: np.concatenate([cols[k] if k in cols else object_array([None] * n)
+                                     for cols, n in zip(columns, sizes)]) for k in keys}
+        del columns
+        order = np.lexsort([merged[key].astype(np.int64) for key in reversed(ROW_ORDER)])  # last key sorts first
+        position = np.empty(len(order), dtype=np.int64)
+        position[order] = np.arange(len(order))
+        bounds = np.cumsum([0] + sizes)
+        return cls(paths=paths, dest=[position[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
+                   non_tensor={k: v[order] for k, v in merged.items()},
+                   metrics=[metrics[i] for i in order] if len(metrics) == len(order) else [],
+                   tensor_specs={k: tensor_sets[0][k] for k in common}, reward_keys=reward_keys, **kwargs)
+
+    @classmethod
+    def committed(cls, run: RunDir, ckpt: Checkpoint, **kwargs: Any) -> "SortedRows":
+        """The rows of exactly the batches the checkpoint lists."""
+        return cls.scan([run.batch_file(i) for i in ckpt.batches.numbers()], **kwargs)
+
+    def _batch(self, i: int) -> StoredBatch:
+        if i in self._cache:
+            self._cache.move_to_end(i)
+            return self._cache[i]
+        part = read_batch(self.paths[i])
+        self.batch_reads += 1
+        self._cache[i] = part
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return part
+
+    def tensors(self, lo: int, hi: int) -> dict[str, np.ndarray]:
+        """Sorted rows [lo, hi) of every tensor, int64 token tensors, read from the batches that hold them."""
+        tensors = {k: np.empty((hi - lo, *shape), dtype=dtype) for k, (dtype, shape) in self.tensor_specs.items()}
+        for i, dest in enumerate(self.dest):
+            if not len(dest) or self._span[i][0] >= hi or self._span[i][1] < lo:
+                continue  # no row of this batch in [lo, hi)
+            hit = np.nonzero((dest >= lo) & (dest < hi))[0]
+            if not len(hit):
+                continue
+            part, at = self._batch(i), dest[hit] - lo
+            if hit[-1] - hit[0] + 1 == len(hit) and at[-1] - at[0] + 1 == len(at) and (np.diff(at) == 1).all():
+                # the usual case (the writer commits in order): one slice copy per tensor
+                for k, out in tensors.items():
+                    out[at[0]:at[-1] + 1] = part.tensors[k][hit[0]:hit[-1] + 1]
+                continue
+            for k, out in tensors.items():
+                out[at] = part.tensors[k][hit]
+        return tensors
+
+    def ranges(self, rows: int) -> Iterator[tuple[int, int]]:
+        """Consecutive [lo, hi) ranges of at most ``rows`` sorted rows, covering the run."""
+        step = max(1, rows)
+        for lo in range(0, self.num_rows, step):
+            yield lo, min(self.num_rows, lo + step)
+
+    def release(self) -> None:
+        """Drop the cached batches (after the last range)."""
+        self._cache.clear()

@@ -9,7 +9,7 @@ DIR/
   conf/nodes/<node>.json  with cluster=ray, one per node runner: the launch id, its incarnation, host, servers
   .launcher.lock          held by the one launcher of this directory (its pid and host inside)
   logs/<role>.log         one log per process; logs/<role>.cmd.sh restarts that role by hand
-  streams/rollouts/actor_<k>/<seq>.jsonl   RolloutRecord lines (records.py), one appender per file
+  streams/rollouts/actor_<k>/<seq>.jsonl   RolloutRecord lines (stream.py), one appender per file
   streams/failures/actor_<k>/<seq>.jsonl   FailureRecord lines
   streams/stats/<role>.jsonl               periodic metrics lines, one typed record per role (stats_line.py)
   checkpoint.json         the writer's commit record (checkpoint.py)

@@ -30,12 +30,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from pipegen.run.batchfile import (INT_TENSORS, StoredBatch, attention_mask_of, encode_batch_file, object_array,
-                                   position_ids_of, read_batch)
-from pipegen.run.records import RolloutRecord
+from pipegen.run.batchfile import (INT_TENSORS, BatchColumns, StoredBatch, attention_mask_of, encode_batch_file,
+                                   object_array, position_ids_of, read_batch)
+from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 
-INT64_COLUMNS = ("sample", "trajectory", "priority")
+INT64_COLUMNS = (BatchColumns.SAMPLE, BatchColumns.TRAJECTORY, BatchColumns.PRIORITY)
 
 
 class BatchBuilder:
@@ -49,12 +49,12 @@ class BatchBuilder:
 
     def plain_text(self, traj: dict[str, Any]) -> bool:
         """Whether verl's per-trajectory postprocessing reduces to plain padding for this trajectory."""
-        logprobs = traj.get("response_logprobs")
-        return (traj.get("routed_experts") is None and not traj.get("multi_modal_data")
+        logprobs = traj.get(TrajectoryKeys.RESPONSE_LOGPROBS)
+        return (traj.get(TrajectoryKeys.ROUTED_EXPERTS) is None and not traj.get(TrajectoryKeys.MULTI_MODAL_DATA)
                 and self.worker.processor is None
-                and len(traj["prompt_ids"]) <= self.prompt_length
-                and len(traj["response_ids"]) <= self.response_length
-                and len(traj["response_mask"]) == len(traj["response_ids"])
+                and len(traj[TrajectoryKeys.PROMPT_IDS]) <= self.prompt_length
+                and len(traj[TrajectoryKeys.RESPONSE_IDS]) <= self.response_length
+                and len(traj[TrajectoryKeys.RESPONSE_MASK]) == len(traj[TrajectoryKeys.RESPONSE_IDS])
                 and (logprobs is None or len(logprobs) <= self.response_length))
 
     async def build(self, records: list[RolloutRecord], int32: bool = False):
@@ -69,22 +69,24 @@ class BatchBuilder:
         `encode_batch` (the plain-text path builds input_ids and position_ids from prompts, responses
         and the attention mask, and that mask from each row's prompt and response lengths)."""
         kwargs_of, trajs = [], []
-        per_row: dict[str, list[Any]] = {"sample": [], "trajectory": [], "seed": []}  # each row's kwargs plus these
+        samples, trajectory_numbers, seeds = [], [], []
         for record in records:
             kwargs = record.agent_kwargs(self.default_agent)
             for t, traj in enumerate(record.trajectories):
                 kwargs_of.append(kwargs)
                 trajs.append(traj)
-                per_row["sample"].append(record.sample)
-                per_row["trajectory"].append(t)
-                per_row["seed"].append(record.seed)
-        has_logprobs = {traj.get("response_logprobs") is not None for traj in trajs}
+                samples.append(record.sample)
+                trajectory_numbers.append(t)
+                seeds.append(record.seed)
+        # the columns each row has besides its kwargs
+        per_row = {BatchColumns.SAMPLE: samples, BatchColumns.TRAJECTORY: trajectory_numbers, BatchColumns.SEED: seeds}
+        has_logprobs = {traj.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None for traj in trajs}
         if len(has_logprobs) == 1 and all(self.plain_text(traj) for traj in trajs):
             items = pad_text_batch(trajs, kwargs_of, self.prompt_length, self.response_length, self.pad_id,
                                    np.int32 if int32 else np.int64)
-            derived = {"input_ids": None, "position_ids": None, "attention_mask": (
-                np.array([len(t["prompt_ids"]) for t in trajs], dtype=np.int32),
-                np.array([len(t["response_ids"]) for t in trajs], dtype=np.int32))}
+            derived = {BatchColumns.INPUT_IDS: None, BatchColumns.POSITION_IDS: None, BatchColumns.ATTENTION_MASK: (
+                np.array([len(t[TrajectoryKeys.PROMPT_IDS]) for t in trajs], dtype=np.int32),
+                np.array([len(t[TrajectoryKeys.RESPONSE_IDS]) for t in trajs], dtype=np.int32))}
         else:
             items = [await self._verl_postprocess(traj, kwargs) for traj, kwargs in zip(trajs, kwargs_of)]
             derived = {}
@@ -139,21 +141,21 @@ def pad_text_batch(trajs: list[dict[str, Any]], kwargs_of: list[dict[str, Any]],
     prompts = np.full((rows, P), pad_id, dtype=dtype)
     responses = np.full((rows, R), pad_id, dtype=dtype)
     response_mask = np.zeros((rows, R), dtype=dtype)
-    with_logprobs = trajs[0].get("response_logprobs") is not None
+    with_logprobs = trajs[0].get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None
     logprobs = np.zeros((rows, R), dtype=np.float32) if with_logprobs else None
     prompt_lens = np.empty(rows, dtype=np.intp)
     response_lens = np.empty(rows, dtype=np.intp)
     for i, traj in enumerate(trajs):
-        p, r = traj["prompt_ids"], traj["response_ids"]
+        p, r = traj[TrajectoryKeys.PROMPT_IDS], traj[TrajectoryKeys.RESPONSE_IDS]
         prompt_lens[i] = n = len(p)
         if n:
             prompts[i, P - n:] = p
         response_lens[i] = n = len(r)
         if n:
             responses[i, :n] = r
-            response_mask[i, :n] = traj["response_mask"]
+            response_mask[i, :n] = traj[TrajectoryKeys.RESPONSE_MASK]
         if with_logprobs:
-            lp = traj["response_logprobs"]
+            lp = traj[TrajectoryKeys.RESPONSE_LOGPROBS]
             if len(lp):
                 # float64 -> float32 rounds to nearest, as torch.tensor(list_of_floats, dtype=float32) does
                 logprobs[i, : len(lp)] = lp
@@ -174,13 +176,14 @@ def pad_text_batch(trajs: list[dict[str, Any]], kwargs_of: list[dict[str, Any]],
     out = []
     for i, (traj, kwargs) in enumerate(zip(trajs, kwargs_of)):
         p, r, ids, pos, mask, att, *lp = whole if i == 0 else empty
-        score = traj.get("reward_score")
+        score = traj.get(TrajectoryKeys.REWARD_SCORE)
         out.append(PaddedRow(
             prompt_ids=p, response_ids=r, input_ids=ids, position_ids=pos, response_mask=mask, attention_mask=att,
             response_logprobs=lp[0] if lp else None, reward_score=None if score is None else float(score),
-            num_turns=int(traj.get("num_turns", 0)),
-            metrics=AgentLoopMetrics.model_validate(traj["metrics"]),
-            extra_fields={**(traj.get("extra_fields") or {}), "raw_prompt": kwargs["raw_prompt"]},
+            num_turns=int(traj.get(TrajectoryKeys.NUM_TURNS, 0)),
+            metrics=AgentLoopMetrics.model_validate(traj[TrajectoryKeys.METRICS]),
+            extra_fields={**(traj.get(TrajectoryKeys.EXTRA_FIELDS) or {}),
+                          BatchColumns.RAW_PROMPT: kwargs[BatchColumns.RAW_PROMPT]},
         ))
     return out
 

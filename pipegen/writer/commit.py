@@ -57,9 +57,7 @@ from pipegen.run.fingerprint import check_fingerprint
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, output_dir_from_args
-from pipegen.run.records import FailureRecord, RolloutRecord, UnitKeys, parse_unit_label, read_head, unit_label
-from pipegen.run.streams import ShardTailer
-from pipegen.writer.parse import LineParser
+from pipegen.run.stream import FailureRecord, LineParser, parse_unit_label, read_head, RolloutRecord, ShardTailer, unit_label, UnitKeys
 
 # What the writer's start-up imports (its tokenizer and verl's DataProto): done while the launcher reads the dataset.
 WRITER_IMPORTS = ("transformers", "verl.protocol", "verl.utils")
@@ -443,9 +441,6 @@ def main(argv: list[str] | None = None) -> int:
         lock.release()
         print(f"pipegen.writer: {problem}", file=sys.stderr)
         return 2
-    import uvloop
-
-
     writer = None
     try:
         if "--rebuild" in argv:
@@ -453,10 +448,6 @@ def main(argv: list[str] | None = None) -> int:
 
             print(rebuild(run, int(cfg.actor_rollout_ref.rollout.n)).summary(run))
             return 0
-        problem = check_fingerprint(cfg, run)
-        if problem:
-            print(f"pipegen.writer: {problem}", file=sys.stderr)
-            return 2
         import uvloop
 
         import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset

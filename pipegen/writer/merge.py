@@ -6,7 +6,7 @@ modes (one `trajectories.pkl`, or `trajectories/part_NNNNN.pkl` + `index.json` f
 `trajectories.zip` (output + checkpoint + config), uploaded to wandb when it is a tracking backend. The
 optional export runs after it, as its own step (`python -m pipegen.export`, started by the writer).
 
-Bounded memory: a `MergePlan` is the run's `SortedRows` (pipegen/run/sorted_rows.py: every batch read once for
+Bounded memory: a `MergePlan` is the run's `SortedRows` (pipegen/run/batchfile.py: every batch read once for
 its sort keys, then preallocated int64 tensors filled row range by row range) as DataProtos. Files are
 written by `save_dataproto`: a pickle that `DataProto.load_from_disk` reads (it rebuilds through verl's own
 `DataProto.from_dict`) with tensors as zero-copy protocol-5 buffers, so neither writing nor loading holds a second
@@ -32,9 +32,9 @@ import torch
 from omegaconf import DictConfig
 
 from pipegen.run.atomic import atomic_write, atomic_write_bytes
+from pipegen.run.batchfile import ROW_ORDER, BatchColumns, SortedRows
 from pipegen.run.checkpoint import Checkpoint
 from pipegen.run.layout import RunDir
-from pipegen.run.sorted_rows import ROW_ORDER, SortedRows
 from pipegen.verl_private import performance_metrics
 
 log = logging.getLogger("pipegen.writer")
@@ -65,7 +65,7 @@ def save_dataproto(data: Any, f: BinaryIO) -> None:
 
 @dataclass
 class MergePlan(SortedRows):
-    """A run's sorted rows (pipegen/run/sorted_rows.py) as verl DataProtos, with the run's meta_info."""
+    """A run's sorted rows (pipegen/run/batchfile.py, SortedRows) as verl DataProtos, with the run's meta_info."""
 
     meta: dict[str, Any] = field(default_factory=dict)  # meta_info every output piece carries
 
@@ -75,13 +75,13 @@ class MergePlan(SortedRows):
 
     def run_meta(self) -> dict[str, Any]:
         """meta_info of every output piece: the run's (so sharded parts concatenate with DataProto.concat)."""
-        if "timing" not in self.meta and self.metrics and "prompts" in self.tensor_specs:
+        if "timing" not in self.meta and self.metrics and BatchColumns.PROMPTS in self.tensor_specs:
             # verl reads the prompt width and the slowest row's attention mask: one row, fetched when asked.
-            shim = _Shape({"prompts": torch.empty((0, *self.tensor_specs["prompts"][1])),
-                           "attention_mask": _LazyRow(self)})
+            shim = _Shape({BatchColumns.PROMPTS: torch.empty((0, *self.tensor_specs[BatchColumns.PROMPTS][1])),
+                           BatchColumns.ATTENTION_MASK: _LazyRow(self)})
             self.meta["timing"] = performance_metrics([self.metrics], shim)
         meta = dict(self.meta)
-        if self.reward_keys is not None and "rm_scores" in self.tensor_specs:
+        if self.reward_keys is not None and BatchColumns.RM_SCORES in self.tensor_specs:
             meta["reward_extra_keys"] = self.reward_keys
         return meta
 
@@ -114,7 +114,7 @@ class _LazyRow:
     plan: MergePlan
 
     def __getitem__(self, i: Any) -> torch.Tensor:
-        return torch.from_numpy(self.plan.tensors(int(i), int(i) + 1)["attention_mask"][0])
+        return torch.from_numpy(self.plan.tensors(int(i), int(i) + 1)[BatchColumns.ATTENTION_MASK][0])
 
 
 def output_meta(cfg: DictConfig) -> dict[str, Any]:

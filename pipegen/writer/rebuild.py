@@ -31,7 +31,7 @@ from pipegen.run.batchfile import batch_rows
 from pipegen.run.checkpoint import Checkpoint, save_checkpoint
 from pipegen.run.integrity import DamagedFile, set_aside
 from pipegen.run.layout import RunDir
-from pipegen.run.records import UnitKeys, unit_label
+from pipegen.run.stream import UnitKeys, unit_label
 
 log = logging.getLogger("pipegen.writer")
 

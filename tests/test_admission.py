@@ -55,16 +55,16 @@ def test_gpu_like_engine_reports_its_limits_and_load_and_aborts_like_sglang(tiny
 
 def test_controller_grows_to_fill_the_batch_and_shrinks_a_long_queue():
     from pipegen.engines.sglang import parse_load
-    from pipegen.actor.pacing import ConcurrencyControl
+    from pipegen.actor.admission import ConcurrencyControl
 
     control = ConcurrencyControl(["http://s"], "auto", sharing=1, memory_cap_units=10_000)
     s = control.servers[0]
     s.max_running, s.limit = 100, 110
-    control.adapt(s, running=60, waiting=0, in_flight_here=110, binding=True)  # e.g. tool calls: batch not full
+    control.adapt(s, running=60, waiting=0, binding=True)  # e.g. tool calls: batch not full
     assert s.limit == 150
-    control.adapt(s, running=100, waiting=40, in_flight_here=150, binding=True)  # queue beyond 5% of the batch
+    control.adapt(s, running=100, waiting=40, binding=True)  # queue beyond 5% of the batch
     assert s.limit == 115
-    control.adapt(s, running=60, waiting=0, in_flight_here=20, binding=False)  # the actor is not the limit
+    control.adapt(s, running=60, waiting=0, binding=False)  # the actor is not the limit
     assert s.limit == 115
     assert control.total() == 115
     assert ConcurrencyControl(["http://s"], "auto", 1, memory_cap_units=50).total() <= 50  # memory bound
@@ -77,7 +77,7 @@ def test_after_a_burst_of_answers_the_next_requests_go_out_before_the_records_ar
     admitted in its place have asked the server, so a burst of answers never leaves the server idle while
     the actor writes records. The slot count stays at the limit, and a replacement that never asks holds an
     answered unit back by at most ANSWER_HOLD_S."""
-    from pipegen.actor.pacing import ANSWER_HOLD_S, Slots
+    from pipegen.actor.admission import ANSWER_HOLD_S, Slots
 
     async def scenario() -> list[str]:
         events: list[str] = []

@@ -1,25 +1,34 @@
-"""How hard and how long: the actor's concurrency per server, and each request's stall deadline.
+"""Admission: how many of an actor's units run at once, and how long each of their requests may take.
+
+The one owner of the actor's concurrency policy. The actor's loop asks it which units to start
+(`Admission.run`); the server pool (client.py) asks it, through `Admission`'s small interface, how long a
+request may take on a server and whether a request may be hedged now. Nothing else decides either.
 
 - `TokenClock`: what one server has shown - seconds per output token, as the ratio of sums of recent
   request latencies over their output tokens (queue wait included, so a busy server earns longer
   deadlines), and the recent latencies for the tail's hedging threshold.
-- `stall_deadline`: a request's deadline from what it asks for and what its server has shown:
+- the stall deadline: a request's deadline from what it asks for and what its server has shown:
   `floor + margin * max_new_tokens * seconds_per_token`, doubled for each stall the request already had
   (a deadline that was too short for a server slower than it looked corrects itself instead of cutting
   the same long generation again). Before a server has answered anything, a slow prior stands in.
-- `ConcurrencyControl`: units waiting on servers per actor. A fixed number when `actors.concurrency` is one;
-  with `auto` (the default) it reads each server's limit on running requests from its engine (SGLang's
-  `/get_server_info`; vLLM reports none, so `llm.max_running_requests` the launcher gave it), starts at
-  that with a little headroom (split over the node's actors, which share the servers), then follows the
-  engine's running and waiting counts once a second (SGLang's `/get_load`, vLLM's `/metrics`): grow while
-  the server's waiting queue is empty and its running batch has room, shrink when requests queue beyond
-  a few percent of the batch. Bounded by `actors.max_memory_mb` over a conservative per-unit size.
-- `Slots`: which units count against that number (those waiting on a server: a unit frees its slot
-  when answered) and the order after an answer (the replacement's request goes out before the answered
-  unit builds its record).
+- `ConcurrencyControl` (the controller): units waiting on servers per actor. A fixed number when
+  `actors.concurrency` is one; with `auto` (the default) it reads each server's limit on running requests
+  from its engine (SGLang's `/get_server_info`; vLLM reports none, so `llm.max_running_requests` the
+  launcher gave it), starts at that with a little headroom (split over the node's actors, which share the
+  servers), then follows the engine's running and waiting counts once a second (SGLang's `/get_load`,
+  vLLM's `/metrics`): grow while the server's waiting queue is empty and its running batch has room,
+  shrink when requests queue beyond a few percent of the batch. Bounded by `actors.max_memory_mb` over a
+  conservative per-unit size.
+- `Slots` (the hold): which units count against that number (those waiting on a server: a unit frees its
+  slot when answered) and the order after an answer (the replacement's request goes out before the
+  answered unit builds its record, at most ANSWER_HOLD_S later).
+- hedging: in the tail (nothing left to admit and capacity idle), a request older than a few times the
+  recent p90 latency may be sent once more; the pool sends the copy and aborts the loser.
 
-Owns: these estimates, the slot counts, and the controller's polling (through engines/, read-only).
-Must never: abort or resend a request (client.py does), or hold a unit longer than ANSWER_HOLD_S.
+Owns: these estimates, the slot counts, the controller's polling (through engines/, read-only), the
+admission loop, and when the tail starts.
+Must never: send, abort or resend a request (client.py does), write a shard (the worker does), or hold a
+unit longer than ANSWER_HOLD_S.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable, Protocol
 
 import aiohttp
 
@@ -37,7 +46,7 @@ from pipegen.engines import Engine, LoadUnavailable
 
 from pipegen.run.schema import Actors, Servers
 
-log = logging.getLogger("pipegen.client")
+log = logging.getLogger("pipegen.actor")
 
 DEFAULT_MAX_RUNNING = 256  # a server that reports no limit, and none is configured (llm.max_running_requests)
 HEADROOM = 1.1  # in flight per server over its running slots: the next request is already queued when one ends
@@ -164,7 +173,7 @@ class ConcurrencyControl:
                  self.memory_cap)
         self.changed.set()
 
-    def adapt(self, s: ServerPace, running: int, waiting: int, in_flight_here: int, binding: bool) -> None:
+    def adapt(self, s: ServerPace, running: int, waiting: int, binding: bool) -> None:
         """One control step for one server from its load."""
         s.running, s.waiting = running, waiting
         target_queue = max(2, math.ceil(0.05 * s.max_running))
@@ -179,7 +188,7 @@ class ConcurrencyControl:
             self.adjustments += 1
             self.changed.set()
 
-    async def follow(self, session: aiohttp.ClientSession, engine: Engine, in_flight_by_url, units_in_flight) -> None:
+    async def follow(self, session: aiohttp.ClientSession, engine: Engine, units_in_flight: Callable[[], int]) -> None:
         """Poll the engine's load and adapt, until cancelled. A server without one keeps its start limit."""
         if not self.auto:
             return
@@ -198,7 +207,7 @@ class ConcurrencyControl:
                     continue
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
                     continue
-                self.adapt(s, running, waiting, in_flight_by_url(s.url), binding)
+                self.adapt(s, running, waiting, binding)
 
 
 ANSWER_HOLD_S = 0.05  # longest an answered unit waits for the units admitted in its place to send
@@ -216,7 +225,7 @@ class Slots:
     a slow scorer cannot make them pile up."""
 
     def __init__(self, wake: asyncio.Event):
-        self.wake = wake  # the admission loop's event
+        self.wake = wake  # the admission loop's event (the controller's `changed`)
         self.answered_units = 0  # units whose last request was answered
         self.unsent = 0  # units admitted that have not asked for their first answer yet
         self.admitting = False  # an answer woke the admission loop, which has not finished its round
@@ -303,3 +312,114 @@ class UnitSlot:
     def release(self) -> None:
         """The unit ends, whatever happened to it."""
         self.ask()
+
+
+class UnitSource(Protocol):
+    """Where the admission loop takes units from (actor/units.py: a fixed share, or node leases)."""
+
+    async def next(self, free: int) -> tuple[int, int] | None: ...
+
+
+StartUnit = Callable[[int, int, UnitSlot], Awaitable[None]]
+
+
+class Admission:
+    """The actor's admission policy, and the small interface the server pool asks it through.
+
+    Without a controller (a pool used on its own, e.g. as verl's `llm_client`) it only sets stall deadlines:
+    nothing is admitted through it and nothing is hedged."""
+
+    def __init__(self, watchdog: WatchdogLimits, control: ConcurrencyControl | None = None):
+        self.watchdog = watchdog
+        self.control = control
+        # one event for "a slot freed up" and "the limit changed" (the controller sets it): waiting on it costs
+        # a future, where waiting on two events would cost two tasks and an asyncio.wait per unit
+        self.slots = Slots(control.changed if control is not None else asyncio.Event())
+        self.running: set[asyncio.Task] = set()
+        self.answers = TokenClock(window=1024)  # every server's answers: the tail's hedging threshold
+        self.draining = False  # nothing left to admit
+        self._tail: asyncio.Future | None = None  # resolved when draining starts: wakes watched requests
+
+    # ---- asked by the server pool (client.py) ----
+    def stall_deadline(self, server_clock: TokenClock, max_new_tokens: int, stalls: int = 0) -> float:
+        """Seconds a request may take on a server before it counts as stalled."""
+        return stall_deadline(server_clock, max_new_tokens, self.watchdog, stalls)
+
+    def answered(self, latency_s: float, tokens: int) -> None:
+        """A server answered a request (any server): the hedging threshold follows recent latencies."""
+        self.answers.observe(latency_s, tokens)
+
+    def hedge_after(self) -> float | None:
+        """Age past which a request may be hedged now, or None while hedging is off or not worth it (not in
+        the tail, or no capacity idle)."""
+        wd = self.watchdog
+        if not (wd.hedge and self.draining and self.control is not None
+                and self.waiting_on_servers() < self.control.total()):
+            return None
+        p90 = self.answers.latency_p90()
+        return None if p90 is None else max(wd.hedge_min_s, wd.hedge_factor * p90)
+
+    def may_hedge_later(self) -> bool:
+        """In the tail with hedging on: capacity may free up, so a watched request should look again soon."""
+        return self.watchdog.hedge and self.draining
+
+    def tail_started(self) -> asyncio.Future | None:
+        """Before the tail, with hedging on: a future that resolves when the tail starts (a watched request
+        then considers a hedge at once); None when there is nothing to wait for."""
+        if not self.watchdog.hedge or self.draining:
+            return None
+        if self._tail is None:
+            self._tail = asyncio.get_running_loop().create_future()
+        return self._tail
+
+    # ---- the actor's admission loop ----
+    def waiting_on_servers(self) -> int:
+        """Units that hold a slot now (admitted, not yet answered)."""
+        return self.slots.holding(len(self.running))
+
+    def _start_draining(self) -> None:
+        self.draining = True
+        if self._tail is not None and not self._tail.done():
+            self._tail.set_result(None)
+
+    async def run(self, units: UnitSource, start_unit: StartUnit, session: aiohttp.ClientSession,
+                  engine: Engine) -> None:
+        """Start units from `units` (each as `start_unit(pos, sample, slot)`) while the controller allows,
+        follow the servers' load meanwhile, and return when every started unit has ended. A unit's task that
+        raises (its shard write failed: a unit's own failure is a record) stops admission and is re-raised."""
+        control = self.control
+        assert control is not None, "Admission.run needs a ConcurrencyControl"
+        slots, running, wake = self.slots, self.running, control.changed
+        follower = asyncio.create_task(control.follow(session, engine, self.waiting_on_servers))
+        lost_writes: list[BaseException] = []
+
+        def finished(task: asyncio.Task) -> None:
+            running.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                lost_writes.append(task.exception())
+            wake.set()
+
+        try:
+            while True:
+                while (self.waiting_on_servers() >= control.total()
+                       or len(running) >= Slots.held_cap(control.total(), control.memory_cap)):
+                    slots.round_done()
+                    wake.clear()
+                    await wake.wait()
+                if lost_writes:
+                    raise lost_writes[0]
+                unit = await units.next(control.total() - self.waiting_on_servers())
+                if unit is None:
+                    break
+                pos, sample = unit
+                task = asyncio.create_task(start_unit(pos, sample, slots.admitted()))
+                running.add(task)
+                task.add_done_callback(finished)
+            slots.round_done(closed=True)
+            self._start_draining()  # the tail: nothing left to start, hedging may use idle capacity
+            while running:
+                await asyncio.gather(*list(running))
+            if lost_writes:
+                raise lost_writes[0]
+        finally:
+            follower.cancel()
