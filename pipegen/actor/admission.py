@@ -140,7 +140,6 @@ class ConcurrencyControl:
         self.interval_s = interval_s
         self.servers = [ServerPace(u.rstrip("/"), configured_max_running or DEFAULT_MAX_RUNNING) for u in urls]
         self.changed = asyncio.Event()  # set when a limit changes (the actor also sets it when a unit ends)
-        self.adjustments = 0
 
     def total(self) -> int:
         if self.fixed is not None:
@@ -185,7 +184,6 @@ class ConcurrencyControl:
         cap = max(1, 4 * s.max_running // self.sharing)  # never far past what the server can hold
         s.limit = min(s.limit, cap)
         if s.limit != old:
-            self.adjustments += 1
             self.changed.set()
 
     async def follow(self, session: aiohttp.ClientSession, engine: Engine, units_in_flight: Callable[[], int]) -> None:
