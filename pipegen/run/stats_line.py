@@ -5,7 +5,7 @@ head and the `<counter>_per_s` rates); users `tail -f` these files, `python -m p
 launcher's progress bar and metric tracking read them back. Each role's line is one dataclass here,
 so a key is spelled once, by its field name:
 
-- `ActorStats` (`actor_<rank>`): units, requests, latency, outputs, the watchdog's and the pacing's
+- `ActorStats` (`actor_<rank>`): units, requests, latency, outputs, the watchdog's and admission's
   state, and the start-up phases (`ActorStartup`, flat on disk as `startup/<field>`).
 - `WriterStats` (`writer`): what the writer committed, buffered and dropped; a writer that refused a
   damaged file writes one line with `final` and `refused` only.
