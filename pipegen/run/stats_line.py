@@ -132,7 +132,7 @@ class ActorStats(StatsLine):
     aborts_sent: int = 0
     hedges: int = 0
     hedge_wins: int = 0
-    concurrency: int | None = None  # units the pacing allows at once (None: before it started)
+    concurrency: int | None = None  # units admission allows at once (None: before it started)
     concurrency_by_server: dict[str, int] = field(default_factory=dict)  # concurrency=auto only
     server_load: dict[str, dict[str, int]] = field(default_factory=dict)  # url -> {"running", "waiting"}
     requests_by_server: dict[str, int] = field(default_factory=dict)
