@@ -389,10 +389,10 @@ def test_hangs_503s_and_a_killed_actor_with_default_timeouts(tmp_path, tiny_mode
     # no hung request is left behind: each was aborted by the client, or went with the killed actor
     assert stats["hung_pending"] == 0, stats
     assert stats["hung_aborted"] >= 1 and stats["hung_aborted"] + stats["hung_disconnected"] == stats["hung"], stats
-    from pipegen.observe.stats import latest_stats
+    from pipegen.observe.stats import read_stats
 
-    actor = latest_stats(out / "streams" / "stats")["actor_0"]
-    assert actor.aborts_sent >= 1 and actor.stalled + actor.hedges >= 1, actor
+    actor = read_stats(out / "streams" / "stats" / "actor_0.jsonl")[-1]  # the last line, as `tail -f` shows it
+    assert actor["aborts_sent"] >= 1 and actor["stalled"] + actor["hedges"] >= 1, actor
     # the status command shows what the watchdog did and the concurrency the server was driven at
     status = subprocess.run([sys.executable, "-m", "pipegen.status", str(out)], cwd=REPO, capture_output=True,
                             text=True, timeout=60).stdout
@@ -419,11 +419,11 @@ def test_server_dying_mid_run_is_routed_around(tmp_path, tiny_model):
     assert sorted((r["index"], r["sample"]) for r in read_records(out)) == expected
     assert units_of(load_trajectories(out / "trajectories.pkl")) == expected
     assert stats["responses_by_status"]["200"] >= len(expected) - 4  # the survivor did (almost) everything
-    from pipegen.observe.stats import latest_stats
+    from pipegen.observe.stats import read_stats
 
-    actor = latest_stats(out / "streams" / "stats")["actor_0"]
-    assert actor.servers_out_of_rotation == [dying.url]
-    assert actor.errors.get(f"{dying.url} connection", 0) >= 1
+    actor = read_stats(out / "streams" / "stats" / "actor_0.jsonl")[-1]  # the last line, as `tail -f` shows it
+    assert actor["servers_out_of_rotation"] == [dying.url]
+    assert actor["errors"].get(f"{dying.url} connection", 0) >= 1
 
 
 @pytest.mark.slow  # two whole launches (~45 s on 2 cores)
