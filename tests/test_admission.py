@@ -141,3 +141,46 @@ def test_after_a_burst_of_answers_the_next_requests_go_out_before_the_records_ar
         return asyncio.get_running_loop().time() - started
 
     assert asyncio.run(replacement_never_asks()) < ANSWER_HOLD_S + 0.5
+
+
+def test_hedging_waits_for_the_tail_and_idle_capacity():
+    """A slow request is hedged only once nothing is left to admit and a slot is idle: before the tail a
+    second copy would take a slot from a unit that has not started yet. The pool learns when the tail
+    starts through `Admission.tail_started` (its watched requests wake at once), nothing set on the pool."""
+    from pipegen.actor.admission import Admission, ConcurrencyControl, WatchdogLimits
+
+    async def main():
+        admission = Admission(WatchdogLimits(hedge=True, hedge_min_s=1.0),
+                              ConcurrencyControl(["http://s"], 2, sharing=1, memory_cap_units=100))
+        for _ in range(10):
+            admission.answered(3.0, 10)  # recent answers took 3 s: the p90
+        tail = admission.tail_started()
+        assert tail is not None and not tail.done() and admission.hedge_after() is None
+
+        units = [(0, 0), (1, 0), (2, 0)]
+        before_tail: list = []
+        release = asyncio.Event()
+
+        class Source:
+            async def next(self, free):
+                return units.pop(0) if units else None
+
+        async def start(pos, sample, slot):
+            slot.ask()  # waiting on a server
+            if units:  # units left to admit
+                before_tail.append(admission.hedge_after())
+            if pos == 2:  # the last unit: it stays on its server while the others end
+                await release.wait()
+            await slot.answered()
+            slot.release()  # the unit ends (as the actor's run_unit does)
+
+        run = asyncio.create_task(admission.run(Source(), start, session=None, engine=None))
+        while not admission.draining:
+            await asyncio.sleep(0.01)
+        assert before_tail == [None, None]  # units were still left to admit: no hedging
+        assert tail.done()  # watched requests wake when the tail starts
+        assert admission.waiting_on_servers() == 1 and admission.hedge_after() == 3.0  # a slot is idle
+        release.set()
+        await run
+
+    asyncio.run(main())
