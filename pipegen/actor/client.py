@@ -10,9 +10,11 @@ Owns:
   max_new_tokens and the server's observed time per token; on expiry the request is aborted on that server
   (SGLang: `POST /abort_request {rid}`; every engine: its connection is closed) and re-sent elsewhere with a
   new id), `llm.request_timeout_s` as the outer bound; when admission.py says a request may be hedged (the
-  tail), it is sent once more, first answer wins, the other is aborted; connection errors, 5xx/408/429, stalls, aborts and unreadable answers are retried with exponential
-  backoff and jitter on another server when there is one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
-  (the engine's health route) until it answers 200; when no server is in rotation, requests wait for one
+  tail), it is sent once more, first answer wins, the other is aborted; connection errors, 5xx/408/429,
+  stalls, aborts and unreadable answers are retried with exponential backoff and jitter on another server
+  when there is one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
+  (the engine's health route) until it answers 200 (a server still loading at start-up is probed the same
+  way until it first answers); when no server is in rotation, requests wait for one
   to come back (bounded by the request timeout).
 Must never: re-tokenize anything (ids in, ids out), retry a 4xx other than 408/429 (a client bug would
 retry forever), send an id outside the vocabulary, or fabricate an output when the retry budget is spent
@@ -140,32 +142,36 @@ class ServerPool:
                         server.consecutive_failures, kind)
             if not any(s.healthy for s in self.servers):
                 self._recovered.clear()
-            self._start_probe(server, "again")
+            self._start_probe(server, self.limits.probe_interval_s)
 
     def _record_success(self, server: ServerState) -> None:
         server.consecutive_failures = 0
         server.successes += 1
 
-    async def _probe(self, server: ServerState, why: str) -> None:
+    async def _probe(self, server: ServerState, interval_s: float, first_time: bool) -> None:
         """Poll the engine's health route until 200, then put the server (back) into rotation."""
         while True:
-            await asyncio.sleep(self.limits.probe_interval_s)
+            await asyncio.sleep(interval_s)
             if await is_ready(self.session, server.url, self.engine.health_path,
                               min(self.limits.probe_timeout_s, self.limits.request_timeout_s)):
-                log.warning("server %s answers %s %s: in rotation", server.url, self.engine.health_path, why)
+                if first_time:  # a server that was still loading: the normal course of a start-up
+                    log.info("server %s ready: joins the rotation", server.url)
+                else:
+                    log.warning("server %s answers %s again: back in rotation", server.url, self.engine.health_path)
                 self.admit(server)
                 return
 
-    def _start_probe(self, server: ServerState, why: str) -> None:
+    def _start_probe(self, server: ServerState, interval_s: float, first_time: bool = False) -> None:
         task = self._probes.get(server.url)
         if task is None or task.done():
-            self._probes[server.url] = asyncio.get_running_loop().create_task(self._probe(server, why))
+            self._probes[server.url] = asyncio.get_running_loop().create_task(
+                self._probe(server, interval_s, first_time))
 
-    def hold_out(self, server: ServerState) -> None:
+    def hold_out(self, server: ServerState, interval_s: float) -> None:
         """A server still loading at start-up: out of rotation (no unit is retried against it) until its
-        readiness probe answers."""
+        readiness probe first answers."""
         server.healthy = False
-        self._start_probe(server, "now")
+        self._start_probe(server, interval_s, first_time=True)
 
     def admit(self, server: ServerState) -> None:
         """Put a server that answers its readiness probe into rotation, and wake the requests that wait

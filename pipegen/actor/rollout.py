@@ -30,7 +30,8 @@ from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.verl_private import agent_loop_registry
-from pipegen.run.stream import FailureRecord, prompt_uid, RolloutRecord, ShardAppender, TrajectoryKeys, unit_seed, UnitKeys
+from pipegen.run.stream import (FailureRecord, RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, prompt_uid,
+                                unit_seed)
 
 
 class InvalidTrajectory(ValueError):

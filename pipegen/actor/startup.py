@@ -124,4 +124,4 @@ async def wait_for_first_server(session, pool, clock: StartupClock, poll_s: floa
              next(s.url for s, ok in zip(pool.servers, results) if ok), time.monotonic() - started,
              len(pool.servers) - len(late), len(pool.servers))
     for server in late:
-        pool.hold_out(server)  # its readiness probe brings it into rotation when it answers
+        pool.hold_out(server, max(poll_s, 0.5))  # its readiness probe brings it into rotation when it answers

@@ -57,7 +57,8 @@ from pipegen.run.fingerprint import check_fingerprint
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, output_dir_from_args
-from pipegen.run.stream import FailureRecord, LineParser, parse_unit_label, read_head, RolloutRecord, ShardTailer, unit_label, UnitKeys
+from pipegen.run.stream import (FailureRecord, LineParser, RolloutRecord, ShardTailer, UnitKeys, parse_unit_label,
+                                read_head, unit_label)
 
 # What the writer's start-up imports (its tokenizer and verl's DataProto): done while the launcher reads the dataset.
 WRITER_IMPORTS = ("transformers", "verl.protocol", "verl.utils")
