@@ -37,7 +37,8 @@ from pipegen.run.schema import llm_defaults
 
 pytestmark = pytest.mark.slow
 
-SERVER_MAX_RUNNING = 4  # the server's --max-num-seqs
+SERVER_MAX_RUNNING = 2  # the server's --max-num-seqs: 8 units queue several waves deep, so the controller's once-a-second
+# load sample sees the queue (with 4, the queue of the first wave often drained between two samples)
 TOLD_MAX_RUNNING = 16  # what the runs tell pipegen (llm.max_running_requests)
 SMALL_RUN = ["max_samples=4", "n=2", "max_response_length=24", "actors.stats_interval_s=0.5",
              "generation.show_progress=false", f"llm.max_running_requests={TOLD_MAX_RUNNING}"]

@@ -159,7 +159,7 @@ class Actor:
             memory_cap_units=int(actors_cfg.max_memory_mb) * 2**20 // unit_memory_bytes(
                 self.runner.prompt_length, self.runner.response_length),
             configured_max_running=self.cfg.llm.max_running_requests)
-        self.admission = admission = Admission(watchdog, control)
+        admission = Admission(watchdog, control)
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             if self.leases_url is None:
@@ -174,6 +174,7 @@ class Actor:
             # then read the limits of those that answer (a late one starts at the default; its load adapts it)
             await wait_for_first_server(session, pool, self.clock)
             await control.discover(session, pool.engine)
+            self.admission = admission  # stats lines show its concurrency from here (None while discovering)
             await admission.run(
                 self.units, lambda pos, sample, slot: self.run_unit(pool, pos, sample, rollouts, failures, slot),
                 session, pool.engine)
