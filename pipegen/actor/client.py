@@ -210,9 +210,10 @@ class ServerPool:
         sampling_params: dict[str, Any],
         sticky_key: Any = None,
         sampling_seed: int | None = None,
+        image_data: list[str] | None = None,
         **_: Any,
     ):
-        request = self.engine.build(prompt_ids, sampling_params, self.limits, sampling_seed)
+        request = self.engine.build(prompt_ids, sampling_params, self.limits, sampling_seed, image_data)
         key = sticky_key if sticky_key is not None else request_id
         tried: set[str] = set()
         errors: list[str] = []

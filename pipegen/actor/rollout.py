@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.inputs.dataset import dataset_indices, load_dataset, load_tokenizer
+from pipegen.inputs.dataset import dataset_indices, load_dataset, load_processor, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
+from pipegen.run.media import encode_multi_modal_data, has_media, image_data_url, strip_media
 from pipegen.verl_private import agent_loop_registry
 from pipegen.run.stream import (FailureRecord, RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, prompt_uid,
                                 unit_seed)
@@ -118,11 +119,16 @@ def trajectory_json(output) -> dict[str, Any]:
     lists go to orjson as they are (pydantic's JSON mode copies every element: about half the cost of
     this function at 256 tokens, for the same bytes)."""
     lists = {k: getattr(output, k) for k in TrajectoryKeys.TOKEN_LISTS}
+    media = output.multi_modal_data
+    if media:  # PIL images: pydantic's JSON mode cannot write them; encoded below
+        output = output.model_copy(update={"multi_modal_data": None})
     if all(type(v) is list for k, v in lists.items() if v is not None or k != TrajectoryKeys.RESPONSE_LOGPROBS):
         rest = output.model_dump(mode="json", exclude=_TOKEN_LIST_SET)
         data = {k: lists[k] if k in lists else rest[k] for k in type(output).model_fields}
     else:  # anything unusual (arrays, tensors) goes through pydantic's conversion
         data = output.model_dump(mode="json")
+    if media:  # the pictures as lossless PNG (run/media.py): the writer rebuilds multi_modal_inputs from them
+        data[TrajectoryKeys.MULTI_MODAL_DATA] = encode_multi_modal_data(media)
     if data.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
         data[TrajectoryKeys.RESPONSE_LOGPROBS] = np.asarray(data[TrajectoryKeys.RESPONSE_LOGPROBS], dtype=np.float32)
@@ -139,10 +145,21 @@ class UnitServerManager:
         self.sampling_seed = sampling_seed
         self.slot = slot
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: list | None = None, video_data: list | None = None,
+                       audio_data: list | None = None, **kw: Any):
+        """verl's generate call. image_data (PIL images) travels to the engine as PNG data URLs; videos and audio,
+        which no engine pipegen speaks takes, fail the unit in one line (refused at launch already). Not sent:
+        `priority` (admission.py orders the units) and `mm_processor_kwargs`/`mm_processor_output` (the pictures
+        are already at the processor's size; verl's SGLang server sends neither for images either)."""
+        if video_data or audio_data:
+            raise ValueError("this prompt holds videos or audio, which no engine pipegen speaks takes; drop the "
+                             "dataset's video/audio column")
+        images = [image_data_url(img) for img in image_data] if image_data else None
         self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
         output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                          sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
+                                          sticky_key=self.sticky_key, sampling_seed=self.sampling_seed,
+                                          image_data=images)
         await self.slot.answered()
         return output
 
@@ -163,7 +180,8 @@ class UnitRunner:
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
         self.tokenizer = load_tokenizer(cfg)
-        self.dataset = load_dataset(cfg, self.tokenizer)
+        self.processor = load_processor(cfg)  # a vision-language model's; None for a text model
+        self.dataset = load_dataset(cfg, self.tokenizer, self.processor)
         self.indices = run.read_manifest()
         if dataset_indices(self.dataset) != self.indices:
             # e.g. data.shuffle=true without data.seed: verl then samples a different subset per process
@@ -190,7 +208,7 @@ class UnitRunner:
         self.loops = AgentLoops(self.registry, dict(
             trainer_config=verl_agent_loop.DictConfigWrap(cfg),  # verl only reads through these wrappers
             tokenizer=self.tokenizer,
-            processor=None,
+            processor=self.processor,
             hf_model_type=self.hf_model_type,
             dataset_cls=get_dataset_class(cfg.data),
             data_config=verl_agent_loop.DictConfigWrap(cfg.data),
@@ -205,6 +223,7 @@ class UnitRunner:
         )
         self.scorer = Scorer(self.tokenizer) if cfg.actors.scoring else None
         self._rows: dict[int, dict[str, Any]] = {}
+        self._stripped: dict[int, dict[str, Any]] = {}
         self._uids: dict[int, str] = {}
         # read once: a DictConfig lookup costs tens of microseconds, and these are read per unit
         self._base_seed = int(cfg.seed)
@@ -214,6 +233,18 @@ class UnitRunner:
         if pos not in self._rows:
             self._rows[pos] = row_fields(self.dataset, pos)
         return self._rows[pos]
+
+    def record_row(self, pos: int) -> dict[str, Any]:
+        """The row as its line keeps it: a multimodal prompt's pictures reduced to their places
+        (run/media.py's strip_media; the pictures travel once, in the trajectory's multi_modal_data)."""
+        row = self.row(pos)
+        prompt = row.get("raw_prompt")
+        if not has_media(prompt):
+            return row
+        stripped = self._stripped.get(pos)
+        if stripped is None:
+            stripped = self._stripped[pos] = {**row, "raw_prompt": strip_media(prompt)}
+        return stripped
 
     def seed(self, index: int, sample: int) -> int | None:
         return unit_seed(self._base_seed, index, sample) if self._per_unit_seed else None
@@ -255,7 +286,7 @@ class UnitRunner:
                 if "reward_extra_info" in outputs[-1].extra_fields:
                     out.extra_fields["reward_extra_info"] = outputs[-1].extra_fields["reward_extra_info"]
         return RolloutRecord(index=index, sample=sample, uid=uid, priority=priority, seed=seed,
-                             agent_name=agent_name, launch=self.launch.launch, row=row,
+                             agent_name=agent_name, launch=self.launch.launch, row=self.record_row(pos),
                              trajectories=[trajectory_json(o) for o in outputs])
 
     async def run_unit(self, pool, pos: int, sample: int, slot, attempt: int, rollouts: ShardAppender,
