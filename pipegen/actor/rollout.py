@@ -29,7 +29,7 @@ from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
-from pipegen.run.media import encode_multi_modal_data, has_media, image_data_url, strip_media
+from pipegen.run.media import encode_multi_modal_data, has_media, strip_media
 from pipegen.verl_private import agent_loop_registry
 from pipegen.run.stream import (FailureRecord, RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, prompt_uid,
                                 unit_seed)
@@ -148,18 +148,17 @@ class UnitServerManager:
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: list | None = None, video_data: list | None = None,
                        audio_data: list | None = None, **kw: Any):
-        """verl's generate call. image_data (PIL images) travels to the engine as PNG data URLs; videos and audio,
+        """verl's generate call. image_data (PIL images) travels to the engine (client.py); videos and audio,
         which no engine pipegen speaks takes, fail the unit in one line (refused at launch already). Not sent:
         `priority` (admission.py orders the units) and `mm_processor_kwargs`/`mm_processor_output` (the pictures
         are already at the processor's size; verl's SGLang server sends neither for images either)."""
         if video_data or audio_data:
             raise ValueError("this prompt holds videos or audio, which no engine pipegen speaks takes; drop the "
                              "dataset's video/audio column")
-        images = [image_data_url(img) for img in image_data] if image_data else None
         self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
         output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
                                           sticky_key=self.sticky_key, sampling_seed=self.sampling_seed,
-                                          image_data=images)
+                                          image_data=image_data)
         await self.slot.answered()
         return output
 
@@ -193,7 +192,10 @@ class UnitRunner:
                                                trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
         model_type = getattr(hf_config, "model_type", None)
         self.hf_model_type = model_type if isinstance(model_type, str) else None
-        self.max_model_len = int(rollout.get("max_model_len") or hf_config.max_position_embeddings)
+        # a vision-language model keeps its language model's limits in text_config
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        self.max_model_len = int(rollout.get("max_model_len") or getattr(hf_config, "max_position_embeddings", None)
+                                 or text_config.max_position_embeddings)
         vocab = getattr(hf_config, "vocab_size", None) or getattr(getattr(hf_config, "text_config", None),
                                                                   "vocab_size", None)
         self.vocab_size = int(vocab) if vocab else None
@@ -237,13 +239,10 @@ class UnitRunner:
     def record_row(self, pos: int) -> dict[str, Any]:
         """The row as its line keeps it: a multimodal prompt's pictures reduced to their places
         (run/media.py's strip_media; the pictures travel once, in the trajectory's multi_modal_data)."""
-        row = self.row(pos)
-        prompt = row.get("raw_prompt")
-        if not has_media(prompt):
-            return row
         stripped = self._stripped.get(pos)
-        if stripped is None:
-            stripped = self._stripped[pos] = {**row, "raw_prompt": strip_media(prompt)}
+        if stripped is None:  # verl's dataset puts the pictures into `raw_prompt` and the prompt column alike
+            row = self.row(pos)
+            stripped = self._stripped[pos] = {k: strip_media(v) if has_media(v) else v for k, v in row.items()}
         return stripped
 
     def seed(self, index: int, sample: int) -> int | None:

@@ -80,12 +80,12 @@ def decode_multi_modal_data(data: dict[str, Any] | None) -> dict[str, Any] | Non
 def strip_media(messages: Any) -> Any:
     """Chat messages with each media content part reduced to its place (`{"type": "image"}`): what the line's
     `raw_prompt` keeps (the pictures themselves travel once, in the trajectory's multi_modal_data)."""
-    if not isinstance(messages, list):
+    if not _sequence(messages):
         return messages
     out = []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
+        if _sequence(content):
             parts = [{"type": part["type"]} if isinstance(part, dict) and part.get("type") in MEDIA_TYPES else part
                      for part in content]
             message = {**message, "content": parts}
@@ -94,9 +94,14 @@ def strip_media(messages: Any) -> Any:
 
 
 def has_media(messages: Any) -> bool:
-    return isinstance(messages, list) and any(
-        isinstance(m, dict) and isinstance(m.get("content"), list)
+    return _sequence(messages) and any(
+        isinstance(m, dict) and _sequence(m.get("content"))
         and any(isinstance(p, dict) and p.get("type") in MEDIA_TYPES for p in m["content"]) for m in messages)
+
+
+def _sequence(value: Any) -> bool:
+    """A list as a dataset row holds it (parquet lists read back as numpy object arrays)."""
+    return isinstance(value, (list, tuple, np.ndarray))
 
 
 # ---- tensor dicts in a batch file ----
