@@ -29,7 +29,7 @@ from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
-from pipegen.run.media import encode_multi_modal_data, has_media, strip_media
+from pipegen.run.media import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry
 from pipegen.run.stream import (FailureRecord, RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, prompt_uid,
                                 unit_seed)
@@ -50,6 +50,8 @@ def row_fields(dataset, position: int) -> dict[str, Any]:
         fields["tools_kwargs"] = {}
     if fields.get("interaction_kwargs") is None:
         fields["interaction_kwargs"] = {}
+    if has_media(fields.get("raw_prompt")):
+        load_pictures(fields["raw_prompt"])
     return fields
 
 

@@ -93,6 +93,18 @@ def strip_media(messages: Any) -> Any:
     return out
 
 
+def load_pictures(messages: Any) -> None:
+    """Decode every picture of the messages now. verl's dataset opens them lazily (`Image.open`), and the n
+    samples of a prompt share them: the first decode, run in two agent loops' threads at once, races inside PIL
+    (an AssertionError in its decoder). Same pixels, decoded once."""
+    for message in messages if _sequence(messages) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if _sequence(content) else ():
+            picture = part.get("image") if isinstance(part, dict) else None
+            if hasattr(picture, "load"):
+                picture.load()
+
+
 def has_media(messages: Any) -> bool:
     return _sequence(messages) and any(
         isinstance(m, dict) and _sequence(m.get("content"))
