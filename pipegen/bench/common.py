@@ -145,11 +145,11 @@ def scratch(prefix: str) -> Iterator[Path]:
 PROMPT_TOKENS = 256
 TOKEN_LO, TOKEN_HI = 100, 1900  # ordinary ids of the tiny test model's vocabulary (2048)
 LAUNCH = "bench"  # the launch id and run key of every prepared run folder
-FAKE_ENGINE = "pipegen.testing.fake_engine:FakeEngine"
+FAKE_ENGINE = "pipegen.bench.doubles.fake_engine:FakeEngine"
 
 
 def tiny_model() -> str:
-    from pipegen.testing.tiny_models import tiny_model_path
+    from pipegen.bench.doubles.tiny_models import tiny_model_path
 
     return tiny_model_path()
 

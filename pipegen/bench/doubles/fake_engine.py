@@ -1,6 +1,6 @@
 """A deterministic fake LLM engine for the CPU reference server: tests and benchmarks without a model.
 
-    python -m pipegen.cpu_server --engine pipegen.testing.fake_engine:FakeEngine [--model-path DIR] [flags]
+    python -m pipegen.cpu_server --engine pipegen.bench.doubles.fake_engine:FakeEngine [--model-path DIR] [flags]
 
 Owns:
   * ``FakeEngine`` - the ``Engine`` the server runs with the ``--engine`` above: a fixed number of running
@@ -38,7 +38,7 @@ from typing import Optional
 from pipegen.cpu_server.engine import Engine, EngineRequest, GenerationResult, ModelFacts, TopList
 from pipegen.cpu_server.parse import EntrySpec
 from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
-from pipegen.testing.fake_model import FNV_OFFSET, FakeModel, fold, fold_all, mix64
+from pipegen.bench.doubles.fake_model import FNV_OFFSET, FakeModel, fold, fold_all, mix64
 
 log = logging.getLogger("pipegen.fake_engine")
 
