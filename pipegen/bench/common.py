@@ -145,7 +145,7 @@ def scratch(prefix: str) -> Iterator[Path]:
 PROMPT_TOKENS = 256
 TOKEN_LO, TOKEN_HI = 100, 1900  # ordinary ids of the tiny test model's vocabulary (2048)
 LAUNCH = "bench"  # the launch id and run key of every prepared run folder
-FAKE_ENGINE = "pipegen.bench.doubles.fake_engine:FakeEngine"
+FAKE_BACKEND = "pipegen.bench.doubles.fake_backend:FakeBackend"
 
 
 def tiny_model() -> str:
@@ -314,14 +314,14 @@ def server_stats(url: str, timeout: float = 30) -> dict[str, Any]:
     return get_json(f"{url}/pipegen_stats", timeout)
 
 
-def fake_engine_args(*, slots: int, eos_prob: float, token_latency: float = 0.0, seed: int = 0,
+def fake_backend_args(*, slots: int, eos_prob: float, token_latency: float = 0.0, seed: int = 0,
                      model: str | None = None, step_time: float = 0.0, step_time_per_request: float = 0.0,
                      hang_rate: float = 0.0) -> list[str]:
-    """CPU server arguments for the fake engine: `slots` requests run at once (the rest wait, FIFO), each
+    """CPU server arguments for the fake model backend: `slots` requests run at once (the rest wait, FIFO), each
     token takes `token_latency` seconds (or, GPU-like, one batched step of `step_time +
     step_time_per_request * running` seconds gives every running request a token), each token ends the
     answer with chance `eos_prob`; `hang_rate` of the requests are never answered."""
-    args = ["--engine", FAKE_ENGINE, "--model-path", model or tiny_model(), "--slots", str(slots),
+    args = ["--engine", FAKE_BACKEND, "--model-path", model or tiny_model(), "--slots", str(slots),
             "--token-latency", str(token_latency), "--eos-prob", str(eos_prob), "--seed", str(seed)]
     if step_time or step_time_per_request:
         args += ["--step-time", str(step_time), "--step-time-per-request", str(step_time_per_request)]
