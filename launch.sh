@@ -142,7 +142,8 @@ case "${1:-}" in
   --tests)
     shift; setup
     cd "$here"
-    start "$venv/bin/python" -m pytest "$@" ;;
+    # --durations: the slowest tests close every run's output, so what makes the suite slow is seen
+    start "$venv/bin/python" -m pytest --durations=25 "$@" ;;
   --module)
     shift; setup
     mod="$1"; shift
