@@ -65,6 +65,7 @@ def key(default: Any, help: str, **rule: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+HF_BACKEND = "hf"  # llm=cpu's model backend that runs the real model (transformers); any other is a test double
 TRACKING_BACKENDS = ("console", "file", "wandb", "tensorboard", "mlflow", "swanlab", "clearml", "trackio",
                      "vemlp_wandb")  # verl's Tracking backends
 
@@ -159,7 +160,7 @@ class CpuServers(Servers):
     dtype: str = key("auto", "auto = bfloat16 where the CPU has native bf16, else float32",
                      choices=("auto", "float32", "bfloat16"))
     max_batch: int = key(16, "concurrent requests batched into one decode loop", at_least=1)
-    engine: str = key("hf", "hf = the real model; or module:Class of a test double", non_empty=True)
+    engine: str = key(HF_BACKEND, "hf = the real model; or module:Class of a test double", non_empty=True)
     engine_args: list[str] = key([], "extra CLI flags for every server (e.g. fault injection in tests)")
     server_args: list[Any] = key([], "extra CLI flags per server: [[flags of server 0], [flags of server 1], ...]")
 
