@@ -29,7 +29,7 @@ import orjson
 
 from pipegen.launch.servers import ServerProcess
 from pipegen.run.layout import LaunchRecord, RunDir, list_shards
-from pipegen.run.stream import RolloutRecord, UnitKeys, prompt_uid, unit_seed
+from pipegen.run.stream import RolloutRecord, ShardAppender, ShardTailer, UnitKeys, prompt_uid, unit_seed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -244,8 +244,6 @@ def write_records(topic: Path, records: list[RolloutRecord], max_bytes: int = 64
                   fsync_interval_s: float = 1.0) -> None:
     """One actor's shards of `records` (`RolloutRecord.to_line` + `ShardAppender.append`, fsync on the
     actor's timer and at seal)."""
-    from pipegen.run.stream import ShardAppender
-
     app = ShardAppender(topic, 0, max_bytes=max_bytes, fsync_interval_s=fsync_interval_s)
     for record in records:
         app.append(record.to_line())
@@ -263,15 +261,11 @@ def shard_bytes(topic: Path) -> int:
 
 def shard_lines(topic: Path) -> list[bytes]:
     """Every complete line of a topic's shards, as the writer's tailer reads them."""
-    from pipegen.run.stream import ShardTailer
-
     return [line for _, _, line in ShardTailer(Path(topic)).lines()]
 
 
 def tail_records(topic: Path) -> int:
     """The writer's read: `ShardTailer.lines()` + `RolloutRecord.from_line` per line; returns the count."""
-    from pipegen.run.stream import ShardTailer
-
     got = 0
     for _, _, line in ShardTailer(Path(topic)).lines():
         RolloutRecord.from_line(line)
