@@ -32,7 +32,7 @@ python="${PIPEGEN_PYTHON:-python3}"
 dry_run="${PIPEGEN_SETUP_DRY_RUN:-0}"
 stamp="$venv/.pipegen-installed"
 sglang_stamp="$sglang_venv/.pipegen-installed"
-cache_root="${PIPEGEN_CACHE:-$HOME/.cache/pipegen}"  # pipegen/models.py's cache_root: one cache for models and engines
+cache_root="${PIPEGEN_CACHE:-$HOME/.cache/pipegen}"  # pipegen/inputs/models.py's cache_root: one cache for models and engines
 want="$(cat "$here/pyproject.toml" "$here/launch.sh" "$sglang_requirements" | sha256sum | cut -d' ' -f1)"
 
 log() { echo "[pipegen setup] $*" >&2; }

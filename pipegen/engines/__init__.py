@@ -7,7 +7,7 @@ its finish reason as `stop` / `length` / `abort`, abort a stalled request, repor
 engine's own limit on running requests and its load (running, waiting). Everything after the answer
 (records, the writer, the DataProto) is the same whatever the engine.
 
-- sglang.py: SGLang's native `/generate` (also pipegen's CPU reference server and the test fakes).
+- sglang.py: SGLang's native `/generate` (also pipegen's CPU reference server, with any model backend).
 - vllm.py: vLLM's OpenAI `/v1/completions` with token ids.
 
 `llm.protocol` names the engine (`sglang`, `vllm`), or `auto` for servers someone else runs:

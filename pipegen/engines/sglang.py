@@ -1,6 +1,6 @@
 """SGLang's native protocol as an `Engine`: `POST /generate` with `input_ids`, `sampling_params` and a
 `rid`; the answer's `output_ids` with `meta_info.output_token_logprobs` triples. The same protocol is
-served by pipegen's CPU reference server and the test fakes.
+served by pipegen's CPU reference server (with the real model or the bench's fake backend).
 
 - abort: `POST /abort_request {rid}` (the server answers the request itself with an `abort` finish);
 - readiness: `GET /health_generate` (generates one token);
