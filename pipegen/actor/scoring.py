@@ -52,7 +52,9 @@ class Scorer:
             for source, spec in task_rewards(list(cfg.tasks), [files] if isinstance(files, str) else list(files)).items():
                 settings = task_reward(cfg, spec)
                 if settings is not None:
-                    self.by_source[source] = built.setdefault(settings, build_reward(settings, processes))
+                    if repr(settings) not in built:  # tasks sharing one reward share its pool
+                        built[repr(settings)] = build_reward(settings, processes)
+                    self.by_source[source] = built[repr(settings)]
         self._warned: set[str] = set()
 
     def reward_for(self, row: dict[str, Any]):
