@@ -109,7 +109,23 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
             "multi_turn": OmegaConf.to_container(rollout.multi_turn, resolve=True),
         },
         "scoring": cfg.actors.get("scoring"),
+        **_reward(cfg),
     }
+
+
+def _reward(cfg: DictConfig) -> dict[str, Any]:
+    """The reward settings and the task names, only where set (a run without them keeps its run key)."""
+    out: dict[str, Any] = {}
+    crf = cfg.get("custom_reward_function") or {}
+    url = (cfg.get("reward") or {}).get("verifier_url")
+    if url:
+        out["verifier_url"] = url
+    elif crf.get("path"):
+        path = str(crf.path)
+        out["reward_function"] = {"path": path, "name": crf.get("name"), "reward_kwargs": _plain(crf.get("reward_kwargs")),
+                                  "file": None if path.startswith("pkg://") else _maybe_file(path)}
+    tasks = list(cfg.get("tasks") or [])
+    return {"reward": out, "tasks": tasks} if out or tasks else {}
 
 
 def _plain(value: Any) -> Any:
