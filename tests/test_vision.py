@@ -50,7 +50,7 @@ needs_processor = pytest.mark.skipif(not _torchvision(), reason="transformers bu
 
 @pytest.fixture(scope="session")
 def vision_parquet(tmp_path_factory) -> str:
-    from pipegen.testing.tiny_vlm import write_image_parquet
+    from support.tiny_vlm import write_image_parquet
 
     return write_image_parquet(tmp_path_factory.mktemp("vision") / "images.parquet", rows=ROWS)
 
@@ -59,7 +59,7 @@ def vision_parquet(tmp_path_factory) -> str:
 def tiny_vlm() -> str:
     if not _torchvision():
         pytest.skip("transformers builds Qwen2-VL's processor only with torchvision, which cannot be imported here")
-    from pipegen.testing.tiny_vlm import tiny_vlm_path
+    from support.tiny_vlm import tiny_vlm_path
 
     return tiny_vlm_path()
 

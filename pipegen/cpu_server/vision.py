@@ -8,7 +8,7 @@ for the prefill and its `rope_delta`, with which every decoded token's position 
 all three axes (what transformers' own generate does).
 
 Owns: decoding image_data, the prefill's vision inputs and per-row rope deltas.
-Must never: touch the network (pictures are data, never URLs to fetch), or run outside the engine's worker thread.
+Must never: touch the network (pictures are data, never URLs to fetch), or run outside the model backend's worker thread.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def decode_picture(item: str) -> Any:
 
 
 class VisionInputs:
-    """The image processor and the model's rope index, for the engine's prefill (worker thread only)."""
+    """The image processor and the model's rope index, for the model backend's prefill (worker thread only)."""
 
     def __init__(self, model: Any, model_path: str):
         from transformers import AutoImageProcessor

@@ -3,13 +3,13 @@ small images in verl's multimodal parquet layout, for tests that must not downlo
 
 Owns:
   * ``build_tiny_qwen2_vl`` - ``Qwen2VLForConditionalGeneration`` (1-block vision tower, 2 text layers) behind the
-    tiny Qwen's trained byte-level BPE (``tiny_models._train_tokenizer``) plus Qwen2-VL's vision tokens, with
+    tiny Qwen's trained byte-level BPE (``pipegen.bench.doubles.tiny_models._train_tokenizer``) plus Qwen2-VL's vision tokens, with
     ``Qwen2VLProcessor`` (image processor: 14-pixel patches, 2x2 merge) and Qwen2-VL's published chat template;
   * ``tiny_vlm_path`` - that model built once into ``<pipegen cache>/models/tiny-qwen2-vl``;
   * ``write_image_parquet`` - rows in verl's multimodal layout: an ``images`` column of ``{"bytes", "path"}``
     PNGs, ``<image>`` in the prompt, ``extra_info.index``.
 
-Must never: download anything, or be imported by production code (tests and demos only).
+Must never: download anything, or be imported by product code (tests only: tests/support/).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _build_into(out: Path) -> None:
                               Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor,
                               Qwen2VLVideoProcessor)
 
-    from pipegen.testing.tiny_models import ENDOFTEXT, IM_END, IM_START, MODEL_VOCAB_SIZE, _train_tokenizer
+    from pipegen.bench.doubles.tiny_models import ENDOFTEXT, IM_END, IM_START, MODEL_VOCAB_SIZE, _train_tokenizer
 
     tk = _train_tokenizer()
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
