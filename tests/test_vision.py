@@ -13,7 +13,6 @@ that need the processor are skipped, saying so, where torchvision cannot be impo
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -27,8 +26,7 @@ import torch
 
 from conftest import FAKE_ENGINE, REPO, assert_same_trajectories, launch, load_trajectories
 from fake_servers import pids_where
-from pipegen.run.config import load_run_config
-from pipegen.run.layout import RunDir
+from test_verl_parity import verl_reference_for
 
 ROWS, N = 4, 2
 RUN = [f"n={N}", "max_response_length=16", "actors.concurrency=8", "actors.stats_interval_s=0.5",
@@ -75,53 +73,11 @@ def fake_vision_run(tmp_path_factory, tiny_vlm, vision_parquet) -> tuple[Path, l
     return out, overrides
 
 
-def _verl_reference(cfg, url: str, uids_by_index: dict):
-    import aiohttp
-    from transformers import AutoConfig
-    from verl import DataProto
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-    from verl.utils.dataset.rl_dataset import collate_fn
-
-    from pipegen.actor.client import ClientLimits, ServerPool
-    from pipegen.inputs.dataset import load_dataset, load_processor, load_tokenizer
-
-    dataset = load_dataset(cfg, load_tokenizer(cfg), load_processor(cfg))
-    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
-    batch.non_tensor_batch["uid"] = np.array([uids_by_index[int(i)] for i in batch.non_tensor_batch["index"]],
-                                             dtype=object)
-    batch = batch.repeat(int(cfg.actor_rollout_ref.rollout.n), interleave=True)
-    batch.non_tensor_batch["priority"] = np.arange(len(batch), dtype=np.int64)
-    rollout = cfg.actor_rollout_ref.rollout
-    text = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path).text_config
-
-    async def run():
-        async with aiohttp.ClientSession() as session:
-            limits = ClientLimits(int(rollout.prompt_length), int(rollout.response_length),
-                                  text.max_position_embeddings)
-            worker = AgentLoopWorker(cfg, llm_client=ServerPool([url], limits, session))
-            return await worker.generate_sequences(batch)
-
-    return asyncio.run(run())
-
-
 @needs_processor
 def test_multimodal_rows_equal_verl_agent_loop_output(fake_vision_run):
-    from pipegen.launch.servers import cpu_server_command, wait_ready
-    from pipegen.launch.world import ServerPlan, free_port
-
     out, _ = fake_vision_run
     ours = load_trajectories(out / "trajectories.pkl")
-    cfg = load_run_config(RunDir(out))
-    plan = ServerPlan("parity", "127.0.0.1", free_port())
-    argv, env = cpu_server_command(plan, cfg.actor_rollout_ref.model.path, dict(cfg.llm), int(cfg.seed))
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(plan.url, 60, lambda: server.poll() is None)
-        uids = {int(i): u for i, u in zip(ours.non_tensor_batch["index"], ours.non_tensor_batch["uid"])}
-        theirs = _verl_reference(cfg, plan.url, uids)
-    finally:
-        server.kill()
-        server.wait()
+    theirs = verl_reference_for(out, ours)  # verl's AgentLoopWorker, which loads the processor itself
 
     assert len(ours) == len(theirs) == ROWS * N  # every unit exactly once (launch() also ran status --verify)
     assert ours.batch["position_ids"].shape[1] == 4  # verl's text row + Qwen2-VL's three M-RoPE rows
