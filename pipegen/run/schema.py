@@ -247,7 +247,7 @@ class LocalCluster:
 
 @dataclass
 class RayCluster(LocalCluster):
-    """cluster=ray: several nodes through an existing Ray cluster (launch/ray_cluster.py). The launcher runs
+    """cluster=ray: several nodes through an existing Ray cluster (launch/ray_placement.py). The launcher runs
     the writer where it runs and a node runner on every node with `node_resource`; their actors pull leases."""
 
     kind: str = key("ray", "local = this node alone | ray = several nodes through a Ray cluster",
