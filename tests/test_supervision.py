@@ -189,7 +189,7 @@ def test_supervise_returns_what_ended_the_launch(tmp_path):
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 1}}, "trainer": {"logger": []},
                             "generation": {"restart_limit": 0, "show_progress": False}})
     run = RunDir(tmp_path / "run")
-    run.root.mkdir()
+    run.launch_file.parent.mkdir(parents=True)
     run.write_launch(LaunchRecord(launch="l", run_key="k"))
 
     def writer_exiting(code: int) -> RunWriter:
