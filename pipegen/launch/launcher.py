@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return report(run, ready.n, 0, already_complete=True)
     writer = RunWriter(cfg, run) if cfg.generation.run_writer else None
     stop_on_signals()
-    started = time.monotonic()
+    started, failure = time.monotonic(), None
     try:
         placement.place()  # servers first: they take longest (SGLang ~100 s); the actors import verl meanwhile
         if writer is not None:
@@ -51,13 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         print("\npipegen: interrupted; stopping every process. Run the same command to resume.", file=sys.stderr)
         return 130
     except Exception as e:  # CrashLoop, ServerNotReady, ClusterError, DiskFull...: each says what failed and where
-        return refuse(disk_full_message(run.root, "launcher") if is_disk_full(e) else str(e))
+        failure = e
     finally:
         try:
             placement.stop()
         finally:
             if writer is not None:
                 writer.stop()
+    if failure is not None:  # the last line, after what the stop logged
+        return refuse(disk_full_message(run.root, "launcher") if is_disk_full(failure) else str(failure))
     log.info("run took %.1fs", time.monotonic() - started)
     return report(run, ready.n, writer_rc)
 

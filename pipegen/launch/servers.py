@@ -165,7 +165,6 @@ def log_tail(path: Path | None, lines: int = 15) -> str:
     return "\n".join("    " + t for t in text)
 
 
-# Probe outcomes that mean "nothing listens at that address" (as opposed to a server still loading).
 def _with_log(message: str, log_path: Path | None) -> str:
     tail = log_tail(log_path)
     if log_path is None:
@@ -343,5 +342,5 @@ class ServerWatch:
                                 health_path=engine(self.protocol).health_path)
             waited = time.monotonic() - started
             self.ready_at, self.ready_after_s = time.time(), waited
-        except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): the launcher raises it
+        except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): check_servers raises it
             self.error = e
