@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 
 from pipegen.bench import common as c
-from pipegen.launch.servers import ServerProcess
+from pipegen.launch.servers import ServerProcess, check_server_python, server_python, sglang_server_command
 
 KEY = "gpu"
 TITLE = "8. GPU: pipegen vs a raw loop vs SGLang's offline benchmark (one server, same prompts)"
@@ -76,7 +76,6 @@ class UtilSampler:
 
 
 def sglang_server(python: str, model: str, folder: Path, extra: list[str]) -> ServerProcess:
-    from pipegen.launch.servers import sglang_server_command
     from pipegen.launch.world import ServerPlan, free_port
 
     plan = ServerPlan("bench", "127.0.0.1", free_port(), (int(os.environ.get("PIPEGEN_BENCH_GPU", "0")),))
@@ -230,8 +229,6 @@ def run(quick: bool) -> c.ScenarioResult:
         res.skipped = "no GPU"
         print("gpu: skipped: no GPU")
         return res
-    from pipegen.launch.servers import check_server_python, server_python
-
     python = server_python({"python": os.environ.get("PIPEGEN_SGLANG_PYTHON")})
     problem = check_server_python("sglang", python)
     if problem:
