@@ -107,6 +107,9 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
             "multi_turn": OmegaConf.to_container(rollout.multi_turn, resolve=True),
         },
         "scoring": cfg.actors.get("scoring"),
+        # the `external` loop's harness defines its units' data; absent when unset, so other runs' prints stay
+        **({"external": {"harness": ext.get("harness"), "command": ext.get("command")}}
+           if (ext := cfg.get("external") or {}).get("harness") or ext.get("command") else {}),
     }
 
 

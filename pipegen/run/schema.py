@@ -120,6 +120,23 @@ class Generation:
 
 
 @dataclass
+class External:
+    """external.*: the `external` agent loop: any agent harness, unmodified, through pipegen's gateway
+    (pipegen/gateway/). Select it with actor_rollout_ref.rollout.agent.default_agent_loop=external or a row's
+    agent_name."""
+
+    harness: Optional[str] = key(None, "module:function called per unit as function(row, base_url, api_key), sync "
+                                       "or async; returns a reward, {'reward': ..., more fields}, or nothing")
+    command: Optional[str] = key(None, "a shell command run per unit with OPENAI_BASE_URL, OPENAI_API_KEY, "
+                                       "ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY and PIPEGEN_ROW (the row as a JSON "
+                                       "file); its result is the JSON on its last stdout line")
+    timeout_s: float = key(600.0, "per-unit limit: a harness still running is stopped and its unit goes to the "
+                                  "failures stream", above=0)
+    host: str = key("127.0.0.1", "the address each actor's gateway binds (loopback only by default)",
+                    non_empty=True)
+
+
+@dataclass
 class Trainer:
     """trainer.*: verl's tracking keys, which pipegen's launcher uses as verl's trainer does."""
 
@@ -290,6 +307,7 @@ class PipegenConfig:
     actors: Actors = field(default_factory=Actors)
     generation: Generation = field(default_factory=Generation)
     trainer: Trainer = field(default_factory=Trainer)
+    external: External = field(default_factory=External)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
     # verl's groups, composed from verl's own YAML in verl's layout: verl owns their keys and defaults
