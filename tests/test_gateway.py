@@ -192,7 +192,7 @@ def test_multi_turn_log_probs_agree_with_verls_recomputation(tiny_model, tmp_pat
     data = write_dataset(tmp_path / "rows.parquet", [{"content": f"What is {k} + 3? feedback"} for k in range(2)])
     out = tmp_path / "run"
     result = launch(out, f"model_path={tiny_model}", f"train_files={data}", "max_prompt_length=128",
-                    "max_response_length=64", "n=2", "max_samples=-1", "temperature=0.7",
+                    "max_response_length=64", "n=2", "max_samples=-1", "temperature=0.7", "llm.dtype=float32",
                     "generation.show_progress=false", "actor_rollout_ref.rollout.agent.default_agent_loop=external",
                     "external.harness=gateway_harnesses:harness", env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
