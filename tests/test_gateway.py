@@ -242,3 +242,19 @@ def test_actor_sigkill_mid_session_then_the_same_command_gives_every_unit_once(t
     units = sorted(int(i) for i in data.non_tensor_batch["index"])
     assert units == list(range(len(names)))  # every unit exactly once
     assert all(g["calls"] == 3 and g["branch"] == "first call" for g in data.non_tensor_batch["gateway"])
+
+
+def test_framework_example_calls_its_tool_through_the_gateway(tiny_model, scripted, tmp_path, tokenizer):
+    """pipegen/examples/agents_calculator.py (the OpenAI Agents SDK, unchanged) on the tiny Qwen-style model
+    whose scripted replies are hermes tool calls: the agent runs its calculator tool twice, then answers."""
+    data = write_dataset(tmp_path / "rows.parquet", [{"content": "What is 2 + 3?"}])
+    out = tmp_path / "run"
+    result = launch(out, *overrides(tiny_model, data, scripted.url,
+                                    "external.harness=pipegen.examples.agents_calculator:harness"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    (rec,) = read_records(out)
+    (traj,) = rec["trajectories"]
+    assert traj["extra_fields"]["gateway"]["calls"] == 3 and traj["reward_score"] == 1.0
+    response = tokenizer.decode(traj["response_ids"])
+    assert response.count("<tool_response>\n5\n</tool_response>") == 2  # the framework ran the tool: 2 + 3, 20 // 4
+    assert "calculator" in tokenizer.decode(traj["prompt_ids"])  # the tool's schema, rendered by the template
