@@ -23,14 +23,9 @@ import pytest
 
 from conftest import REPO, assert_verl_agrees, launch, load_trajectories
 from fake_servers import FakeServer, RecordingProxy, read_records, write_dataset
+# the scripted server (hermes calculator calls, then "#### 5") and the tokenizer, as the agent-loop tests use them
+from test_agent_loops import SCRIPT, TOOL_BLOCK, scripted, tokenizer  # noqa: F401  (fixtures)
 
-SCRIPT = [
-    'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
-    'Check it.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "20 // 4"}}\n</tool_call>',
-    "The answer is #### 5",
-]
-# what the Qwen template puts between two assistant turns for a tool result "5" (none of it is the model's)
-TOOL_BLOCK = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 TOOL_ROUNDS = ["chat", "chat_stream", "responses", "responses_stream", "anthropic", "anthropic_stream"]
 OTHERS = ["n2", "retry", "edit", "remember", "probe"]
 ENV = {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
@@ -40,24 +35,6 @@ def overrides(model: str, data: str, url: str, *extra: str) -> list[str]:
     return ["llm=external", f"llm.urls=[{url}]", f"model_path={model}", f"train_files={data}",
             "max_prompt_length=512", "max_response_length=160", "n=1", "max_samples=-1",
             "generation.show_progress=false", "actor_rollout_ref.rollout.agent.default_agent_loop=external", *extra]
-
-
-@pytest.fixture(scope="module")
-def scripted(tiny_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gateway_scripted")
-    (tmp / "script.json").write_text(json.dumps(SCRIPT))
-    server = FakeServer("scripted", tmp, tiny_model, "--script", str(tmp / "script.json"), "--slots", "16")
-    try:
-        yield server.wait_ready()
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 @pytest.fixture(scope="module")

@@ -126,10 +126,10 @@ class External:
     agent_name."""
 
     harness: Optional[str] = key(None, "module:function called per unit as function(row, base_url, api_key), sync "
-                                       "or async; returns a reward, {'reward': ..., more fields}, or nothing")
+                                       "or async; returns a reward, {'reward': ..., more fields}, or nothing", non_empty=True)
     command: Optional[str] = key(None, "a shell command run per unit with OPENAI_BASE_URL, OPENAI_API_KEY, "
                                        "ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY and PIPEGEN_ROW (the row as a JSON "
-                                       "file); its result is the JSON on its last stdout line")
+                                       "file); its result is the JSON on its last stdout line", non_empty=True)
     timeout_s: float = key(600.0, "per-unit limit: a harness still running is stopped and its unit goes to the "
                                   "failures stream", above=0)
     host: str = key("127.0.0.1", "the address each actor's gateway binds (loopback only by default)",
@@ -418,6 +418,14 @@ def check_values(cfg: DictConfig) -> None:
             value = OmegaConf.to_container(value, resolve=True)
         if _problem(info.rule, value):
             raise ConfigValueError(f"{info.path}={_shown(value)} is not allowed: use {info.allowed()}")
+    harness, command = OmegaConf.select(cfg, "external.harness"), OmegaConf.select(cfg, "external.command")
+    if harness and command:
+        raise ConfigValueError("external.harness and external.command are both set: the external agent loop runs "
+                               "one of them")
+    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop") == "external" and not (
+            harness or command):
+        raise ConfigValueError("default_agent_loop=external needs the harness to run: set "
+                               "external.harness=module:function or external.command='...'")
 
 
 def describe_keys(cfg: DictConfig) -> str:
