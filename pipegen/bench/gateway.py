@@ -76,7 +76,8 @@ async def _measure(url: str, model: str, prompts: int, concurrency: int, reps: i
             await asyncio.gather(*(worker() for _ in range(concurrency)))
             return (time.perf_counter() - started) / prompts  # seconds per sample
 
-        await run_all(direct)  # warm-up
+        await run_all(direct)  # warm-up (both sides: the SDK builds its types on first use)
+        await run_all(through_gateway)
         for r in range(reps):
             for side in (("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")):
                 times[side].append(await run_all(direct if side == "direct" else through_gateway))
