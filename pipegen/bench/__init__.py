@@ -18,5 +18,6 @@ SCENARIOS = {
     "gpu": "pipegen.bench.gpu",
     "vllm": "pipegen.bench.engine_vllm",
     "cluster": "pipegen.bench.cluster",
+    "reward": "pipegen.bench.reward_verifier",
     "gateway": "pipegen.bench.gateway",
 }

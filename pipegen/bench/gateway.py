@@ -92,7 +92,7 @@ def run(quick: bool) -> c.ScenarioResult:
     prompts, concurrency, reps = (96, 32, 2) if quick else (256, 32, 4)
     latency, slots = 0.005, 32
     with c.scratch("gateway") as tmp:
-        args = c.fake_engine_args(slots=slots, eos_prob=0.01, token_latency=latency)
+        args = c.fake_backend_args(slots=slots, eos_prob=0.01, token_latency=latency)
         with c.reference_server(tmp, args) as server:
             times = asyncio.run(_measure(server.url, c.tiny_model(), prompts, concurrency, reps))
     res.add(c.Row(

@@ -65,6 +65,7 @@ def key(default: Any, help: str, **rule: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+HF_BACKEND = "hf"  # llm=cpu's model backend that runs the real model (transformers); any other is a test double
 TRACKING_BACKENDS = ("console", "file", "wandb", "tensorboard", "mlflow", "swanlab", "clearml", "trackio",
                      "vemlp_wandb")  # verl's Tracking backends
 
@@ -83,7 +84,8 @@ class Actors:
                       choices=(True, False))
     shard_max_bytes: int = key(64 << 20, "rotate a stream shard after this many bytes", at_least=4096)
     fsync_interval_s: float = key(1.0, "fsync shards on this timer (never per record) and at seal", above=0)
-    scoring: bool = key(True, "attach verl's default_compute_score when the row has a ground truth",
+    scoring: bool = key(True, "score each trajectory: the run's reward (custom_reward_function, reward.verifier_url, "
+                              "a task's), else verl's default_compute_score where the row has a ground truth",
                         choices=(True, False))
     per_unit_seed: bool = key(True, "send each (index, sample) its own sampling seed (reproducible reruns)",
                               choices=(True, False))
@@ -137,6 +139,37 @@ class External:
 
 
 @dataclass
+class CustomRewardFunction:
+    """custom_reward_function.*: a reward function the verl way, read as verl's trainer reads it
+    (verl.trainer.ppo.reward.get_custom_reward_fn); verl's config has these keys, pipegen composes no verl
+    group holding them, so they are declared here."""
+
+    path: Optional[str] = key(None, "a .py file (or pkg://module) holding your reward function; null = verl's "
+                                    "default_compute_score by data_source")
+    name: str = key("compute_score", "the function: compute_score(data_source, solution_str, ground_truth, "
+                                     "extra_info, **reward_kwargs) -> float | {'score': float, ...}",
+                    non_empty=True)
+    reward_kwargs: Any = key({}, "extra keyword arguments for every call (verl merges them in)")
+
+
+@dataclass
+class Reward:
+    """reward.*: where rewards are computed, beside the function (pipegen/rewards/)."""
+
+    verifier_url: Optional[str] = key(None, "an HTTP verifier that scores samples (POST, JSON; python -m "
+                                            "pipegen.rewards.serve serves any reward function); replaces the "
+                                            "reward function for every row")
+    verifier_timeout_s: float = key(60.0, "each verifier request may take this long before it is tried again",
+                                    above=0)
+    verifier_attempts: int = key(3, "tries per verifier request; then its samples go to the failures stream",
+                                 at_least=1)
+    verifier_batch: int = key(64, "samples per verifier request at most", at_least=1)
+    verifier_concurrency: int = key(16, "verifier requests in flight per actor", at_least=1)
+    processes: int = key(1, "processes per actor for a reward function slower than 0.5 ms a sample (faster ones "
+                            "run in the actor)", at_least=1)
+
+
+@dataclass
 class Trainer:
     """trainer.*: verl's tracking keys, which pipegen's launcher uses as verl's trainer does."""
 
@@ -176,7 +209,7 @@ class CpuServers(Servers):
     dtype: str = key("auto", "auto = bfloat16 where the CPU has native bf16, else float32",
                      choices=("auto", "float32", "bfloat16"))
     max_batch: int = key(16, "concurrent requests batched into one decode loop", at_least=1)
-    engine: str = key("hf", "hf = the real model; or module:Class of a test double", non_empty=True)
+    engine: str = key(HF_BACKEND, "hf = the real model; or module:Class of a test double", non_empty=True)
     engine_args: list[str] = key([], "extra CLI flags for every server (e.g. fault injection in tests)")
     server_args: list[Any] = key([], "extra CLI flags per server: [[flags of server 0], [flags of server 1], ...]")
 
@@ -302,11 +335,16 @@ class PipegenConfig:
     max_response_length: int = key(32, "response tokens at most (fits the demo's answers; raise it for real "
                                        "tasks)", at_least=1)
     temperature: float = key(1.0, "sampling temperature", at_least=0)
+    tasks: list[str] = key([], "tasks by name or manifest file, as in '[gsm_symbolic,./my_task.yaml]' (python -m "
+                               "pipegen.tasks lists them): their data replaces train_files, their rewards score "
+                               "their rows, their defaults apply unless set here")
     resume_with_changes: bool = key(False, "true = continue a run whose fingerprint changed (mixes two setups)",
                                     choices=(True, False))
     actors: Actors = field(default_factory=Actors)
     generation: Generation = field(default_factory=Generation)
     trainer: Trainer = field(default_factory=Trainer)
+    custom_reward_function: CustomRewardFunction = field(default_factory=CustomRewardFunction)
+    reward: Reward = field(default_factory=Reward)
     external: External = field(default_factory=External)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
