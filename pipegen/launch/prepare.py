@@ -35,6 +35,7 @@ from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.config import check_types, compose, describe_config_error, help_text, resolved
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.ownership import DirectoryLock, LockHeld
+from pipegen.tasks.manifest import compose_job
 
 USAGE = """\
 usage: python -m pipegen.launch output_dir=DIR [key=value ...]     (or ./launch.sh output_dir=DIR ...)
@@ -99,7 +100,7 @@ def prepare(argv: list[str]) -> Prepared | int:
     if not any(a.startswith("output_dir=") for a in argv):
         return refuse("missing output_dir=DIR (where the run's files go); see --help")
     try:
-        cfg = compose(argv)
+        cfg = compose_job(argv)  # pipegen's and verl's keys, then the named tasks' defaults
     except Exception as e:  # Hydra's override errors are long: one line naming the key and the fix
         return refuse(describe_config_error(e, argv))
     try:
