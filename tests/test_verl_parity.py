@@ -30,9 +30,13 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
 
     from pipegen.actor.client import ClientLimits, ServerPool
     from pipegen.inputs.dataset import load_dataset, load_processor, load_tokenizer
+    from pipegen.run.media import load_pictures
 
     dataset = load_dataset(cfg, load_tokenizer(cfg), load_processor(cfg))  # a vision model's processor too
-    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
+    rows = [dataset[i] for i in range(len(dataset))]
+    for row in rows:  # pictures decoded once: PIL's lazy decode races when a prompt's samples share one
+        load_pictures(row["raw_prompt"])
+    batch = DataProto.from_single_dict(collate_fn(rows))
     batch.non_tensor_batch["uid"] = np.array([uids_by_index[int(i)] for i in batch.non_tensor_batch["index"]],
                                              dtype=object)
     batch = batch.repeat(int(cfg.actor_rollout_ref.rollout.n), interleave=True)
