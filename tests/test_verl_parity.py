@@ -32,7 +32,8 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
     from pipegen.inputs.dataset import load_dataset, load_processor, load_tokenizer
     from pipegen.run.media import load_pictures
 
-    dataset = load_dataset(cfg, load_tokenizer(cfg), load_processor(cfg))  # a vision model's processor too
+    processor = load_processor(cfg)  # a vision model's processor too
+    dataset = load_dataset(cfg, load_tokenizer(cfg), processor)
     rows = [dataset[i] for i in range(len(dataset))]
     for row in rows:  # pictures decoded once: PIL's lazy decode races when a prompt's samples share one
         load_pictures(row["raw_prompt"])
@@ -49,6 +50,8 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
         async with aiohttp.ClientSession() as session:
             limits = ClientLimits(int(rollout.prompt_length), int(rollout.response_length), hf.max_position_embeddings)
             worker = AgentLoopWorker(cfg, llm_client=ServerPool([url], limits, session))
+            if worker.processor is None:  # verl's hf_processor builds none without torchvision: the run's PIL one
+                worker.processor = processor
             return await worker.generate_sequences(batch)
 
     return asyncio.run(run())

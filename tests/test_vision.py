@@ -7,8 +7,10 @@ end to end with a tiny random-weight Qwen2-VL and its processor, and what comes 
 - a killed writer and a killed actor, then the same command again: the clean run's output;
 - the refusals at launch: images with a text-only model, images with vLLM.
 
-transformers builds Qwen2-VL's processor only with torchvision (its video processor needs it), so the tests
-that need the processor are skipped, saying so, where torchvision cannot be imported.
+The processor loads with torchvision (verl's `hf_processor`) and without it (a CPU-only torch: pipegen builds the
+same processor on transformers' PIL image backend, pipegen/inputs/media.py). The runs also need verl's picture
+reader, qwen_vl_utils, which imports torchvision at its top: where it cannot be imported they are skipped,
+saying so, and the launch refuses the image column in one line (tested below).
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ RUN = [f"n={N}", "max_response_length=16", "actors.concurrency=8", "actors.stats
        "actors.scoring=false"]
 
 
-def _torchvision() -> bool:
+def _qwen_vl_utils() -> bool:
     try:
-        import torchvision  # noqa: F401
-    except Exception:  # noqa: BLE001  (missing, or a build that does not match this torch)
+        import qwen_vl_utils  # noqa: F401
+    except Exception:  # noqa: BLE001  (it imports torchvision: missing, or a build that does not match this torch)
         return False
     return True
 
 
-needs_processor = pytest.mark.skipif(not _torchvision(), reason="transformers builds Qwen2-VL's processor only "
-                                     "with torchvision, which cannot be imported here")
+needs_picture_reader = pytest.mark.skipif(not _qwen_vl_utils(), reason="verl reads pictures through qwen_vl_utils, "
+                                          "which imports torchvision, and torchvision cannot be imported here")
 
 
 @pytest.fixture(scope="session")
@@ -55,8 +57,6 @@ def vision_parquet(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_vlm() -> str:
-    if not _torchvision():
-        pytest.skip("transformers builds Qwen2-VL's processor only with torchvision, which cannot be imported here")
     from support.tiny_vlm import tiny_vlm_path
 
     return tiny_vlm_path()
@@ -65,6 +65,8 @@ def tiny_vlm() -> str:
 @pytest.fixture(scope="session")
 def fake_vision_run(tmp_path_factory, tiny_vlm, vision_parquet) -> tuple[Path, list[str]]:
     """One clean run on the deterministic fake engine: the reference of the parity and crash tests."""
+    if not _qwen_vl_utils():
+        pytest.skip("verl reads pictures through qwen_vl_utils, which imports torchvision, not importable here")
     out = tmp_path_factory.mktemp("vision-run") / "clean"
     overrides = [f"model_path={tiny_vlm}", f"train_files={vision_parquet}", *RUN, FAKE_ENGINE,
                  "actors.per_unit_seed=false"]
@@ -73,7 +75,7 @@ def fake_vision_run(tmp_path_factory, tiny_vlm, vision_parquet) -> tuple[Path, l
     return out, overrides
 
 
-@needs_processor
+@needs_picture_reader
 def test_multimodal_rows_equal_verl_agent_loop_output(fake_vision_run):
     out, _ = fake_vision_run
     ours = load_trajectories(out / "trajectories.pkl")
@@ -90,7 +92,7 @@ def test_multimodal_rows_equal_verl_agent_loop_output(fake_vision_run):
     assert all(m["image_grid_thw"].shape[0] == 2 for m in two)
 
 
-@needs_processor
+@needs_picture_reader
 def test_cpu_server_log_probs_agree_with_transformers_given_the_pictures(tmp_path, tiny_vlm, vision_parquet):
     from transformers import AutoModelForImageTextToText
     from verl.utils.torch_functional import logprobs_from_logits
@@ -127,7 +129,7 @@ def _pid(out: Path, module: str) -> int | None:
     return pids[0] if pids else None
 
 
-@needs_processor
+@needs_picture_reader
 def test_killed_writer_and_actor_then_the_same_command_give_the_clean_output(tmp_path, fake_vision_run):
     clean, overrides = fake_vision_run
     out = tmp_path / "killed"
@@ -252,3 +254,42 @@ def test_line_images_round_trip_to_the_same_pixels():
     messages = [{"role": "user", "content": [{"type": "image", "image": image, "bytes": b"x"},
                                              {"type": "text", "text": "what?"}]}]
     assert strip_media(messages) == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
+
+
+def test_the_processor_is_built_with_or_without_torchvision(tiny_vlm, caplog):
+    import logging
+
+    from pipegen.inputs.media import load_model_processor
+
+    with caplog.at_level(logging.INFO, logger="pipegen.inputs"):
+        processor, why = load_model_processor(tiny_vlm)
+    assert why == "" and type(processor).__name__ == "Qwen2VLProcessor"  # the name verl matches on
+    assert processor.get_rope_index.__func__.__qualname__.startswith("Qwen2VLModel.")  # bound as verl binds it
+    pil = [r.getMessage() for r in caplog.records if "PIL backend" in r.getMessage()]
+    try:
+        import torchvision  # noqa: F401
+        has_torchvision = True
+    except Exception:  # noqa: BLE001  (missing, or PyPI's CUDA-linked build beside a CPU torch)
+        has_torchvision = False
+    if not has_torchvision:  # the CPU path: images only, said once
+        assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+        assert not hasattr(processor, "video_processor") and len(pil) == 1
+    else:
+        assert pil == []  # verl's own hf_processor, untouched
+
+
+def test_images_without_the_picture_reader_are_refused_at_launch(vision_parquet, monkeypatch):
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from pipegen.inputs.media import MediaError, check_media
+
+    monkeypatch.setitem(sys.modules, "qwen_vl_utils", None)  # what a missing or broken torchvision leaves
+    cfg = OmegaConf.create({"data": {"image_key": "images"}, "llm": {"protocol": "sglang"},
+                            "actor_rollout_ref": {"model": {"path": "unused", "trust_remote_code": False}}})
+    with pytest.raises(MediaError) as refused:
+        check_media(cfg, [vision_parquet], processor_loaded=(object(), ""))
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("train_files: column 'images' (data.image_key) holds images")
+    assert "qwen_vl_utils" in line and "install the torchvision that matches your torch" in line

@@ -2,8 +2,9 @@
 
 A request's `input_ids` already hold the processor's placeholder spans (`<|image_pad|>` x the picture's merged
 patch count, rendered by verl's agent loop); `image_data` holds the pictures (PNG data URLs, or bare base64).
-The model's image processor turns them into `pixel_values` and `image_grid_thw` (the processor verl's trainer
-uses, so the features are the trainer's); the model's own `get_rope_index` gives each row's M-RoPE position ids
+The model's image processor turns them into `pixel_values` and `image_grid_thw`: the one pipegen's dataset, agent
+loops and writer use (`inputs.media.load_model_processor`: verl's `hf_processor`, or the PIL backend without
+torchvision), so the features are the trainer's; the model's own `get_rope_index` gives each row's M-RoPE position ids
 for the prefill and its `rope_delta`, with which every decoded token's position is `cached tokens + delta` on
 all three axes (what transformers' own generate does).
 
@@ -62,10 +63,13 @@ class VisionInputs:
     """The image processor and the model's rope index, for the model backend's prefill (worker thread only)."""
 
     def __init__(self, model: Any, model_path: str):
-        from transformers import AutoImageProcessor
+        from pipegen.inputs.media import load_model_processor
 
         self.model = model
-        self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+        processor, why = load_model_processor(model_path)
+        if processor is None:
+            raise ValueError(f"{model_path}: a vision-language model whose processor could not be built ({why})")
+        self.image_processor = processor.image_processor
         self.image_token_id = int(model.config.image_token_id)
 
     def prefill(self, ids: Any, mask: Any, images: list[tuple[str, ...]]) -> tuple[dict[str, Any], Any]:

@@ -4,7 +4,7 @@ small images in verl's multimodal parquet layout, for tests that must not downlo
 Owns:
   * ``build_tiny_qwen2_vl`` - ``Qwen2VLForConditionalGeneration`` (1-block vision tower, 2 text layers) behind the
     tiny Qwen's trained byte-level BPE (``pipegen.bench.doubles.tiny_models._train_tokenizer``) plus Qwen2-VL's vision tokens, with
-    ``Qwen2VLProcessor`` (image processor: 14-pixel patches, 2x2 merge) and Qwen2-VL's published chat template;
+    ``Qwen2VLProcessor``'s image processor (14-pixel patches, 2x2 merge) and Qwen2-VL's published chat template;
   * ``tiny_vlm_path`` - that model built once into ``<pipegen cache>/models/tiny-qwen2-vl``;
   * ``write_image_parquet`` - rows in verl's multimodal layout: an ``images`` column of ``{"bytes", "path"}``
     PNGs, ``<image>`` in the prompt, ``extra_info.index``.
@@ -21,7 +21,7 @@ from pathlib import Path
 from pipegen.inputs.models import build_folder_once, models_dir, quiet_progress_bars
 
 TINY_VLM_FOLDER = "tiny-qwen2-vl"
-TINY_VLM_RECIPE = "tiny-qwen2-vl/v1"  # bump when the produced bytes change
+TINY_VLM_RECIPE = "tiny-qwen2-vl/v2"  # bump when the produced bytes change
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # Qwen2-VL-Instruct's published chat template, verbatim.
@@ -42,9 +42,8 @@ QWEN2_VL_CHAT_TEMPLATE = (
 def _build_into(out: Path) -> None:
     import torch
     from tokenizers import AddedToken
-    from transformers import (GenerationConfig, PreTrainedTokenizerFast, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor,
-                              Qwen2VLVideoProcessor)
+    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from pipegen.bench.doubles.tiny_models import ENDOFTEXT, IM_END, IM_START, MODEL_VOCAB_SIZE, _train_tokenizer
 
@@ -57,13 +56,15 @@ def _build_into(out: Path) -> None:
         extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                               "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
         additional_special_tokens=[IM_START, IM_END, *VISION_TOKENS])
-    # small pictures stay small: 56x56 px is 4x4 patches of 14 px, merged 2x2 into 4 image tokens
-    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
+    # small pictures stay small: 56x56 px is 4x4 patches of 14 px, merged 2x2 into 4 image tokens. Saved as
+    # the published Qwen2-VL-Instruct folders are: preprocessor_config.json (the image processor, naming
+    # Qwen2VLProcessor) beside the tokenizer and its chat template, no video config. The PIL class writes the
+    # same config as the torchvision one and needs no torchvision (which a CPU-only torch cannot import).
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
                                                merge_size=2, temporal_patch_size=2)
-    # transformers builds Qwen2-VL's processor only with its video processor, which needs torchvision
-    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                 video_processor=Qwen2VLVideoProcessor(), chat_template=QWEN2_VL_CHAT_TEMPLATE)
-    processor.save_pretrained(str(out))
+    image_processor.image_processor_type = "Qwen2VLImageProcessor"  # what either backend loads from
+    image_processor.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
 
     pad_id, eos_id = ids[ENDOFTEXT], ids[IM_END]
     cfg = Qwen2VLConfig(
