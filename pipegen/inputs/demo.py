@@ -50,4 +50,13 @@ def resolve_train_files(spec: str | os.PathLike[str] | Iterable[str | os.PathLik
     return [_one(item, spec) for item in items]
 
 
-__all__ = ["DEMO_NAME", "DEMO_PARQUET", "resolve_train_files"]
+def is_demo(spec: object) -> bool:
+    """Whether ``data.train_files`` names only the packaged demo set (by its short name or its path): the
+    demo's small defaults (schema.DEMO_DEFAULTS) apply to it alone, never to a user's data."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec or [])  # type: ignore[arg-type]
+    return bool(items) and all(
+        isinstance(i, (str, os.PathLike)) and (os.fspath(i).strip() == DEMO_NAME or os.fspath(i) == str(DEMO_PARQUET))
+        for i in items)
+
+
+__all__ = ["DEMO_NAME", "DEMO_PARQUET", "is_demo", "resolve_train_files"]

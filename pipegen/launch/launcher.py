@@ -31,6 +31,7 @@ from pipegen.run.layout import BATCH_GLOB, LaunchRecord, RunDir, actor_role
 from pipegen.run.ownership import DirectoryLock, lock_holder
 from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED
 from pipegen.run.stats_line import LaunchStats, WriterStats
+from pipegen.run.verl_keys import translate as translate_verl_keys
 
 log = logging.getLogger("pipegen.launch")
 
@@ -254,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     if not any(a.startswith("output_dir=") for a in argv):
         return fail("missing output_dir=DIR (where the run's files go); see --help")
     try:
+        argv = translate_verl_keys(argv)  # verl's own keys: pipegen's equivalents set, or refused in one line
         cfg = compose(argv)
+    except ValueError as e:
+        return fail(str(e))
     except Exception as e:  # Hydra's override errors are long: one line naming the key and the fix
         return fail(describe_config_error(e, argv))
     try:

@@ -269,6 +269,26 @@ class RayCluster(LocalCluster):
 CLUSTER_KINDS: dict[str, type[LocalCluster]] = {"local": LocalCluster, "ray": RayCluster}
 
 
+# The lengths and row count a job gets when it sets none. A user's dataset: every row, responses up to the seed's
+# 4,096 tokens (verl's 512 cuts reasoning answers short), prompts up to twice verl's 512 (a system prompt or
+# few-shot examples fit; a longer prompt is refused at launch with the fix, never cut). The packaged demo: its
+# own small settings (its answers are a few tokens; 32 prompts finish in about a minute on a laptop's CPU).
+JOB_DEFAULTS = {"max_samples": -1, "max_prompt_length": 1024, "max_response_length": 4096}
+DEMO_DEFAULTS = {"max_samples": 32, "max_prompt_length": 256, "max_response_length": 32}
+JOB_RESOLVER = "pipegen_job_default"
+
+
+def job_default(name: str) -> str:
+    """A key whose default depends on the dataset: an interpolation `register` resolves from `train_files`."""
+    return f"${{{JOB_RESOLVER}:{name},${{train_files}}}}"
+
+
+def _job_default(name: str, train_files: Any) -> int:
+    from pipegen.inputs.demo import is_demo  # no verl, no torch: only paths
+
+    return (DEMO_DEFAULTS if is_demo(train_files) else JOB_DEFAULTS)[name]
+
+
 @dataclass
 class PipegenConfig:
     """The root: pipegen's short knobs (interpolated into verl's keys by conf/pipegen.yaml) and its groups."""
@@ -279,11 +299,14 @@ class PipegenConfig:
     train_files: Any = key("demo", "verl-format parquet file(s); demo = 96 arithmetic problems shipped with "
                                    "pipegen", non_empty=True)
     n: int = key(2, "samples per prompt", at_least=1)
-    max_samples: int = key(32, "prompts to use from the dataset (-1 = all)", at_least=-1)
+    max_samples: int = key(job_default("max_samples"), "prompts to use from the dataset (-1 = all); default: all "
+                                                        "of your train_files, 32 of the demo", at_least=-1)
     seed: int = key(0, "base sampling seed; each (index, sample) gets its own derived seed")
-    max_prompt_length: int = key(256, "prompt tokens at most", at_least=1)
-    max_response_length: int = key(32, "response tokens at most (fits the demo's answers; raise it for real "
-                                       "tasks)", at_least=1)
+    max_prompt_length: int = key(job_default("max_prompt_length"), "prompt tokens at most (a longer prompt is "
+                                                                    "refused at launch); default: 1024, 256 for the "
+                                                                    "demo", at_least=1)
+    max_response_length: int = key(job_default("max_response_length"), "response tokens at most; default: 4096, "
+                                                                        "32 for the demo's short answers", at_least=1)
     temperature: float = key(1.0, "sampling temperature", at_least=0)
     resume_with_changes: bool = key(False, "true = continue a run whose fingerprint changed (mixes two setups)",
                                     choices=(True, False))
@@ -302,6 +325,8 @@ def register() -> None:
     """Put the schema into Hydra's ConfigStore (idempotent): conf/pipegen.yaml's defaults list names it."""
     from hydra.core.config_store import ConfigStore
 
+    if not OmegaConf.has_resolver(JOB_RESOLVER):
+        OmegaConf.register_new_resolver(JOB_RESOLVER, _job_default)
     store = ConfigStore.instance()
     store.store(name="pipegen_schema", node=PipegenConfig)
     for kind, schema in LLM_KINDS.items():
