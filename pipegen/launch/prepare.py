@@ -187,7 +187,8 @@ def check_run_files(run: RunDir) -> str | None:
 
 def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     """Load the dataset once through verl, check it, and record its unit indices."""
-    from pipegen.inputs.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
+    from pipegen.inputs.dataset import (check_files, check_prompt_lengths, dataset_facts, dataset_indices, load_dataset,
+                                        load_tokenizer)
 
     check_files(cfg)  # seconds before verl is imported
     tokenizer = load_tokenizer(cfg)
@@ -196,5 +197,5 @@ def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     if not indices:
         raise ValueError("train_files: the dataset has no rows (after max_samples / filtering)")
     check_prompt_lengths(cfg, dataset, tokenizer)
-    run.write_manifest(indices)
+    run.write_manifest(indices, dataset_facts(cfg, len(indices)))
     return len(indices)

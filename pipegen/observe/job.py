@@ -1,0 +1,91 @@
+"""What the job is, in words a person checks at a glance: the launch's first line (the plan) and the closing
+summary's lines on the prompts and responses.
+
+- `plan_line`: prompts of which dataset, samples each, units, response and prompt limits, the servers; from
+  the config and the parquet footers (or the unit manifest of a run being resumed), before anything starts.
+- `job_lines`: how many rows of the dataset became prompts (and how many max_samples or the length filter left
+  out), and how many responses reached the response limit.
+
+Owns: those lines. Must never: import verl or torch (the plan line comes before any process starts), or
+write anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from pipegen.inputs.dataset import file_rows, selected_rows
+from pipegen.inputs.demo import is_demo
+from pipegen.observe.outcomes import Outcomes
+from pipegen.run.integrity import DamagedFile
+from pipegen.run.layout import RunDir
+from pipegen.run.schema import JOB_DEFAULTS
+
+
+def _files(cfg: DictConfig) -> list[str]:
+    files = cfg.data.train_files
+    return [str(files)] if isinstance(files, str) else [str(f) for f in files]
+
+
+def dataset_name(cfg: DictConfig) -> str:
+    files = _files(cfg)
+    if is_demo(files):
+        return "the demo set"
+    return Path(files[0]).name if len(files) == 1 else f"{len(files)} files ({Path(files[0]).name}, ...)"
+
+
+def _prompts(cfg: DictConfig, run: RunDir) -> tuple[int | None, str]:
+    """(prompts, where they come from) before the dataset is read: the manifest of a resumed run, else the
+    parquet footers under max_samples (None: json files, counted when verl reads them)."""
+    name = dataset_name(cfg)
+    if run.units_file.exists():
+        try:
+            return len(run.read_manifest()), f"{name} (resumed)"
+        except DamagedFile:
+            pass  # the launcher sets it aside and reads the dataset again
+    max_samples = cfg.data.get("train_max_samples")
+    rows = file_rows(cfg)
+    if rows is None:
+        return None, name
+    kept = selected_rows(rows, max_samples)
+    rows_text = f"all its {rows} rows" if kept == rows else f"{kept} of its {rows} rows: max_samples={max_samples}"
+    return kept, f"{name} ({rows_text})"
+
+
+def plan_line(cfg: DictConfig, run: RunDir) -> str:
+    """The launch's first line: what will run."""
+    rollout = cfg.actor_rollout_ref.rollout
+    n = int(rollout.n)
+    prompts, source = _prompts(cfg, run)
+    at_most = "at most " if cfg.data.get("filter_overlong_prompts") else ""
+    what = (f"{at_most}{prompts} prompts of {source} x {n} samples = {at_most}{prompts * n} units" if prompts is not None
+            else f"every prompt of {source} x {n} samples")
+    line = (f"pipegen: {what}; responses up to {int(rollout.response_length)} tokens, prompts up to "
+            f"{int(rollout.prompt_length)}; llm={cfg.llm.kind}")
+    if is_demo(_files(cfg)):
+        line += (f" (the demo's small settings; your own train_files get every row and "
+                 f"{JOB_DEFAULTS['max_response_length']}-token responses)")
+    return line
+
+
+def job_lines(run: RunDir, outcomes: Outcomes | None) -> list[str]:
+    """The closing summary's lines on prompts skipped and responses that reached the response limit."""
+    from pipegen.run.config import load_run_config
+
+    cfg = load_run_config(run)
+    lines = []
+    facts = run.read_dataset_facts()
+    prompts = len(run.read_manifest()) if run.units_file.exists() else 0
+    if facts is not None and facts.rows is not None:
+        lines.append(f"  prompts:      {prompts} of the {facts.rows} rows of {dataset_name(cfg)}; skipped: "
+                     f"{facts.skipped_by_max_samples} by max_samples, {facts.skipped_too_long} as too long "
+                     f"(data.filter_overlong_prompts)")
+    finishes = outcomes.finishes if outcomes is not None else {}
+    if finishes:
+        limit = int(cfg.actor_rollout_ref.rollout.response_length)
+        cut, seen = finishes.get("length", 0), sum(finishes.values())
+        advice = ": raise max_response_length if they were cut short" if cut else ""
+        lines.append(f"  responses:    {cut} of {seen} reached the response limit ({limit} tokens){advice}")
+    return lines
