@@ -109,8 +109,12 @@ class Generation:
     show_progress: bool = key(True, "tqdm progress bar on the launcher", choices=(True, False))
     tracking_interval_s: float = key(10.0, "seconds between metric logs (trainer.logger backends and "
                                            "streams/stats/launch.jsonl)", above=0)
-    upload_artifact: bool = key(True, "upload trajectories.zip to wandb when wandb is in trainer.logger",
-                                choices=(True, False))
+    upload_artifact: bool = key(True, "write trajectories.zip (the merged output, its parts, or with final_merge=false "
+                                      "the batch files; the checkpoint and config) and upload it to wandb when wandb "
+                                      "is in trainer.logger; false: no zip", choices=(True, False))
+    keep_streams: bool = key(True, "false: once the run is complete and `python -m pipegen.status DIR --verify` "
+                                   "passes on it, delete the rollout shards (the batch files and merged output hold "
+                                   "every sample)", choices=(True, False))
     batch_int32: bool = key(True, "store token tensors as int32 in batch files (the merge restores int64)",
                             choices=(True, False))
     max_attempts: int = key(8, "tries per request before its unit goes to the failures stream", at_least=1)
