@@ -5,6 +5,7 @@ summary's lines on the prompts and responses.
   the config and the parquet footers (or the unit manifest of a run being resumed), before anything starts.
 - `job_lines`: how many rows of the dataset became prompts (and how many max_samples or the length filter left
   out), and how many responses reached the response limit.
+- `run_summary`: the closing summary as data (what the Python entry, pipegen/api.py, returns).
 
 Owns: those lines. Must never: import verl or torch (the plan line comes before any process starts), or
 write anything.
@@ -12,6 +13,7 @@ write anything.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -19,6 +21,7 @@ from omegaconf import DictConfig
 from pipegen.inputs.dataset import file_rows, selected_rows
 from pipegen.inputs.demo import is_demo
 from pipegen.observe.outcomes import Outcomes
+from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir
 from pipegen.run.schema import JOB_DEFAULTS
@@ -89,3 +92,55 @@ def job_lines(run: RunDir, outcomes: Outcomes | None) -> list[str]:
         advice = ": raise max_response_length if they were cut short" if cut else ""
         lines.append(f"  responses:    {cut} of {seen} reached the response limit ({limit} tokens){advice}")
     return lines
+
+
+@dataclass
+class RunSummary:
+    """The closing summary as data: what `pipegen.generate` returns beside the run directory."""
+
+    complete: bool
+    samples: int  # units committed
+    units: int  # prompts x n
+    failed: dict[str, str]  # "index:sample" -> why (rerun the same call to retry them)
+    output: Path | None  # trajectories.pkl or the sharded output's index.json; None with final_merge=false
+    batches: list[Path]  # the batch files, when they are the output (final_merge=false)
+    artifact: Path | None  # trajectories.zip
+    prompts: int
+    n: int
+    dataset_rows: int | None  # rows of train_files (None: json files)
+    skipped_by_max_samples: int | None
+    skipped_too_long: int | None
+    response_limit: int
+    responses_at_limit: int | None
+    mean_reward: float | None  # None: nothing was scored
+    pass_at_n: float | None
+
+
+def run_summary(run: RunDir) -> RunSummary:
+    """The run's summary now (complete or not): its units, where the output is, the rewards, the prompts used
+    and skipped, and the responses that reached the response limit."""
+    from pipegen.observe.outcomes import unit_outcomes
+    from pipegen.observe.progress import snapshot
+    from pipegen.run.config import load_run_config
+
+    cfg = load_run_config(run)
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    snap = snapshot(run, n)
+    outcomes = unit_outcomes(run)
+    rewards = outcomes.rewards if outcomes is not None else None
+    facts = run.read_dataset_facts()
+    finishes = outcomes.finishes if outcomes is not None else {}
+    output = run.merged_output()
+    return RunSummary(
+        complete=snap.complete, samples=snap.committed, units=snap.total,
+        failed={unit: failure_reason(info) for unit, info in snap.failed_units.items()},
+        output=output, batches=run.batch_files_on_disk() if output is None else [],
+        artifact=run.artifact if run.artifact.exists() else None, prompts=snap.total // n, n=n,
+        dataset_rows=facts.rows if facts is not None else None,
+        skipped_by_max_samples=facts.skipped_by_max_samples if facts is not None else None,
+        skipped_too_long=facts.skipped_too_long if facts is not None else None,
+        response_limit=int(cfg.actor_rollout_ref.rollout.response_length),
+        responses_at_limit=finishes.get("length", 0) if finishes else None,
+        mean_reward=rewards.mean_reward if rewards is not None else None,
+        pass_at_n=rewards.pass_at_n if rewards is not None else None,
+    )
