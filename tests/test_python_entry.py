@@ -50,3 +50,33 @@ def test_keys_become_the_command_lines_overrides() -> None:
         "output_dir='runs/a b'", "n=4", "llm=vllm", "llm.tp=2", "temperature=0.7", "data.shuffle=true",
         "trainer.logger=[console,wandb]", "data.apply_chat_template_kwargs={enable_thinking:false}",
         "llm.context_length=null"]
+
+
+def test_an_interrupted_generate_resumes_with_the_next_call(tmp_path: Path, tiny_model: str) -> None:
+    """Ctrl-C in the caller stops the launcher and every process of the run; calling again finishes it with
+    every unit exactly once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    keys = dict(o.split("=", 1) for o in FAST)
+    engine = FAKE_ENGINE.split("=", 1)[1]
+    out = tmp_path / "demo"
+    call = (f"import pipegen; pipegen.generate({str(out)!r}, model_path={tiny_model!r}, quiet=True, "
+            f"llm={{'engine': {engine!r}, 'engine_args': ['--token-latency', '0.2']}}, **{keys!r})")
+    caller = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE, text=True)
+    shards = out / "streams" / "rollouts"
+    deadline = time.monotonic() + 240
+    while not any(p.stat().st_size for p in shards.glob("actor_*/*.jsonl")) and time.monotonic() < deadline:
+        assert caller.poll() is None, caller.stderr.read()[-2000:]
+        time.sleep(0.2)
+    os.kill(caller.pid, signal.SIGINT)
+    assert caller.wait(timeout=120) != 0
+    assert "KeyboardInterrupt" in caller.stderr.read()
+    assert not (out / "trajectories.pkl").exists()
+
+    result = pipegen.generate(out, model_path=tiny_model, llm={"engine": engine}, quiet=True, **keys)
+    assert_verified(out)
+    assert (result.summary.complete, result.summary.samples, result.summary.failed) == (True, 12, {})
