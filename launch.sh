@@ -32,7 +32,7 @@ python="${PIPEGEN_PYTHON:-python3}"
 dry_run="${PIPEGEN_SETUP_DRY_RUN:-0}"
 stamp="$venv/.pipegen-installed"
 sglang_stamp="$sglang_venv/.pipegen-installed"
-cache_root="${PIPEGEN_CACHE:-$HOME/.cache/pipegen}"  # pipegen/models.py's cache_root: one cache for models and engines
+cache_root="${PIPEGEN_CACHE:-$HOME/.cache/pipegen}"  # pipegen/inputs/models.py's cache_root: one cache for models and engines
 want="$(cat "$here/pyproject.toml" "$here/launch.sh" "$sglang_requirements" | sha256sum | cut -d' ' -f1)"
 
 log() { echo "[pipegen setup] $*" >&2; }
@@ -142,7 +142,8 @@ case "${1:-}" in
   --tests)
     shift; setup
     cd "$here"
-    start "$venv/bin/python" -m pytest "$@" ;;
+    # --durations: the slowest tests close every run's output, so what makes the suite slow is seen
+    start "$venv/bin/python" -m pytest --durations=25 "$@" ;;
   --module)
     shift; setup
     mod="$1"; shift

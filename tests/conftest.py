@@ -15,7 +15,7 @@ from fake_servers import FAKE_ENGINE_CLASS
 
 REPO = Path(__file__).resolve().parent.parent
 
-# The deterministic fake engine of pipegen's CPU server, chosen by import path (pipegen.testing is test code).
+# The deterministic fake engine of pipegen's CPU server, chosen by import path (pipegen/bench/doubles/).
 FAKE_ENGINE = f"llm.engine={FAKE_ENGINE_CLASS}"
 
 # Small, fast defaults for pipeline tests: a handful of demo prompts, short answers, small batches.
@@ -38,7 +38,7 @@ FAST = [
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from pipegen.testing.tiny_models import tiny_model_path
+    from pipegen.bench.doubles.tiny_models import tiny_model_path
 
     return tiny_model_path()
 

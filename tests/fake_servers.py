@@ -22,7 +22,7 @@ from pipegen.run.layout import RunDir, list_shards
 
 REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-FAKE_ENGINE_CLASS = "pipegen.testing.fake_engine:FakeEngine"
+FAKE_ENGINE_CLASS = "pipegen.bench.doubles.fake_backend:FakeBackend"
 
 
 class Proc(ServerProcess):

@@ -1,7 +1,8 @@
 """Faults around the actors: the client's routing and retries against real fake-engine servers, an actor
 SIGKILLed mid-run, a flaky server (503s and hangs), a server that dies mid-run, and seeded reruns.
 
-Servers are pipegen's CPU server with the fake engine (`--engine pipegen.testing.fake_engine:FakeEngine`) in real subprocesses on loopback ports. The
+Servers are pipegen's CPU server with the fake model backend
+(`--engine pipegen.bench.doubles.fake_backend:FakeBackend`) in real subprocesses on loopback ports. The
 pipeline scenarios attach the real launcher to them with `llm=external`, so the test can give each server
 its own fault flags and read its /pipegen_stats after the run; a recording proxy counts the requests per
 unit (the request's `sampling_seed` is `unit_seed(seed, index, sample)`).

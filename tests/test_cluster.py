@@ -18,7 +18,7 @@ from test_status import kill_orphans_of, wait_for
 
 from pipegen.launch.leases import LeaseBook
 from pipegen.run.layout import RunDir, list_shards, stats_file
-from pipegen.testing.ray_cluster import LOOPBACK_ENV, add_generation_node
+from pipegen.bench.doubles.loopback_cluster import LOOPBACK_ENV, add_generation_node
 
 NODE_RESOURCE = "pipegen_test_node"
 
@@ -128,7 +128,7 @@ def test_two_launchers_on_one_output_dir_exactly_one_generates(tmp_path, tiny_mo
 
 @pytest.fixture
 def ray_cluster():
-    from pipegen.testing.ray_cluster import loopback_cluster
+    from pipegen.bench.doubles.loopback_cluster import loopback_cluster
 
     with loopback_cluster() as cluster:
         yield cluster

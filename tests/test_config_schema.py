@@ -13,6 +13,9 @@ from pipegen.run.schema import LLM_KINDS, KeyInfo, schema_keys
 # Keys for which every value of their type is acceptable to the schema, with where they are checked instead.
 NO_BAD_VALUE = {
     "llm.python": "any interpreter path; the launcher checks it runs SGLang before starting a server",
+    "custom_reward_function.path": "any path; the launcher loads the function from it (tests/test_rewards.py)",
+    "custom_reward_function.reward_kwargs": "any mapping of keyword arguments; a non-mapping is refused at launch",
+    "reward.verifier_url": "any string; the launcher refuses one that is not an http(s) URL (tests/test_rewards.py)",
 }
 
 

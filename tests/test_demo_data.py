@@ -70,7 +70,7 @@ def test_verl_rlhf_dataset_loads_demo_with_tiny_tokenizer(tmp_path: Path, monkey
     from verl.trainer.ppo.utils import create_rl_dataset
 
     from pipegen.run.config import verl_config_dir
-    from pipegen.testing.tiny_models import tiny_model_path
+    from pipegen.bench.doubles.tiny_models import tiny_model_path
 
     # keep the HF datasets cache out of the user's home
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))

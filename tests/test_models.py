@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from pipegen.bench.doubles.tiny_models import build_tiny_qwen, tiny_model_path
 from pipegen.inputs import models
 from pipegen.inputs.models import build_folder_once, resolve_model_path
-from pipegen.testing.tiny_models import build_tiny_llama_smol, build_tiny_qwen, tiny_model_path
+from support.tiny_llama_smol import build_tiny_llama_smol
 
 REPO = Path(__file__).resolve().parent.parent
 

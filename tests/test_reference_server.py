@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 CTX = 256  # the fake servers' context length, small so the context errors are cheap to provoke
 EOS = 2002  # tiny-qwen's <|im_end|> (config.json eos); generation_config adds 2000
-FAKE_ENGINE = "pipegen.testing.fake_engine:FakeEngine"
+FAKE_ENGINE = "pipegen.bench.doubles.fake_backend:FakeBackend"
 
 META_KEYS_NO_LOGPROB = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
                         "reasoning_tokens", "completion_tokens", "cached_tokens", "cached_tokens_details",

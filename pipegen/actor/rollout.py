@@ -16,7 +16,6 @@ line is a FailureRecord), or open a file (it appends to the shards the worker op
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -210,7 +209,7 @@ class UnitRunner:
             repetition_penalty=1.0,
             logprobs=rollout.calculate_log_probs,
         )
-        self.scorer = Scorer(self.tokenizer) if cfg.actors.scoring else None
+        self.scorer = Scorer(cfg, self.tokenizer) if cfg.actors.scoring else None
         self._decode = response_decoder(self.tokenizer)
         self._rows: dict[int, dict[str, Any]] = {}
         self._uids: dict[int, str] = {}
@@ -258,10 +257,8 @@ class UnitRunner:
         outputs = check_trajectories(result, self.prompt_length, self.response_length)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
         if self.scorer is not None and outputs[-1].reward_score is None and self.scorer.applies(row):
-            if self.scorer.cheap(row):
-                self.scorer.score(outputs[-1], row)  # proven fast: a thread hop would cost more
-            else:  # off the event loop: math scorers (sympy) can take a while
-                await asyncio.get_running_loop().run_in_executor(None, self.scorer.score, outputs[-1], row)
+            # inline when proven cheap, else off the event loop (scoring.py); a failed reward fails the unit
+            await self.scorer.score(outputs[-1], row)
             for out in outputs[:-1]:  # a multi-trajectory unit shares its final reward, as verl's TQ worker does
                 out.reward_score = outputs[-1].reward_score
                 if "reward_extra_info" in outputs[-1].extra_fields:
@@ -272,6 +269,11 @@ class UnitRunner:
                              uid=uid, priority=priority, seed=seed,
                              agent_name=agent_name, launch=self.launch.launch, row=row,
                              trajectories=[trajectory_json(o) for o in outputs])
+
+    async def close(self) -> None:
+        """Stop what scoring started (a process pool, a verifier session)."""
+        if self.scorer is not None:
+            await self.scorer.close()
 
     async def run_unit(self, pool, pos: int, sample: int, slot, attempt: int, rollouts: ShardAppender,
                        failures: ShardAppender) -> RolloutRecord | Exception:

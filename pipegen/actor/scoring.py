@@ -1,84 +1,107 @@
-"""Scoring a finished trajectory with verl's `default_compute_score`, the way verl's reward loop does.
+"""Scoring a finished trajectory the way verl's reward loop does: the decoded response handed to the
+row's reward (rewards/spec.py decides which), and the answer read as verl's NaiveRewardManager reads it.
 
-Owns: deciding whether a row can be scored (a `data_source` and a `reward_model.ground_truth`), the
-decoded text handed to verl's scorer (detokenize.py makes it), and where the score lands (`reward_score`, and
-`extra_fields["reward_extra_info"]` as verl's reward loop sets it).
-Must never: run model-written code to score it: verl's scorers execute the generated program for
-code data sources, so those rows stay unscored with one warning.
+Owns: the row -> reward call mapping (data_source, the decoded text detokenize.py makes, ground_truth,
+extra_info with num_turns and rollout_reward_scores as verl adds them) and where the score lands
+(`reward_score`, and `extra_fields["reward_extra_info"]`, which verl's `_postprocess` puts into the batch's
+non-tensor data).
+Must never: give a row a score its reward did not return (a reward that fails raises RewardFailure and the
+unit is recorded as failed), or run model-written code to score it (verl's default scorers execute the
+generated program for code data sources: those rows stay unscored with one warning).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
+
+from omegaconf import DictConfig
+
+from pipegen.rewards.local import FunctionReward, FunctionSpec
+from pipegen.rewards.protocol import ScoreRequest, parse_result
+from pipegen.rewards.spec import CODE_DATA_SOURCES, RewardSettings, run_reward, task_reward
+from pipegen.rewards.verifier import VerifierReward, VerifierSpec
 
 log = logging.getLogger("pipegen.actor")
 
-# verl's default_compute_score executes the model's code for these unless a sandbox is configured
-CODE_DATA_SOURCES = ("codecontests", "apps", "codeforces", "taco")
-INLINE_BUDGET_S = 0.0005  # a data source scored faster than this on average is scored on the event loop
-INLINE_AFTER = 16  # scorings timed (in a worker thread) before a data source may be scored inline
+
+def build_reward(settings: RewardSettings, processes: int):
+    if isinstance(settings, VerifierSpec):
+        return VerifierReward(settings)
+    return FunctionReward(settings, processes)
 
 
 class Scorer:
-    """verl's default_compute_score, applied the way verl's reward loop applies it."""
+    """The run's rewards, applied the way verl's reward loop applies them."""
 
-    def __init__(self, tokenizer):
-        from verl.utils.reward_score import default_compute_score
-
+    def __init__(self, cfg: DictConfig, tokenizer):
         from pipegen.actor.detokenize import response_decoder
 
-        self.tokenizer = tokenizer
         self.decode = response_decoder(tokenizer)  # = tokenizer.decode(ids, skip_special_tokens=True), faster
-        self.compute = default_compute_score
+        processes = int(cfg.reward.processes)
+        whole_run = run_reward(cfg)
+        self.everything = build_reward(whole_run, processes) if whole_run is not None else None
+        self.by_source: dict[str, Any] = {}  # a task's rows: data_source -> its task's reward
+        self.default = None  # verl's default_compute_score, built on first use
+        self._processes = processes
+        if self.everything is None and cfg.get("tasks"):
+            from pipegen.tasks.materialize import task_rewards
+
+            files = cfg.data.train_files
+            built: dict[Any, Any] = {}
+            for source, spec in task_rewards(list(cfg.tasks), [files] if isinstance(files, str) else list(files)).items():
+                settings = task_reward(cfg, spec)
+                if settings is not None:
+                    if repr(settings) not in built:  # tasks sharing one reward share its pool
+                        built[repr(settings)] = build_reward(settings, processes)
+                    self.by_source[source] = built[repr(settings)]
         self._warned: set[str] = set()
-        self._cost: dict[str, tuple[int, float]] = {}  # data_source -> (scorings, seconds)
 
-    def cheap(self, row: dict[str, Any]) -> bool:
-        """Whether this row's data source has proven cheap enough to score without a thread hop (regex
-        scorers such as gsm8k take tens of microseconds; sympy-based ones do not)."""
-        count, seconds = self._cost.get(row.get("data_source"), (0, 0.0))
-        return count >= INLINE_AFTER and seconds / count < INLINE_BUDGET_S
-
-    def applies(self, row: dict[str, Any]) -> bool:
-        reward_model = row.get("reward_model") or {}
+    def reward_for(self, row: dict[str, Any]):
+        """The reward that scores this row, None when it stays unscored."""
+        if self.everything is not None:
+            return self.everything
         source = row.get("data_source")
+        reward = self.by_source.get(source)
+        if reward is not None:
+            return reward
+        reward_model = row.get("reward_model") or {}
         if not isinstance(reward_model, dict) or "ground_truth" not in reward_model or not source:
-            return False
+            return None
         if source in CODE_DATA_SOURCES:
             if source not in self._warned:
                 self._warned.add(source)
                 log.warning("not scoring data_source=%s: verl would execute the generated code on this machine", source)
-            return False
-        return True
+            return None
+        if self.default is None:
+            self.default = FunctionReward(FunctionSpec(), self._processes)
+        return self.default
 
-    def score(self, output, row: dict[str, Any]) -> None:
-        """Set output.reward_score and extra_fields['reward_extra_info'] (NotImplementedError: unscored)."""
-        if not self.applies(row):
+    def applies(self, row: dict[str, Any]) -> bool:
+        return self.reward_for(row) is not None
+
+    async def score(self, output, row: dict[str, Any]) -> None:
+        """Set output.reward_score and extra_fields['reward_extra_info']; a RewardFailure propagates."""
+        reward = self.reward_for(row)
+        if reward is None:
             return
-        started = time.perf_counter()
-        try:
-            self._score(output, row)
-        finally:
-            count, seconds = self._cost.get(row["data_source"], (0, 0.0))
-            self._cost[row["data_source"]] = (count + 1, seconds + time.perf_counter() - started)
-
-    def _score(self, output, row: dict[str, Any]) -> None:
-        reward_model = row["reward_model"]
-        text = self.decode(output.response_ids)
+        reward_model = row.get("reward_model") or {}
         extra = dict(row.get("extra_info") or {})
         extra.update(num_turns=output.num_turns, rollout_reward_scores={})
+        request = ScoreRequest(data_source=row.get("data_source"), solution_str=self.decode(output.response_ids),
+                               ground_truth=reward_model.get("ground_truth") if isinstance(reward_model, dict) else None,
+                               extra_info=extra)
         try:
-            result = self.compute(row["data_source"], text, reward_model["ground_truth"], extra_info=extra)
+            result = await reward.score(request)
         except NotImplementedError:
-            if row["data_source"] not in self._warned:
-                self._warned.add(row["data_source"])
-                log.warning("verl has no scorer for data_source=%s: its rows stay unscored", row["data_source"])
+            source = str(row.get("data_source"))
+            if source not in self._warned:
+                self._warned.add(source)
+                log.warning("verl has no scorer for data_source=%s: its rows stay unscored", source)
             return  # verl knows no scorer for this data_source: leave the row unscored
-        if isinstance(result, dict):
-            output.reward_score = float(result["score"])
-            output.extra_fields["reward_extra_info"] = result
-        else:
-            output.reward_score = float(result)
-            output.extra_fields["reward_extra_info"] = {"acc": float(result)}
+        output.reward_score, output.extra_fields["reward_extra_info"] = parse_result(result, reward.describe())
+
+    async def close(self) -> None:
+        rewards = {id(r): r for r in [self.everything, self.default, *self.by_source.values()] if r is not None}
+        for reward in rewards.values():
+            await reward.close()

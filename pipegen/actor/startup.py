@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from pipegen.engines import is_ready
+from pipegen.engines import detect_protocol, engine, is_ready
 from pipegen.run.stats_line import ACTOR_PHASES, ActorStartup
 
 log = logging.getLogger("pipegen.actor")
@@ -86,9 +86,6 @@ ACTOR_IMPORTS = ("transformers", "verl.experimental.agent_loop.agent_loop", "ver
 async def _answers(session, pool, url: str) -> bool:
     """The engine's health route answered 200 (refused connections, 503 and timeouts mean "still
     loading"). With `llm.protocol=auto`, the first server that answers names the pool's engine."""
-
-    from pipegen.engines import detect_protocol, engine
-
     if pool.engine is None:
         protocol = await asyncio.to_thread(detect_protocol, url)  # UnknownEngine propagates: a wrong URL
         if protocol is None:

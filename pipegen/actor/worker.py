@@ -182,6 +182,7 @@ class Actor:
             await self.units.close()
             self._write_stats(pool, stats, final=True)
             pool.close()
+            await self.runner.close()
         rollouts.close()
         failures.close()
         log.info("actor %s done: %d completed, %d failed; %d requests (%d retries), errors %s", self.rank,

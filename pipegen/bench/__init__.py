@@ -18,4 +18,5 @@ SCENARIOS = {
     "gpu": "pipegen.bench.gpu",
     "vllm": "pipegen.bench.engine_vllm",
     "cluster": "pipegen.bench.cluster",
+    "reward": "pipegen.bench.reward_verifier",
 }

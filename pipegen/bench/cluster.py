@@ -2,7 +2,7 @@
 the other's; `python -m pipegen.launch ... cluster=ray` leases the units to both. Ratio: the makespan ÷
 (total work ÷ total capacity), i.e. how close the run comes to keeping both nodes busy to the end.
 
-Both servers are the fake engine at a fixed pace (`--token-latency`, EOS off, so every unit is exactly
+Both servers are the fake model backend at a fixed pace (`--token-latency`, EOS off, so every unit is exactly
 `max_response_length` tokens); the slow node gets `--token-latency` x 4 through its environment
 (node_runner.NODE_SERVER_ARGS_ENV, as a `ray start` with that variable would). Measured from the actors'
 stats lines (every 0.5 s): the window starts when both nodes have sent their first request (units
@@ -57,7 +57,7 @@ def measure(run: RunDir, total_units: int) -> tuple[float, float, float, dict[st
 
 def run(quick: bool) -> c.ScenarioResult:
     from pipegen.launch.node_runner import NODE_SERVER_ARGS_ENV
-    from pipegen.testing.ray_cluster import LOOPBACK_ENV, add_generation_node, loopback_cluster
+    from pipegen.bench.doubles.loopback_cluster import LOOPBACK_ENV, add_generation_node, loopback_cluster
 
     res = c.ScenarioResult(KEY, TITLE)
     prompts, n, tokens, latency, slots = (48, 4, 24, 0.04, 8) if quick else (96, 6, 24, 0.04, 8)
@@ -70,7 +70,7 @@ def run(quick: bool) -> c.ScenarioResult:
         out = tmp / "run"
         cmd = [sys.executable, "-m", "pipegen.launch", f"output_dir={out}", f"model_path={c.tiny_model()}",
                "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}", f"max_samples={prompts}", f"n={n}",
-               f"max_response_length={tokens}", "llm.engine=pipegen.testing.fake_engine:FakeEngine",
+               f"max_response_length={tokens}", "llm.engine=pipegen.bench.doubles.fake_backend:FakeBackend",
                f"llm.engine_args=[--token-latency,{latency},--eos-prob,0]", f"llm.max_batch={slots}",
                f"actors.concurrency={slots}", "actors.stats_interval_s=0.5", "generation.show_progress=false"]
         env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": cluster.address}

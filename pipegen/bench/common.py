@@ -29,7 +29,7 @@ import orjson
 
 from pipegen.launch.servers import ServerProcess
 from pipegen.run.layout import LaunchRecord, RunDir, list_shards
-from pipegen.run.stream import RolloutRecord, UnitKeys, prompt_uid, unit_seed
+from pipegen.run.stream import RolloutRecord, ShardAppender, ShardTailer, UnitKeys, prompt_uid, unit_seed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -145,11 +145,11 @@ def scratch(prefix: str) -> Iterator[Path]:
 PROMPT_TOKENS = 256
 TOKEN_LO, TOKEN_HI = 100, 1900  # ordinary ids of the tiny test model's vocabulary (2048)
 LAUNCH = "bench"  # the launch id and run key of every prepared run folder
-FAKE_ENGINE = "pipegen.testing.fake_engine:FakeEngine"
+FAKE_BACKEND = "pipegen.bench.doubles.fake_backend:FakeBackend"
 
 
 def tiny_model() -> str:
-    from pipegen.testing.tiny_models import tiny_model_path
+    from pipegen.bench.doubles.tiny_models import tiny_model_path
 
     return tiny_model_path()
 
@@ -249,8 +249,6 @@ def write_records(topic: Path, records: list[RolloutRecord], max_bytes: int = 64
                   fsync_interval_s: float = 1.0) -> None:
     """One actor's shards of `records` (`RolloutRecord.to_line` + `ShardAppender.append`, fsync on the
     actor's timer and at seal)."""
-    from pipegen.run.stream import ShardAppender
-
     app = ShardAppender(topic, 0, max_bytes=max_bytes, fsync_interval_s=fsync_interval_s)
     for record in records:
         app.append(record.to_line())
@@ -268,15 +266,11 @@ def shard_bytes(topic: Path) -> int:
 
 def shard_lines(topic: Path) -> list[bytes]:
     """Every complete line of a topic's shards, as the writer's tailer reads them."""
-    from pipegen.run.stream import ShardTailer
-
     return [line for _, _, line in ShardTailer(Path(topic)).lines()]
 
 
 def tail_records(topic: Path) -> int:
     """The writer's read: `ShardTailer.lines()` + `RolloutRecord.from_line` per line; returns the count."""
-    from pipegen.run.stream import ShardTailer
-
     got = 0
     for _, _, line in ShardTailer(Path(topic)).lines():
         RolloutRecord.from_line(line)
@@ -319,14 +313,14 @@ def server_stats(url: str, timeout: float = 30) -> dict[str, Any]:
     return get_json(f"{url}/pipegen_stats", timeout)
 
 
-def fake_engine_args(*, slots: int, eos_prob: float, token_latency: float = 0.0, seed: int = 0,
+def fake_backend_args(*, slots: int, eos_prob: float, token_latency: float = 0.0, seed: int = 0,
                      model: str | None = None, step_time: float = 0.0, step_time_per_request: float = 0.0,
                      hang_rate: float = 0.0) -> list[str]:
-    """CPU server arguments for the fake engine: `slots` requests run at once (the rest wait, FIFO), each
+    """CPU server arguments for the fake model backend: `slots` requests run at once (the rest wait, FIFO), each
     token takes `token_latency` seconds (or, GPU-like, one batched step of `step_time +
     step_time_per_request * running` seconds gives every running request a token), each token ends the
     answer with chance `eos_prob`; `hang_rate` of the requests are never answered."""
-    args = ["--engine", FAKE_ENGINE, "--model-path", model or tiny_model(), "--slots", str(slots),
+    args = ["--engine", FAKE_BACKEND, "--model-path", model or tiny_model(), "--slots", str(slots),
             "--token-latency", str(token_latency), "--eos-prob", str(eos_prob), "--seed", str(seed)]
     if step_time or step_time_per_request:
         args += ["--step-time", str(step_time), "--step-time-per-request", str(step_time_per_request)]

@@ -1,5 +1,5 @@
 """Scenario `e2e`: end to end against an instant fake SGLang-protocol server (the CPU server with the
-fake engine, no latency).
+fake model backend, no latency).
 
 - pipegen: the real actor (`pipegen.actor.worker.Actor.main`: verl's single_turn_agent, pipegen's HTTP
   client, one RolloutRecord appended per unit) in this process, against the CPU server with the fake
@@ -299,7 +299,7 @@ def actor_vs_ray(res: c.ScenarioResult, tmp: Path, spec: RunSpec, label: str, fi
 
 def measure(res: c.ScenarioResult, tmp: Path, spec: RunSpec, reps: int, with_ray: bool, with_launcher: bool) -> None:
     label = f"{spec.response_tokens}-token responses"
-    with c.reference_server(tmp / f"srv{spec.response_tokens}", c.fake_engine_args(slots=4096, eos_prob=0)) as server:
+    with c.reference_server(tmp / f"srv{spec.response_tokens}", c.fake_backend_args(slots=4096, eos_prob=0)) as server:
         figures = actor_vs_raw(res, server, tmp, spec, reps, label)
         if with_launcher:
             launcher_vs_raw(res, server, tmp, spec, reps, label, figures.bodies)

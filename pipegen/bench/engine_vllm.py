@@ -31,7 +31,7 @@ import orjson
 
 from pipegen.bench import common as c
 from pipegen.bench.gpu import gpu_names, run_pipegen
-from pipegen.launch.servers import ServerProcess
+from pipegen.launch.servers import ServerProcess, vllm_server_command
 
 KEY = "vllm"
 TITLE = "9. vLLM: pipegen vs a raw loop vs vLLM's offline LLM.generate (one server, same prompts)"
@@ -95,7 +95,6 @@ def run_offline(python: str, model: str, llm: dict, env: dict[str, str], bodies:
 
 def measure(res: c.ScenarioResult, tmp: Path, quick: bool) -> None:
     from pipegen.bench.end_to_end import raw_bodies
-    from pipegen.launch.servers import vllm_server_command
     from pipegen.launch.world import ServerPlan, free_port
     from pipegen.inputs.models import resolve_model_path
     from pipegen.run.layout import RunDir

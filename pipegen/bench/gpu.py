@@ -31,7 +31,7 @@ from pathlib import Path
 import orjson
 
 from pipegen.bench import common as c
-from pipegen.launch.servers import ServerProcess
+from pipegen.launch.servers import ServerProcess, check_server_python, server_python, sglang_server_command
 
 KEY = "gpu"
 TITLE = "8. GPU: pipegen vs a raw loop vs SGLang's offline benchmark (one server, same prompts)"
@@ -76,7 +76,6 @@ class UtilSampler:
 
 
 def sglang_server(python: str, model: str, folder: Path, extra: list[str]) -> ServerProcess:
-    from pipegen.launch.servers import sglang_server_command
     from pipegen.launch.world import ServerPlan, free_port
 
     plan = ServerPlan("bench", "127.0.0.1", free_port(), (int(os.environ.get("PIPEGEN_BENCH_GPU", "0")),))
@@ -164,7 +163,11 @@ def run_sglang_offline(python: str, model: str, dataset: Path, prompts: int, max
     result = folder / "sglang_offline.jsonl"
     cmd = [python, "-m", "sglang.bench_offline_throughput", "--model-path", model, "--dataset-name", "sharegpt",
            "--dataset-path", str(dataset), "--num-prompts", str(prompts), "--sharegpt-output-len", str(max_new),
-           "--result-filename", str(result), "--random-seed", "0", *extra]
+           "--result-filename", str(result), "--random-seed", "0",
+           # stop at EOS as pipegen and the raw loop do (its default ignore_eos generates every token, a different
+           # workload); and no grammar backend: the offline engine imports xgrammar for it, which the server's
+           # --skip-tokenizer-init spares, and a GPU box need not have it
+           "--disable-ignore-eos", "--grammar-backend", "none", *extra]
     with open(folder / "sglang_offline.log", "wb") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=1800, check=False)
     if not result.exists():
@@ -215,13 +218,13 @@ def measure(res: c.ScenarioResult, tmp: Path, python: str, quick: bool) -> None:
     res.add(c.Row(what="pipegen (default config) vs SGLang's bench_offline_throughput", ratio=pg.tok_per_s / sgl,
                   label="pipegen ÷ sglang.bench_offline_throughput (output tok/s)",
                   raw=f"SGLang offline {c.fmt_rate(sgl, ' tok/s')} ({offline.get('total_output_tokens')} tokens in "
-                      f"{float(offline.get('total_latency', 0)):.1f} s, its own concurrency, ignore_eos); "
+                      f"{float(offline.get('total_latency', 0)):.1f} s, its own concurrency, stopping at EOS); "
                       f"raw all-in-flight ÷ SGLang offline {raw_all / sgl:.2f}×"))
     res.notes.append(
         f"gpu: {gpu_names()[0] if gpu_names() else 'GPU'}; server ready in {load_s:.0f} s; pipegen's launch took "
         f"{pg.wall_s:.0f} s wall ({pg.tokens:,} output tokens); start-up: {pg.startup}. pipegen's rate runs from its "
         "first request to its last shard line; the raw loop replays pipegen's own /generate bodies; SGLang's offline "
-        "benchmark reads the same prompts as text and generates the full length (ignore_eos).")
+        "benchmark reads the same prompts as text and stops at EOS like the other two.")
 
 
 def run(quick: bool) -> c.ScenarioResult:
@@ -230,8 +233,6 @@ def run(quick: bool) -> c.ScenarioResult:
         res.skipped = "no GPU"
         print("gpu: skipped: no GPU")
         return res
-    from pipegen.launch.servers import check_server_python, server_python
-
     python = server_python({"python": os.environ.get("PIPEGEN_SGLANG_PYTHON")})
     problem = check_server_python("sglang", python)
     if problem:

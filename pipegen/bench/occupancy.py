@@ -3,7 +3,7 @@
     python -m pipegen.bench.occupancy [--slots 32] [--token-latency 0.01] [--n 16] [--prompts 96]
                                       [--max-response-length 64] [--concurrency 2*slots] [--actors 1]
 
-Starts the CPU server with the fake engine (`--slots S`: at most S requests run at once, the rest wait
+Starts the CPU server with the fake model backend (`--slots S`: at most S requests run at once, the rest wait
 FIFO; `--token-latency L`: each generated token takes L seconds), then runs the real launcher against it
 (`llm=external`: actors with verl agent loops, the writer, the merge) on the demo prompts. While it runs
 it polls the server's `GET /pipegen_stats` and reports:
@@ -116,7 +116,7 @@ def run_occupancy_bench(*, slots: int = 32, token_latency: float = 0.01, n: int 
     workdir.mkdir(parents=True, exist_ok=True)
     run_dir = workdir / "run"
     expected = prompts * n
-    server_args = c.fake_engine_args(slots=slots, token_latency=token_latency, eos_prob=eos_prob, seed=seed,
+    server_args = c.fake_backend_args(slots=slots, token_latency=token_latency, eos_prob=eos_prob, seed=seed,
                                      model=model, step_time=step_time, step_time_per_request=step_time_per_request,
                                      hang_rate=hang_rate)
     cmd_overrides = ["train_files=demo", f"max_samples={prompts}", f"n={n}",
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=16, help="samples per prompt")
     p.add_argument("--prompts", type=int, default=96, help="demo prompts to use (at most 96)")
     p.add_argument("--max-response-length", type=int, default=64)
-    p.add_argument("--eos-prob", type=float, default=0.02, help="fake engine's EOS chance per token")
+    p.add_argument("--eos-prob", type=float, default=0.02, help="the fake backend's EOS chance per token")
     p.add_argument("--concurrency", type=int, default=None, help="units in flight over all actors (default: auto)")
     p.add_argument("--step-time", type=float, default=0.0, help="GPU-like: seconds per batched step at batch 1")
     p.add_argument("--step-time-per-request", type=float, default=0.0, help="GPU-like: extra s per step per request")

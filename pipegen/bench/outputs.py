@@ -88,7 +88,7 @@ def child(what: str, root: str) -> dict:
             cfg.generation.upload_artifact = False
         merge.merge_run(cfg, run, ckpt)
     elif what == "verl":
-        from pipegen.run.batchfile import ROW_ORDER
+        from pipegen.run.rows import ROW_ORDER
         from pipegen.writer.batches import from_storage, load_batch
 
         import numpy as np

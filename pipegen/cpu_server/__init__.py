@@ -4,10 +4,12 @@ Started by module name, the way SGLang is: ``python -m pipegen.cpu_server --mode
 core - launcher, actor, writer, status - talks to it over HTTP only and never imports this package, so the
 same run can point at real SGLang servers instead.
 
-Modules: ``cli`` (flags, engine choice), ``server`` (the aiohttp app and the process life), ``errors`` /
-``sampling_params`` / ``parse`` / ``responses`` (the wire protocol as pure functions), ``engine`` (the engine
-contract and model facts), ``hf_engine`` + ``hf_sampling`` (transformers on CPU, batched). Other engines plug in
-with ``--engine package.module:ClassName``.
+Modules: ``cli`` (flags, the model backend's choice), ``server`` (the aiohttp app and the process life),
+``errors`` / ``sampling_params`` / ``parse`` / ``responses`` (the wire protocol as pure functions),
+``model_backend`` (the backend contract and model facts), ``hf_backend`` + ``hf_sampling`` (transformers on
+CPU, batched). Other model backends plug in with ``--engine package.module:ClassName`` (the flag keeps
+``llm.engine``'s name). The word "engine" elsewhere in pipegen means a server pipegen speaks to
+(pipegen/engines/).
 Must never: import torch or transformers at package import time (the server binds its port before the model
 loads), or import test code.
 """

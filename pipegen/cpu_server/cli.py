@@ -1,9 +1,9 @@
 """The CPU reference server's command line: ``python -m pipegen.cpu_server --model-path DIR [flags]``.
 
-Owns: the flags every engine receives (the launcher passes ``--threads``, ``--dtype`` and ``--max-batch`` to any
-engine), choosing the engine class from ``--engine`` (``hf`` or an import path ``package.module:ClassName``)
+Owns: the flags every model backend receives (the launcher passes ``--threads``, ``--dtype`` and ``--max-batch`` to any
+backend), choosing the backend class from ``--engine`` (``hf`` or an import path ``package.module:ClassName``)
 and letting that class add its own flags, the log format, and running ``serve`` on uvloop.
-Must never: construct or import a particular engine by name other than through ``--engine``, or start serving
+Must never: construct or import a particular backend by name other than through ``--engine``, or start serving
 on invalid flags (argparse exits with code 2 and a usage line instead).
 """
 
@@ -16,7 +16,7 @@ from typing import Optional
 
 import uvloop
 
-from pipegen.cpu_server.engine import load_engine_class
+from pipegen.cpu_server.model_backend import load_backend_class
 from pipegen.cpu_server.lifecycle import serve
 from pipegen.cpu_server.server import CRASH_EXIT_CODE
 from pipegen.observe.logs import watch_parent
@@ -32,21 +32,21 @@ def _engine_name(argv: Optional[list[str]]) -> str:
 
 
 def build_parser(engine: str) -> argparse.ArgumentParser:
-    """The full parser: common flags, then the flags of the class ``engine`` names (added by the class)."""
+    """The full parser: common flags, then the flags of the class ``backend`` names (added by the class)."""
     p = argparse.ArgumentParser(
         prog=PROG, description="pipegen's CPU reference server (SGLang 0.5.12 native /generate protocol)",
-        epilog="--help lists the flags of the engine chosen with --engine (default hf).")
+        epilog="--help lists the flags of the model backend chosen with --engine (default hf).")
     p.add_argument("--model-path", default=None,
                    help="local Hugging Face folder (or a pipegen short name such as smollm2-135m); required by "
-                        "engines that load weights (hf), else optional (vocab/eos/context then default to "
+                        "backends that load weights (hf), else optional (vocab/eos/context then default to "
                         "32000/2/4096)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=30000, help="0 = any free port (see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once listening (atomic)")
     p.add_argument("--engine", default="hf", metavar="hf|package.module:ClassName",
-                   help="hf = transformers on CPU (default); or the import path of an Engine subclass")
+                   help="hf = transformers on CPU (default); or the import path of a ModelBackend subclass")
     p.add_argument("--context-length", type=int, default=None, help="default: from config.json")
-    p.add_argument("--seed", type=int, default=0, help="server seed (engine draws without a sampling_seed, "
+    p.add_argument("--seed", type=int, default=0, help="server seed (the backend draws without a sampling_seed, "
                                                        "fault draws)")
     p.add_argument("--threads", type=int, default=CpuServers.threads, help="torch intra-op threads (1 is best on small boxes)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
@@ -66,19 +66,19 @@ def build_parser(engine: str) -> argparse.ArgumentParser:
     p.add_argument("--stats-interval", type=float, default=30.0, help="seconds between stats log lines (0 = off)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     try:
-        engine_class = load_engine_class(engine)
+        backend_class = load_backend_class(engine)
     except ValueError as exc:
         p.error(str(exc))
-    engine_class.add_arguments(p)
-    p.set_defaults(engine_class=engine_class)
+    backend_class.add_arguments(p)
+    p.set_defaults(backend_class=backend_class)
     return p
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    """Parse and check the command line; ``args.engine_class`` is the Engine subclass to build."""
+    """Parse and check the command line; ``args.backend_class`` is the ModelBackend subclass to build."""
     p = build_parser(_engine_name(argv))
     args = p.parse_args(argv)
-    if args.engine_class.requires_model_path and not args.model_path:
+    if args.backend_class.requires_model_path and not args.model_path:
         p.error(f"--model-path is required for --engine {args.engine}")
     for name in ("fail_rate", "hang_rate"):
         if not 0.0 <= getattr(args, name) <= 1.0:

@@ -3,7 +3,7 @@
 Owns: ``ProtocolError`` (an HTTP error ready to send) and one constructor per SGLang error shape: the usual
 ``{"error": {"message": ...}}`` 400 of a ValueError, the FastAPI/pydantic validation 400, the unknown or
 ill-typed ``sampling_params`` key (0.5.23's serde-style 400, or 0.5.12's bare text/plain 500), the queue-full
-503, and an engine failure passed on with its own status.
+503, and a model backend's failure passed on with its own status.
 Must never: decide *whether* a request is wrong (the parsers do), do I/O, or change a body's keys or texts:
 clients match on them.
 """
@@ -43,7 +43,7 @@ def type_name(v: Any) -> str:
 def bad_request(message: str, status: int = 400) -> ProtocolError:
     """SGLang's usual answer to a ValueError raised while handling /generate: ``{"error": {"message": ...}}``.
 
-    ``status`` 500/503 is how an engine-side failure is passed on (SGLang raises HTTPException with it).
+    ``status`` 500/503 is how a backend-side failure is passed on (SGLang raises HTTPException with it).
     """
     return ProtocolError(status, orjson.dumps({"error": {"message": message}}))
 

@@ -1,4 +1,4 @@
-"""Per-row sampling and logprobs for the transformers engine: one batch of logits in, one token per row out.
+"""Per-row sampling and logprobs for the transformers backend: one batch of logits in, one token per row out.
 
 Owns:
   * ``sample`` - temperature, top_p, top_k, min_p, greedy for temperature < 1e-6, repetition / frequency /
@@ -25,7 +25,7 @@ import os
 import random
 from typing import Any, Optional, Sequence
 
-from pipegen.cpu_server.engine import TopList
+from pipegen.cpu_server.model_backend import TopList
 from pipegen.cpu_server.parse import EntrySpec
 from pipegen.cpu_server.sampling_params import SamplingSpec
 

@@ -1,7 +1,7 @@
 """The CPU reference server's process life: bind the port first and load the model after, so liveness
 (`/health` 503, `/get_model_info`) is visible while the model loads; then serve until SIGTERM/SIGINT.
 
-Owns: resolving the model path, building the engine and the app (server.py), the port file, the
+Owns: resolving the model path, building the model backend and the app (server.py), the port file, the
 periodic stats log, and an orderly shutdown.
 Must never: handle a request itself (server.py does), or bind anything but the given host.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from pipegen.cpu_server.engine import read_model_facts
+from pipegen.cpu_server.model_backend import read_model_facts
 from pipegen.cpu_server.server import ReferenceServer, build_app
 
 log = logging.getLogger("pipegen.cpu_server")
@@ -31,8 +31,8 @@ async def serve(args: argparse.Namespace) -> int:
 
         args.model_path = resolve_model_path(args.model_path)
     facts = read_model_facts(args.model_path)
-    engine = args.engine_class.from_args(facts, args)
-    server = ReferenceServer(args, engine, facts)
+    backend = args.backend_class.from_args(facts, args)
+    server = ReferenceServer(args, backend, facts)
     app = build_app(server)
     runner = web.AppRunner(app, handler_cancellation=True,
                            access_log=logging.getLogger("aiohttp.access") if args.log_level == "debug" else None)
@@ -41,8 +41,8 @@ async def serve(args: argparse.Namespace) -> int:
     await site.start()
     sockets = getattr(getattr(site, "_server", None), "sockets", None) or []
     server.port = sockets[0].getsockname()[1] if sockets else args.port
-    log.info("pipegen reference server listening on http://%s:%d (engine=%s, model=%s, context=%d)",
-             args.host, server.port, engine.name, args.model_path or "-", engine.context_length)
+    log.info("pipegen reference server listening on http://%s:%d (backend=%s, model=%s, context=%d)",
+             args.host, server.port, backend.name, args.model_path or "-", backend.context_length)
     if args.port_file:
         tmp = f"{args.port_file}.tmp{os.getpid()}"
         Path(tmp).write_text(str(server.port))
@@ -57,14 +57,14 @@ async def serve(args: argparse.Namespace) -> int:
         await asyncio.sleep(args.startup_delay)
     t0 = time.monotonic()
     try:
-        await asyncio.to_thread(engine.load)
+        await asyncio.to_thread(backend.load)
     except Exception:
         log.exception("model load failed: %s", args.model_path)
         await runner.cleanup()
         return 1
-    await engine.start()
+    await backend.start()
     server.ready.set()
-    log.info("engine %s loaded in %.2f s; The server is fired up and ready to roll!", engine.name,
+    log.info("model backend %s loaded in %.2f s; The server is fired up and ready to roll!", backend.name,
              time.monotonic() - t0)
     stats_task = loop.create_task(server.log_stats_periodically(args.stats_interval)) \
         if args.stats_interval > 0 else None
@@ -72,6 +72,6 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("shutting down")
     if stats_task:
         stats_task.cancel()
-    await engine.close()
+    await backend.close()
     await runner.cleanup()
     return 0

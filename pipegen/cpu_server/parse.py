@@ -2,7 +2,7 @@
 
 Owns: ``parse_generate_request`` (single vs batch, ``n > 1`` expansion prompt-major, SGLang's rid rules,
 per-entry logprob options, the context-length and input-length checks with SGLang's texts and statuses),
-``EntrySpec`` / ``ParsedRequest`` (what the server hands to engines), and ``effective_max_new_tokens`` (absent
+``EntrySpec`` / ``ParsedRequest`` (what the server hands to its model backend), and ``effective_max_new_tokens`` (absent
 = 128, ``null`` = up to the context, clamped to ``C - 2 - N``).
 Must never: do I/O, import torch/transformers/aiohttp, re-tokenize anything (token ids in, token ids out), or
 depend on server state (the in-flight duplicate-rid check lives in the server). Deterministic given its

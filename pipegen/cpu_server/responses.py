@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from pipegen.cpu_server.engine import GenerationResult, TopList
+from pipegen.cpu_server.model_backend import GenerationResult, TopList
 from pipegen.cpu_server.parse import EntrySpec
 
 WEIGHT_VERSION = "default"  # SGLang's --weight-version default

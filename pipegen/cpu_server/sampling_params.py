@@ -1,7 +1,7 @@
 """SGLang 0.5.12's ``SamplingParams`` for one generation: its keys, defaults, greedy conversion and verify().
 
 Owns: ``SAMPLING_KEYS`` (the known keys, in SGLang's declaration order), ``SamplingSpec`` (the normalised,
-immutable view engines read), ``parse_sampling_params`` (one ``sampling_params`` dict -> SamplingSpec, raising
+immutable view a backend reads), ``parse_sampling_params`` (one ``sampling_params`` dict -> SamplingSpec, raising
 SGLang's error for the first problem in SGLang's order), and the constants SGLang's scheduler uses for them.
 Must never: do I/O, import torch/transformers/aiohttp, or accept a key or value SGLang would refuse (except
 ``None`` = default, which newer SGLang accepts too).

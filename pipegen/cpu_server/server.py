@@ -1,14 +1,14 @@
 """The CPU reference server's HTTP side: an aiohttp app that speaks SGLang 0.5.12's native protocol.
 
 Owns: ``POST|PUT /generate`` (single, batch, ``n > 1``; the in-flight duplicate-rid check), ``GET /health``
-and ``GET /health_generate`` (503 with an empty body until the engine is loaded), ``GET /get_model_info`` and
+and ``GET /health_generate`` (503 with an empty body until the model backend is loaded), ``GET /get_model_info`` and
 ``/model_info`` (answer during startup too), ``GET /get_server_info``, ``GET /v1/models``,
 ``GET|POST /flush_cache``, ``POST /abort_request`` (rid prefix semantics), ``GET /get_load`` (SGLang's
 per-DP running/waiting counts) and pipegen's ``GET /pipegen_stats`` (JSON counters for tests and
 benchmarks); lifecycle.py runs it as a process. A client disconnect aborts its request; the fault knobs (``--fail-rate``, ``--hang-rate``, ``--crash-after``) inject SGLang-shaped failures.
 It always behaves as ``--skip-tokenizer-init``: token ids in, token ids + logprobs out, no ``text``.
 Must never: bind anything but the given host (loopback by default), do model work on the event loop, answer a
-request it did not validate, re-tokenize, or know an engine's constructor (engines build themselves from the
+request it did not validate, re-tokenize, or know a backend's constructor (backends build themselves from the
 parsed command line). Acceptable differences from SGLang: no streaming, no stop strings, ``cached_tokens``
 always 0, instant ``/health``, no ``/metrics``, ids >= vocab size rejected.
 """
@@ -27,7 +27,7 @@ from typing import Any, Optional
 import orjson
 from aiohttp import web
 
-from pipegen.cpu_server.engine import HEALTH_CHECK_PREFIX, Engine, EngineRequest, ModelFacts
+from pipegen.cpu_server.model_backend import HEALTH_CHECK_PREFIX, BackendRequest, ModelBackend, ModelFacts
 from pipegen.cpu_server.errors import ProtocolError, bad_request, service_unavailable, validation_error
 from pipegen.cpu_server.parse import SCHEDULER_INPUT_MARGIN, EntrySpec, parse_generate_request
 from pipegen.cpu_server.responses import WEIGHT_VERSION, build_output, finish_abort_waiting
@@ -41,14 +41,14 @@ SGLANG_VERSION = "0.5.12"
 
 
 class ReferenceServer:
-    """State shared by the handlers: the engine, readiness, in-flight requests, counters, fault RNG."""
+    """State shared by the handlers: the model backend, readiness, in-flight requests, counters, fault RNG."""
 
-    def __init__(self, args: argparse.Namespace, engine: Engine, facts: ModelFacts) -> None:
+    def __init__(self, args: argparse.Namespace, backend: ModelBackend, facts: ModelFacts) -> None:
         self.args = args
-        self.engine = engine
+        self.backend = backend
         self.facts = facts
         self.ready = asyncio.Event()
-        self.inflight: dict[str, EngineRequest] = {}
+        self.inflight: dict[str, BackendRequest] = {}
         self.port: Optional[int] = None
         # A str seed is hashed with SHA-512 by random.Random: the fault sequence is reproducible per --seed.
         self.fault_rng = random.Random(f"pipegen-faults-{args.seed}")
@@ -118,8 +118,8 @@ class ReferenceServer:
         try:
             parsed = parse_generate_request(
                 body,
-                context_length=self.engine.context_length,
-                vocab_size=self.engine.vocab_size,
+                context_length=self.backend.context_length,
+                vocab_size=self.backend.vocab_size,
                 unknown_key_status=self.args.unknown_key_status,
             )
             if parsed.user_rids:
@@ -130,19 +130,19 @@ class ReferenceServer:
             return self.error_response(err)
 
         loop = asyncio.get_running_loop()
-        reqs = [EngineRequest(e, loop) for e in parsed.entries]
+        reqs = [BackendRequest(e, loop) for e in parsed.entries]
         for r in reqs:
             self.inflight[r.spec.rid] = r
         try:
             for r in reqs:
-                self.engine.submit(r)
+                self.backend.submit(r)
             results = await asyncio.gather(*(r.future for r in reqs))
         except asyncio.CancelledError:
             # Client disconnect (aiohttp cancels the handler): abort server-side, as SGLang does.
             self.client_disconnects += 1
             for r in reqs:
                 if not r.done:
-                    self.engine.abort(r)
+                    self.backend.abort(r)
             log.info("client disconnected: aborted %d generation(s) (first rid %s)", len(reqs), reqs[0].spec.rid)
             raise
         finally:
@@ -153,7 +153,7 @@ class ReferenceServer:
         for res in results:
             fr = res.finish_reason or {}
             if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
-                # An engine-side failure: SGLang raises HTTPException with that status.
+                # A backend-side failure: SGLang raises HTTPException with that status.
                 status = int(fr["status_code"])
                 return self.error_response(bad_request(fr.get("message"), status))
         e2e = time.monotonic() - t0
@@ -205,23 +205,23 @@ class ReferenceServer:
         return web.Response(status=200 if ok else 503)
 
     async def probe(self) -> bool:
-        """A one-token greedy generation through the engine (SGLang's health check), 20 s budget."""
-        if self.engine.trivial_probe:
-            return True  # e.g. a synthetic engine: nothing can get stuck, and it must not queue behind its slots
-        v = self.engine.vocab_size
+        """A one-token greedy generation through the backend (SGLang's health check), 20 s budget."""
+        if self.backend.trivial_probe:
+            return True  # e.g. a synthetic backend: nothing can get stuck, and it must not queue behind its slots
+        v = self.backend.vocab_size
         spec = EntrySpec(rid=f"{HEALTH_CHECK_PREFIX}{uuid.uuid4().hex}", input_ids=(10 % v, 11 % v, 12 % v),
                          sampling=SamplingSpec(max_new_tokens=1, top_k=1), max_new_tokens=1)
-        req = EngineRequest(spec, asyncio.get_running_loop())
-        self.engine.submit(req)
+        req = BackendRequest(spec, asyncio.get_running_loop())
+        self.backend.submit(req)
         try:
             await asyncio.wait_for(asyncio.shield(req.future), HEALTH_PROBE_TIMEOUT_S)
             return True
         except asyncio.TimeoutError:
-            self.engine.abort(req)
+            self.backend.abort(req)
             log.warning("health probe produced nothing within %.0f s", HEALTH_PROBE_TIMEOUT_S)
             return False
         except asyncio.CancelledError:
-            self.engine.abort(req)
+            self.backend.abort(req)
             raise
 
     def model_info(self) -> dict:
@@ -242,7 +242,7 @@ class ReferenceServer:
 
     async def get_server_info(self, request: web.Request) -> web.Response:
         a = self.args
-        c = self.engine.context_length
+        c = self.backend.context_length
         info = {
             "model_path": a.model_path,
             "tokenizer_path": a.model_path,
@@ -251,28 +251,28 @@ class ReferenceServer:
             "port": self.port,
             "context_length": c,
             "skip_tokenizer_init": True,
-            "dtype": getattr(self.engine, "dtype_name", a.dtype),
+            "dtype": getattr(self.backend, "dtype_name", a.dtype),
             "device": "cpu",
             "tp_size": 1,
             "dp_size": 1,
             "random_seed": a.seed,
-            "max_running_requests": self.engine.max_running_requests,
+            "max_running_requests": self.backend.max_running_requests,
             "max_queued_requests": None,
             "skip_server_warmup": True,
-            "max_total_num_tokens": c * self.engine.max_running_requests,
+            "max_total_num_tokens": c * self.backend.max_running_requests,
             "max_req_input_len": c - SCHEDULER_INPUT_MARGIN,
             "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}}],
             "version": SGLANG_VERSION,
             "pipegen_reference_server": True,
-            "engine": self.engine.name,
-            "vocab_size": self.engine.vocab_size,
-            "eos_token_ids": sorted(self.engine.eos_token_ids),
+            "engine": self.backend.name,
+            "vocab_size": self.backend.vocab_size,
+            "eos_token_ids": sorted(self.backend.eos_token_ids),
         }
         return self.json_response(info)
 
     async def get_load(self, request: web.Request) -> web.Response:
         """SGLang's per-DP load list: ``num_reqs`` counts running + waiting, ``num_waiting_reqs`` the queue."""
-        s = self.engine.stats()
+        s = self.backend.stats()
         running, waiting = int(s.get("running", 0)), int(s.get("waiting", 0))
         return self.json_response([{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting,
                                     "num_tokens": 0}])
@@ -280,7 +280,7 @@ class ReferenceServer:
     async def v1_models(self, request: web.Request) -> web.Response:
         name = self.args.served_model_name or self.args.model_path
         data = [{"id": name, "object": "model", "created": int(self.started_at), "owned_by": "sglang",
-                 "root": self.args.model_path, "parent": None, "max_model_len": self.engine.context_length}]
+                 "root": self.args.model_path, "parent": None, "max_model_len": self.backend.context_length}]
         return self.json_response({"object": "list", "data": data})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -312,7 +312,7 @@ class ReferenceServer:
             targets = []
         for r in targets:
             if not r.done:
-                self.engine.abort(r)
+                self.backend.abort(r)
         hung = list(self.hung_rids) if body.get("abort_all") else [
             k for k in self.hung_rids if isinstance(rid, str) and rid in self.hung_rids and k.startswith(rid)]
         for k in hung:
@@ -327,7 +327,7 @@ class ReferenceServer:
 
     def stats(self) -> dict:
         out = {
-            "engine": self.engine.name,
+            "engine": self.backend.name,
             "ready": self.ready.is_set(),
             "uptime_s": round(time.time() - self.started_at, 3),
             "requests_total": self.generate_requests,
@@ -348,7 +348,7 @@ class ReferenceServer:
             "client_disconnects": self.client_disconnects,
             "aborted_via_endpoint": self.aborted_via_endpoint,
         }
-        out.update(self.engine.stats())
+        out.update(self.backend.stats())
         return out
 
     async def pipegen_stats(self, request: web.Request) -> web.Response:

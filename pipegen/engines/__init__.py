@@ -7,11 +7,14 @@ its finish reason as `stop` / `length` / `abort`, abort a stalled request, repor
 engine's own limit on running requests and its load (running, waiting). Everything after the answer
 (records, the writer, the DataProto) is the same whatever the engine.
 
-- sglang.py: SGLang's native `/generate` (also pipegen's CPU reference server and the test fakes).
+- sglang.py: SGLang's native `/generate` (also pipegen's CPU reference server, with any model backend).
 - vllm.py: vLLM's OpenAI `/v1/completions` with token ids.
 
 `llm.protocol` names the engine (`sglang`, `vllm`), or `auto` for servers someone else runs:
 `detect_protocol` then asks the URL which one it speaks.
+
+The interface itself (`Engine`, `EngineRequest`, `LoadUnavailable`) is base.py's, which
+sglang.py and vllm.py import: this module imports them, never the reverse.
 
 Owns: the registry of engines, how a URL's engine is recognised, and the one readiness probe (a server is
 ready when its engine's health route answers 200): blocking for the launcher's watches, async for the actor.
@@ -25,72 +28,27 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
+
+from pipegen.engines.base import Engine, EngineRequest, LoadUnavailable
 
 if TYPE_CHECKING:
     import aiohttp
 
-    from pipegen.engines.request import TokenBudget
+__all__ = ["AUTO", "PROTOCOLS", "Engine", "EngineRequest", "LoadUnavailable", "UnknownEngine", "detect_protocol",
+           "engine", "is_ready", "ready_problem"]
 
 PROTOCOLS = ("sglang", "vllm")
 AUTO = "auto"
-
-
-@dataclass
-class EngineRequest:
-    """One generation as sent to one engine: the JSON body and what the client must know about it."""
-
-    body: dict[str, Any]
-    rid: str  # this attempt's id (renewed for every re-send and hedge copy)
-    max_new_tokens: int
-    return_logprob: bool
-
-
-class Engine(Protocol):
-    name: str
-    generate_path: str  # POST the body here
-    health_path: str  # GET: 200 once the server generates
-
-    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "TokenBudget",
-              sampling_seed: int | None) -> EngineRequest: ...
-
-    def renewed(self, request: EngineRequest) -> EngineRequest:
-        """The same generation under a fresh request id (a re-send, or a hedge copy)."""
-        ...
-
-    def finish_type(self, answer: dict[str, Any]) -> str | None:
-        """`stop`, `length` or `abort` (None when the answer names none)."""
-        ...
-
-    def parse(self, answer: dict[str, Any], request: EngineRequest):
-        """The answer as verl's TokenOutput (its stop_reason one of finish_type's names)."""
-        ...
-
-    async def abort(self, session: "aiohttp.ClientSession", url: str, request: EngineRequest,
-                    timeout_s: float) -> None:
-        """Ask the server to stop `request`, before the client drops its connection."""
-        ...
-
-    async def max_running(self, session: "aiohttp.ClientSession", url: str) -> int | None:
-        """The server's own limit on requests running at once, if it reports one."""
-        ...
-
-    async def load(self, session: "aiohttp.ClientSession", url: str) -> tuple[int, int]:
-        """(running, waiting) now. Raises LoadUnavailable when the server does not report it."""
-        ...
 
 
 class UnknownEngine(ValueError):
     """A URL that answers, but as no engine pipegen knows."""
 
 
-class LoadUnavailable(Exception):
-    """The server has no load endpoint: automatic concurrency keeps its start value for it."""
-
-
 def engine(protocol: str) -> Engine:
-    """The engine speaking `protocol` (`sglang` or `vllm`)."""
+    """The engine speaking `protocol` (`sglang` or `vllm`), imported when asked for: the launcher's
+    readiness probe needs neither (nor aiohttp, which both pull in)."""
     if protocol == "sglang":
         from pipegen.engines.sglang import SGLang
 
@@ -131,18 +89,6 @@ def detect_protocol(url: str, timeout_s: float = 30.0) -> str | None:
             pass
     raise UnknownEngine(f"{url} answers HTTP but speaks neither SGLang's /generate (no /health_generate) nor "
                         f"vLLM's API (no /version); set llm.protocol=sglang or llm.protocol=vllm if it does")
-
-
-async def get_json(session: "aiohttp.ClientSession", url: str, timeout_s: float) -> Any:
-    """GET url as JSON; ValueError("HTTP <status>") for any other status than 200."""
-    import aiohttp
-    import orjson
-
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-        raw = await resp.read()
-        if resp.status != 200:
-            raise ValueError(f"HTTP {resp.status}")
-        return orjson.loads(raw)
 
 
 # ---- the one readiness probe: the launcher's watches, the actor's start-up and re-admission, the tests ----

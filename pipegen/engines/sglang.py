@@ -1,6 +1,6 @@
 """SGLang's native protocol as an `Engine`: `POST /generate` with `input_ids`, `sampling_params` and a
 `rid`; the answer's `output_ids` with `meta_info.output_token_logprobs` triples. The same protocol is
-served by pipegen's CPU reference server and the test fakes.
+served by pipegen's CPU reference server (with the real model or the bench's fake backend).
 
 - abort: `POST /abort_request {rid}` (the server answers the request itself with an `abort` finish);
 - readiness: `GET /health_generate` (generates one token);
@@ -15,15 +15,15 @@ Owns: SGLang's endpoints and their answers. Must never: retry, or re-tokenize an
 from __future__ import annotations
 
 import asyncio
-import operator
 import dataclasses
 import logging
+import operator
 from typing import Any
 
 import aiohttp
 import orjson
 
-from pipegen.engines import EngineRequest, LoadUnavailable, get_json
+from pipegen.engines.base import EngineRequest, LoadUnavailable
 from pipegen.engines.request import TokenBudget, checked_prompt_ids, max_new_tokens_for, new_rid
 
 
@@ -32,6 +32,15 @@ _FIRST = operator.itemgetter(0)
 log = logging.getLogger("pipegen.client")
 
 _JSON = {"Content-Type": "application/json"}
+
+
+async def get_json(session: "aiohttp.ClientSession", url: str, timeout_s: float) -> Any:
+    """GET url as JSON; ValueError("HTTP <status>") for any other status than 200."""
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        raw = await resp.read()
+        if resp.status != 200:
+            raise ValueError(f"HTTP {resp.status}")
+        return orjson.loads(raw)
 
 
 def parse_load(body: Any) -> tuple[int, int]:

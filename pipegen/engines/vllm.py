@@ -32,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from pipegen.engines import EngineRequest, LoadUnavailable
+from pipegen.engines.base import EngineRequest, LoadUnavailable
 from pipegen.engines.request import TokenBudget, checked_prompt_ids, max_new_tokens_for, new_rid
 
 RUNNING_METRIC = "vllm:num_requests_running"

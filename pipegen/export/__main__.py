@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipegen.run.checkpoint import load_checkpoint
     from pipegen.run.config import load_run_config
     from pipegen.run.layout import RunDir
-    from pipegen.run.batchfile import SortedRows
+    from pipegen.run.rows import SortedRows
 
     run = RunDir(Path(args.run_dir).expanduser().resolve())
     if not run.root.is_dir():

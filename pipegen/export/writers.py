@@ -26,7 +26,8 @@ import torch
 from omegaconf import DictConfig
 
 from pipegen.run.atomic import atomic_write
-from pipegen.run.batchfile import ROW_KEYS, BatchColumns, SortedRows
+from pipegen.run.batchfile import ROW_KEYS, BatchColumns
+from pipegen.run.rows import SortedRows
 
 FORMATS = ("parquet", "jsonl")
 ROW_GROUP_ROWS = 1024

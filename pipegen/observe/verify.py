@@ -14,7 +14,7 @@ Notes (exit 0): units still pending in a run that is not complete, shard lines t
 were torn by a crash, committed units whose shard line is gone (the batch files hold them), files set
 aside by a recovery.
 
-Reads every batch file's row keys once (through the contract's `batchfile.batch_rows`) and every shard line's head: the cost
+Reads every batch file's row keys once (through the contract's `rows.batch_rows`) and every shard line's head: the cost
 of reading the run's output once.
 Owns: the contract check. Must never: write anything under DIR or take the writer lock.
 """
@@ -26,12 +26,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipegen.run.batchfile import batch_rows
 from pipegen.run.checkpoint import Checkpoint, failure_reason, load_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import load_fingerprint
 from pipegen.run.integrity import DamagedFile, set_aside_files
 from pipegen.run.layout import RunDir, list_shards
+from pipegen.run.rows import batch_rows
 from pipegen.run.stream import parse_unit_label, read_head, ShardTailer, unit_label, UnitKeys
 
 SHOWN = 5  # units named per problem

@@ -2,7 +2,7 @@
 
 Owns: the primitives every crash-safe replacement in pipegen is built from (a temporary sibling, a synced
 write, a rename, a directory fsync) and `atomic_write`, their single-file form. The writer's group commit
-(writer/commit.py) composes the same primitives so that one directory fsync covers many renames.
+(writer/committer.py) composes the same primitives so that one directory fsync covers many renames.
 Must never: leave a half-written file under its final name, or hold state between calls.
 """
 

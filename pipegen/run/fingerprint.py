@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.integrity import DamagedFile, read_json_file, relaunch_advice
+from pipegen.run.schema import HF_BACKEND
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "config.json", "generation_config.json")
@@ -87,7 +88,8 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
             "truncation": data.get("truncation"),
         },
         "apply_chat_template_kwargs": _plain(data.get("apply_chat_template_kwargs")),
-        "generator": "model" if llm.get("engine", "hf") == "hf" else "fake engine",
+        # only llm=cpu names a model backend; every other kind serves the model itself
+        "generator": "model" if llm.get("engine") in (None, HF_BACKEND) else "fake engine",
         "n": int(rollout.n),
         "seed": cfg.get("seed"),
         "per_unit_seed": cfg.actors.get("per_unit_seed"),
@@ -107,7 +109,23 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
             "multi_turn": OmegaConf.to_container(rollout.multi_turn, resolve=True),
         },
         "scoring": cfg.actors.get("scoring"),
+        **_reward(cfg),
     }
+
+
+def _reward(cfg: DictConfig) -> dict[str, Any]:
+    """The reward settings and the task names, only where set (a run without them keeps its run key)."""
+    out: dict[str, Any] = {}
+    crf = cfg.get("custom_reward_function") or {}
+    url = (cfg.get("reward") or {}).get("verifier_url")
+    if url:
+        out["verifier_url"] = url
+    elif crf.get("path"):
+        path = str(crf.path)
+        out["reward_function"] = {"path": path, "name": crf.get("name"), "reward_kwargs": _plain(crf.get("reward_kwargs")),
+                                  "file": None if path.startswith("pkg://") else _maybe_file(path)}
+    tasks = list(cfg.get("tasks") or [])
+    return {"reward": out, "tasks": tasks} if out or tasks else {}
 
 
 def _plain(value: Any) -> Any:

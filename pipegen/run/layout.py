@@ -7,6 +7,7 @@ DIR/
   conf/units.json         the unit manifest: the dataset's indices in order (units = index x sample)
   conf/launch.json        the current launch: its id, the run key, the server URLs, the actor count
   conf/nodes/<node>.json  with cluster=ray, one per node runner: the launch id, its incarnation, host, servers
+  tasks/<name>-<digest>.parquet   tasks=[...]: each task's rows in verl's layout (pipegen/tasks/materialize.py)
   .launcher.lock          held by the one launcher of this directory (its pid and host inside)
   logs/<role>.log         one log per process; logs/<role>.cmd.sh restarts that role by hand
   streams/rollouts/actor_<k>/<seq>.jsonl   RolloutRecord lines (stream.py), one appender per file
@@ -144,6 +145,10 @@ class RunDir:
 
     def node_file(self, node: str) -> Path:
         return self.nodes / f"{node}.json"
+
+    def task_file(self, name: str, digest: str) -> Path:
+        """A task's rows, named by their content's digest (a changed task is a new file, never a rewrite)."""
+        return self.root / "tasks" / f"{name}-{digest}.parquet"
 
     @property
     def launcher_lock(self) -> Path:

@@ -65,6 +65,7 @@ def key(default: Any, help: str, **rule: Any) -> Any:
     return field(default=default, metadata=meta)
 
 
+HF_BACKEND = "hf"  # llm=cpu's model backend that runs the real model (transformers); any other is a test double
 TRACKING_BACKENDS = ("console", "file", "wandb", "tensorboard", "mlflow", "swanlab", "clearml", "trackio",
                      "vemlp_wandb")  # verl's Tracking backends
 
@@ -83,7 +84,8 @@ class Actors:
                       choices=(True, False))
     shard_max_bytes: int = key(64 << 20, "rotate a stream shard after this many bytes", at_least=4096)
     fsync_interval_s: float = key(1.0, "fsync shards on this timer (never per record) and at seal", above=0)
-    scoring: bool = key(True, "attach verl's default_compute_score when the row has a ground truth",
+    scoring: bool = key(True, "score each trajectory: the run's reward (custom_reward_function, reward.verifier_url, "
+                              "a task's), else verl's default_compute_score where the row has a ground truth",
                         choices=(True, False))
     per_unit_seed: bool = key(True, "send each (index, sample) its own sampling seed (reproducible reruns)",
                               choices=(True, False))
@@ -121,6 +123,37 @@ class Generation:
     restart_limit: int = key(5, "restarts per role before the run stops with that role's log", at_least=0)
     run_writer: bool = key(True, "false: start no writer here (run python -m pipegen.writer output_dir=DIR)",
                            choices=(True, False))
+
+
+@dataclass
+class CustomRewardFunction:
+    """custom_reward_function.*: a reward function the verl way, read as verl's trainer reads it
+    (verl.trainer.ppo.reward.get_custom_reward_fn); verl's config has these keys, pipegen composes no verl
+    group holding them, so they are declared here."""
+
+    path: Optional[str] = key(None, "a .py file (or pkg://module) holding your reward function; null = verl's "
+                                    "default_compute_score by data_source")
+    name: str = key("compute_score", "the function: compute_score(data_source, solution_str, ground_truth, "
+                                     "extra_info, **reward_kwargs) -> float | {'score': float, ...}",
+                    non_empty=True)
+    reward_kwargs: Any = key({}, "extra keyword arguments for every call (verl merges them in)")
+
+
+@dataclass
+class Reward:
+    """reward.*: where rewards are computed, beside the function (pipegen/rewards/)."""
+
+    verifier_url: Optional[str] = key(None, "an HTTP verifier that scores samples (POST, JSON; python -m "
+                                            "pipegen.rewards.serve serves any reward function); replaces the "
+                                            "reward function for every row")
+    verifier_timeout_s: float = key(60.0, "each verifier request may take this long before it is tried again",
+                                    above=0)
+    verifier_attempts: int = key(3, "tries per verifier request; then its samples go to the failures stream",
+                                 at_least=1)
+    verifier_batch: int = key(64, "samples per verifier request at most", at_least=1)
+    verifier_concurrency: int = key(16, "verifier requests in flight per actor", at_least=1)
+    processes: int = key(1, "processes per actor for a reward function slower than 0.5 ms a sample (faster ones "
+                            "run in the actor)", at_least=1)
 
 
 @dataclass
@@ -163,7 +196,7 @@ class CpuServers(Servers):
     dtype: str = key("auto", "auto = bfloat16 where the CPU has native bf16, else float32",
                      choices=("auto", "float32", "bfloat16"))
     max_batch: int = key(16, "concurrent requests batched into one decode loop", at_least=1)
-    engine: str = key("hf", "hf = the real model; or module:Class of a test double", non_empty=True)
+    engine: str = key(HF_BACKEND, "hf = the real model; or module:Class of a test double", non_empty=True)
     engine_args: list[str] = key([], "extra CLI flags for every server (e.g. fault injection in tests)")
     server_args: list[Any] = key([], "extra CLI flags per server: [[flags of server 0], [flags of server 1], ...]")
 
@@ -283,14 +316,15 @@ JOB_RESOLVER = "pipegen_job_default"
 
 
 def job_default(name: str) -> str:
-    """A key whose default depends on the dataset: an interpolation `register` resolves from `train_files`."""
-    return f"${{{JOB_RESOLVER}:{name},${{train_files}}}}"
+    """A key whose default depends on the data: an interpolation `register` resolves from `train_files` and
+    `tasks` (a task's own defaults, set by tasks/manifest.py, replace it)."""
+    return f"${{{JOB_RESOLVER}:{name},${{train_files}},${{tasks}}}}"
 
 
-def _job_default(name: str, train_files: Any) -> int:
+def _job_default(name: str, train_files: Any, tasks: Any) -> int:
     from pipegen.inputs.demo import is_demo  # no verl, no torch: only paths
 
-    return (DEMO_DEFAULTS if is_demo(train_files) else JOB_DEFAULTS)[name]
+    return (DEMO_DEFAULTS if is_demo(train_files) and not list(tasks or []) else JOB_DEFAULTS)[name]
 
 
 @dataclass
@@ -304,7 +338,7 @@ class PipegenConfig:
                                    "pipegen", non_empty=True)
     n: int = key(2, "samples per prompt", at_least=1)
     max_samples: int = key(job_default("max_samples"), "prompts to use from the dataset (-1 = all); default: all "
-                                                        "of your train_files, 32 of the demo", at_least=-1)
+                                                        "of your train_files or tasks, 32 of the demo", at_least=-1)
     seed: int = key(0, "base sampling seed; each (index, sample) gets its own derived seed")
     max_prompt_length: int = key(job_default("max_prompt_length"), "prompt tokens at most (a longer prompt is "
                                                                     "refused at launch); default: 1024, 256 for the "
@@ -312,11 +346,16 @@ class PipegenConfig:
     max_response_length: int = key(job_default("max_response_length"), "response tokens at most; default: 4096, "
                                                                         "32 for the demo's short answers", at_least=1)
     temperature: float = key(1.0, "sampling temperature", at_least=0)
+    tasks: list[str] = key([], "tasks by name or manifest file, as in '[gsm_symbolic,./my_task.yaml]' (python -m "
+                               "pipegen.tasks lists them): their data replaces train_files, their rewards score "
+                               "their rows, their defaults apply unless set here")
     resume_with_changes: bool = key(False, "true = continue a run whose fingerprint changed (mixes two setups)",
                                     choices=(True, False))
     actors: Actors = field(default_factory=Actors)
     generation: Generation = field(default_factory=Generation)
     trainer: Trainer = field(default_factory=Trainer)
+    custom_reward_function: CustomRewardFunction = field(default_factory=CustomRewardFunction)
+    reward: Reward = field(default_factory=Reward)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
     # verl's groups, composed from verl's own YAML in verl's layout: verl owns their keys and defaults

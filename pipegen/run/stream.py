@@ -63,7 +63,7 @@ import uuid
 from collections import Counter
 from dataclasses import KW_ONLY, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Final, Iterator
+from typing import Any, Final, Iterator, TypeVar
 
 import numpy as np
 import orjson
@@ -135,8 +135,22 @@ class TrajectoryKeys:
     TOKEN_LISTS: Final = (PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, RESPONSE_LOGPROBS)
 
 
+_R = TypeVar("_R", bound="_Line")
+
+
+class _Line:
+    """A record as one stream line: orjson of the dataclass, fields in declaration order, ending in \\n."""
+
+    def to_line(self) -> bytes:
+        return orjson.dumps(self, option=_DUMPS_OPTIONS) + b"\n"
+
+    @classmethod
+    def from_line(cls: type[_R], line: bytes) -> _R:
+        return cls(**_known(cls, orjson.loads(line)))
+
+
 @dataclass
-class RolloutRecord:
+class RolloutRecord(_Line):
     """One finished unit: every trajectory its agent loop returned, and what verl needs to pad them.
 
     `row` is the dataset row's non-tensor fields as verl's agent loop received them; `trajectories`
@@ -161,13 +175,6 @@ class RolloutRecord:
     trajectories: list[dict[str, Any]]
     attempt: int = 0
 
-    def to_line(self) -> bytes:
-        return orjson.dumps(self, option=_DUMPS_OPTIONS) + b"\n"
-
-    @classmethod
-    def from_line(cls, line: bytes) -> "RolloutRecord":
-        return cls(**_known(cls, orjson.loads(line)))
-
     @property
     def num_rows(self) -> int:
         return len(self.trajectories)
@@ -182,7 +189,7 @@ class RolloutRecord:
 
 
 @dataclass
-class FailureRecord:
+class FailureRecord(_Line):
     """One unit that failed after its retries: never a sample, retried by the next launch."""
 
     index: int
@@ -192,13 +199,6 @@ class FailureRecord:
     agent_name: str
     reason: str
     attempt: int = 0
-
-    def to_line(self) -> bytes:
-        return orjson.dumps(self, option=_DUMPS_OPTIONS) + b"\n"
-
-    @classmethod
-    def from_line(cls, line: bytes) -> "FailureRecord":
-        return cls(**_known(cls, orjson.loads(line)))
 
 
 def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:

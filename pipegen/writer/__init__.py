@@ -1,7 +1,9 @@
 """What the writer produces: checkpointed DataProto batches from the shards, merged into trajectories.pkl.
 
-`commit` (the writer process and its commit protocol), `batches` (records -> verl's padded DataProto, and
-DataProto <-> batch file), `merge` (batches -> trajectories.pkl and the artifact), `convert` (an old run's
+`commit` (the writer process and its commit protocol), `committer` (the protocol's disk half, on a
+background thread), `batches` (records -> verl's padded DataProto, and
+DataProto <-> batch file), `merge` (batches -> trajectories.pkl and the artifact), `rebuild` (the checkpoint re-derived from
+the batch files), `convert` (an old run's
 pickle batch files -> Arrow, only with --convert-pickle-batches).
 `python -m pipegen.writer output_dir=DIR` starts or restarts it, alone or under the launcher; the export, when
 configured, runs after the merge as `python -m pipegen.export`.

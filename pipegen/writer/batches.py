@@ -35,6 +35,7 @@ from pipegen.run.batchfile import (INT_TENSORS, BatchColumns, StoredBatch, atten
 from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 
+REWARD_EXTRA_INFO = "reward_extra_info"  # verl's key in AgentLoopOutput.extra_fields
 INT64_COLUMNS = (BatchColumns.SAMPLE, BatchColumns.TRAJECTORY, BatchColumns.PRIORITY)
 
 
@@ -78,6 +79,7 @@ class BatchBuilder:
                 samples.append(record.sample)
                 trajectory_numbers.append(t)
                 seeds.append(record.seed)
+        uniform_reward_extras(trajs)
         # the columns each row has besides its kwargs
         per_row = {BatchColumns.SAMPLE: samples, BatchColumns.TRAJECTORY: trajectory_numbers, BatchColumns.SEED: seeds}
         has_logprobs = {traj.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None for traj in trajs}
@@ -104,6 +106,21 @@ class BatchBuilder:
         plain = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in traj.items()}
         output = AgentLoopOutput.model_validate(plain)
         return await postprocess_trajectory(self.worker, output, **kwargs)
+
+
+def uniform_reward_extras(trajs: list[dict[str, Any]]) -> None:
+    """Every row's reward_extra_info with the same keys (a missing one as None): verl's `_postprocess` takes
+    the first row's keys for every row, so rows scored by different rewards (tasks of one run), or a
+    reward whose dict varies, would fail the batch or lose columns."""
+    infos = [(traj.get(TrajectoryKeys.EXTRA_FIELDS) or {}).get(REWARD_EXTRA_INFO) for traj in trajs]
+    keys = list(dict.fromkeys(k for info in infos if info for k in info))
+    if not keys or all(info is not None and len(info) == len(keys) for info in infos):
+        return
+    for traj, info in zip(trajs, infos):
+        fields = traj.get(TrajectoryKeys.EXTRA_FIELDS)
+        if fields is None:
+            fields = traj[TrajectoryKeys.EXTRA_FIELDS] = {}
+        fields[REWARD_EXTRA_INFO] = {k: (info or {}).get(k) for k in keys}
 
 
 @dataclass(slots=True)

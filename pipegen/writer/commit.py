@@ -16,13 +16,9 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
     does not list (orphans of a crash between 3 and 4: whole, since fsynced before their rename);
  6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete.
 
-Steps 3-4 (the disk half) run on one background thread while the main loop parses the next lines:
-`Committer` takes commits strictly in order, and when several queued up behind a slow fsync it writes
-all their batch files and then one checkpoint listing them all (group commit). The checkpoint is never
-renamed before every batch it lists is fsynced, renamed and its directory fsynced; the rename itself
-is not followed by a directory fsync, because losing it in a power cut leaves the previous checkpoint,
-which is safe (its batches are durable; the newer batch files are orphans, adopted at start, and
-their lines are dropped as committed when read again); the next commit's directory fsync, or the final checkpoint, makes it durable.
+Steps 3-4's disk half (writing the encoded batch files, then the checkpoint) runs on one background
+thread, `Committer` (committer.py), while the main loop parses the next lines; this module decides
+what each commit holds and hands it over in order.
 
 Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
@@ -34,125 +30,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 from omegaconf import DictConfig
 
 from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
-from pipegen.run.stats_line import WriterStats
-from pipegen.run.atomic import fsync_dir, remove_stale_temporaries, temporary_sibling, write_synced
-from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
-from pipegen.run.ownership import DirectoryLock, LockHeld
+from pipegen.run.atomic import remove_stale_temporaries
 from pipegen.run.batchfile import CONVERT_FLAG, legacy_format_message
 from pipegen.run.checkpoint import check_listed_batches, failure_reason, load_checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
-from pipegen.run.fingerprint import check_fingerprint
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
+from pipegen.run.fingerprint import check_fingerprint
+from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, output_dir_from_args
+from pipegen.run.ownership import DirectoryLock, LockHeld
+from pipegen.run.stats_line import WriterStats
 from pipegen.run.stream import (FailureRecord, LineParser, RolloutRecord, ShardTailer, UnitKeys, parse_unit_label,
                                 read_head, unit_label)
+from pipegen.writer.committer import Committer
 
 # What the writer's start-up imports (its tokenizer and verl's DataProto): done while the launcher reads the dataset.
 WRITER_IMPORTS = ("transformers", "verl.protocol", "verl.utils")
 
 log = logging.getLogger("pipegen.writer")
 
-FAULT_ENV = "PIPEGEN_WRITER_FAULT"  # test hook: "<point>:<k>" SIGKILLs the writer the k-th time it reaches point
 MAX_QUEUED_BATCHES = 4  # encoded batches waiting for the disk before the main loop waits too
-IOV_MAX = 1024  # buffers one writev takes (POSIX minimum 16; Linux 1024)
-
-
-class FaultInjector:
-    """Deterministic crash points for the kill tests: batch_write, after_batch_rename, checkpoint_write."""
-
-    def __init__(self, spec: str | None):
-        self.point, self.remaining = None, 0
-        if spec:
-            point, _, count = spec.partition(":")
-            self.point, self.remaining = point, int(count or 1)
-
-    def reached(self, point: str) -> None:
-        if point == self.point:
-            self.remaining -= 1
-            if self.remaining <= 0:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-
-class Committer:
-    """The disk half of the commit protocol (steps 3-4) on one background thread, commits in order.
-
-    `submit` queues a batch file's chunks with the checkpoint that lists it; a job takes everything
-    queued so far: it writes each batch file (temporary, fsync, rename), then the last checkpoint
-    (temporary, fsync, directory fsync, rename). Errors surface in the main loop at the next `poll`.
-    """
-
-    def __init__(self, run: RunDir, fault: FaultInjector):
-        self.run = run
-        self.fault = fault
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pipegen-commit")
-        self._running: Future | None = None
-        self._batches: list[tuple[Path, list]] = []
-        self._checkpoint: bytes | None = None
-
-    def submit(self, path: Path, chunks: list, checkpoint: bytes) -> None:
-        self._batches.append((path, chunks))
-        self._checkpoint = checkpoint
-        self.poll()
-
-    @property
-    def queued(self) -> int:
-        return len(self._batches)
-
-    def poll(self) -> None:
-        """Raise what the last job raised; start the next job when the thread is free."""
-        if self._running is not None:
-            if not self._running.done():
-                return
-            running, self._running = self._running, None
-            running.result()
-        if self._checkpoint is not None:
-            batches, checkpoint = self._batches, self._checkpoint
-            self._batches, self._checkpoint = [], None
-            self._running = self._pool.submit(self._write, batches, checkpoint)
-
-    async def wait(self, max_queued: int = 0) -> None:
-        """Until at most max_queued batches wait for the disk (0: until everything is on disk)."""
-        self.poll()
-        while self._running is not None and (self.queued > max_queued or max_queued == 0):
-            await asyncio.wrap_future(self._running)
-            self.poll()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-
-    def _write(self, batches: list[tuple[Path, list]], checkpoint: bytes) -> None:
-        for path, chunks in batches:
-            tmp = temporary_sibling(path)
-            write_synced(tmp, lambda f: self._write_chunks(f, chunks, "batch_write"))
-            os.replace(tmp, path)
-            self.fault.reached("after_batch_rename")
-        tmp = temporary_sibling(self.run.checkpoint)
-        write_synced(tmp, lambda f: self._write_chunks(f, [checkpoint[: len(checkpoint) // 2],
-                                                            checkpoint[len(checkpoint) // 2 :]], "checkpoint_write"))
-        fsync_dir(self.run.root)  # the batch renames above and this temporary are durable before the rename
-        os.replace(tmp, self.run.checkpoint)
-
-    def _write_chunks(self, f, chunks: list, fault_point: str) -> None:
-        # two writev calls, not a write per chunk: each system call hands the GIL back and forth
-        # with the main loop, which is busy parsing
-        half = len(chunks) // 2
-        f.flush()
-        _write_all(f.fileno(), chunks[:half])
-        self.fault.reached(fault_point)
-        _write_all(f.fileno(), chunks[half:])
 
 
 class Writer:
@@ -165,7 +71,6 @@ class Writer:
         self.quiet_period_s = float(self.gen.partial_batch_quiet_s)
         self.batch_int32 = bool(self.gen.batch_int32)
         self.keys = UnitKeys(int(cfg.actor_rollout_ref.rollout.n))
-        self.fault = FaultInjector(os.environ.get(FAULT_ENV))
         self.total_units = run.total_units(self.keys.n)
         self.valid_index = set(run.read_manifest())
         self.launch = run.read_launch().launch
@@ -176,11 +81,11 @@ class Writer:
         self.unknown_units = 0
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
         self.parser = LineParser()
-        self.committer = Committer(run, self.fault)
+        self.committer = Committer(run)
         self.stats = StatsAppender(run.stats, WriterStats.ROLE, baseline=WriterStats(committed=self.ckpt.num_committed))
         # The writer's tensor ops are small: torch's intra-op threads only fight the commit thread and
         # the actors for cores (verl's _postprocess ran 30x slower with 2 threads on a busy 2-core box).
-        import torch  # here, not at the top: the launcher imports this module for its exit codes
+        import torch  # here, not at the top: the refusals in main() (a held lock, a damaged file) answer without it
 
         torch.set_num_threads(1)
 
@@ -350,7 +255,7 @@ class Writer:
 
     def _raise_damaged_batch(self) -> None:
         """After a failed merge: a DamagedFile for the first listed batch file that cannot be read."""
-        from pipegen.run.batchfile import batch_rows
+        from pipegen.run.rows import batch_rows
 
         for number in self.ckpt.batches.numbers():
             batch_rows(self.run.batch_file(number), whole=True)
@@ -406,17 +311,6 @@ class Writer:
                 self.export()
                 return 0 if self.ckpt.complete else EXIT_FAILED_UNITS
             await asyncio.sleep(sleep)
-
-
-def _write_all(fd: int, chunks: list) -> None:
-    """Every byte of chunks, in order, with as few writev calls as the kernel allows."""
-    views = [memoryview(chunk).cast("B") for chunk in chunks if len(chunk)]
-    while views:
-        written = os.writev(fd, views[:IOV_MAX])
-        while views and written >= views[0].nbytes:
-            written -= views.pop(0).nbytes
-        if written:
-            views[0] = views[0][written:]
 
 
 def main(argv: list[str] | None = None) -> int:

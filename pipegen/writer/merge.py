@@ -6,7 +6,7 @@ modes (one `trajectories.pkl`, or `trajectories/part_NNNNN.pkl` + `index.json` f
 `trajectories.zip` (output + checkpoint + config), uploaded to wandb when it is a tracking backend. The
 optional export runs after it, as its own step (`python -m pipegen.export`, started by the writer).
 
-Bounded memory: a `MergePlan` is the run's `SortedRows` (pipegen/run/batchfile.py: every batch read once for
+Bounded memory: a `MergePlan` is the run's `SortedRows` (pipegen/run/rows.py: every batch read once for
 its sort keys, then preallocated int64 tensors filled row range by row range) as DataProtos. Files are
 written by `save_dataproto`: a pickle that `DataProto.load_from_disk` reads (it rebuilds through verl's own
 `DataProto.from_dict`) with tensors as zero-copy protocol-5 buffers, so neither writing nor loading holds a second
@@ -32,14 +32,14 @@ import torch
 from omegaconf import DictConfig
 
 from pipegen.run.atomic import atomic_write, atomic_write_bytes
-from pipegen.run.batchfile import ROW_ORDER, BatchColumns, SortedRows
+from pipegen.run.batchfile import BatchColumns
 from pipegen.run.checkpoint import Checkpoint
 from pipegen.run.layout import RunDir
+from pipegen.run.rows import ROW_ORDER, SortedRows
 from pipegen.verl_private import performance_metrics
 
 log = logging.getLogger("pipegen.writer")
 
-MERGE_OUTPUTS = ("single", "sharded")
 INDEX_FORMAT = "pipegen.trajectory_shards/1"
 
 
@@ -65,7 +65,7 @@ def save_dataproto(data: Any, f: BinaryIO) -> None:
 
 @dataclass
 class MergePlan(SortedRows):
-    """A run's sorted rows (pipegen/run/batchfile.py, SortedRows) as verl DataProtos, with the run's meta_info."""
+    """A run's sorted rows (pipegen/run/rows.py, SortedRows) as verl DataProtos, with the run's meta_info."""
 
     meta: dict[str, Any] = field(default_factory=dict)  # meta_info every output piece carries
 
@@ -131,13 +131,11 @@ def merge_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
     """Merge the checkpoint's batches into the configured output, write (and upload) the artifact."""
     started = time.monotonic()
     gen = cfg.generation
-    mode = str(gen.get("merge_output", "single"))
-    if mode not in MERGE_OUTPUTS:
-        raise ValueError(f"generation.merge_output={mode!r}: use one of {', '.join(MERGE_OUTPUTS)}")
+    mode = str(gen.merge_output)  # "single" or "sharded": the schema checked it before any process started
     plan = plan_run(cfg, run, ckpt)
     if mode == "sharded":
         run.trajectories.unlink(missing_ok=True)  # the other mode's output of an earlier launch
-        write_shards(plan, run, int(gen.get("merge_shard_rows", 65536)))
+        write_shards(plan, run, int(gen.merge_shard_rows))
         target = run.output_index
     else:
         if run.output_shards.exists():

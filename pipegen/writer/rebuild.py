@@ -14,7 +14,7 @@ run directory copied without it, or a crash between the first batch file and the
 and adopts the batch files a crash left unlisted (`adopt_orphans`) instead of deleting them.
 
 Owns: the rebuild and orphan adoption. A batch file is read through the run contract's
-`batchfile.batch_rows` (its row keys only, or the run's DamagedFile), as `status --verify` reads it.
+`rows.batch_rows` (its row keys only, or the run's DamagedFile), as `status --verify` reads it.
 Must never: delete a file (a damaged or repeated batch file is set aside), or run beside a live writer
 (the CLI holds the writer lock).
 """
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from pipegen.run.batchfile import batch_rows
 from pipegen.run.checkpoint import Checkpoint, save_checkpoint
 from pipegen.run.integrity import DamagedFile, set_aside
 from pipegen.run.layout import RunDir
+from pipegen.run.rows import batch_rows
 from pipegen.run.stream import UnitKeys, unit_label
 
 log = logging.getLogger("pipegen.writer")

@@ -1,4 +1,4 @@
-"""Tiny random-weight models around real tokenizers, for fast tests.
+"""A tiny random-weight model around a real tokenizer, for benchmarks and fast tests.
 
 Owns:
   * ``build_tiny_qwen`` - Variant C: a fully synthetic Qwen2-architecture model whose byte-level BPE tokenizer is
@@ -6,11 +6,10 @@ Owns:
     ``ToolAgentLoop`` / hermes parser and the Qwen continuous-token builder work on it. Nothing is downloaded.
     Byte-for-byte reproducible on one software stack.
   * ``tiny_model_path`` - that model built once into ``<pipegen cache>/models/tiny-qwen``.
-  * ``build_tiny_llama_smol`` - Variant A: the converted SmolLM2 tokenizer under a 2-layer random ``llama``.
 
 Must never:
   * download anything (no Hub, no npm) - the tokenizer is trained, not fetched;
-  * be imported by production code paths (tests and demos only), or be used where meaningful text matters:
+  * be imported by product code (benchmarks and tests only), or be used where meaningful text matters:
     random weights produce garbage, and EOS is rare (bound generations with max_new_tokens);
   * leave a half-built folder under its final name (builds go through ``pipegen.inputs.models.build_folder_once``).
 """
@@ -20,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 from pipegen.inputs.models import build_folder_once, models_dir, quiet_progress_bars
@@ -28,7 +26,6 @@ from pipegen.inputs.models import build_folder_once, models_dir, quiet_progress_
 TINY_QWEN_FOLDER = "tiny-qwen"
 # Bump when anything below changes the produced bytes: cached folders with another stamp are rebuilt.
 TINY_QWEN_RECIPE = "tiny-qwen/v1"
-TINY_LLAMA_SMOL_RECIPE = "tiny-llama-smol/v1"
 
 BPE_VOCAB_SIZE = 2000  # trained byte-level BPE tokens; the specials follow, so pad = 2000 != 0
 MODEL_VOCAB_SIZE = 2048  # embedding rows: BPE + added tokens, rounded up to a multiple of 64
@@ -196,7 +193,7 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def _add_top_level_rope_theta(folder: Path) -> None:
+def add_top_level_rope_theta(folder: Path) -> None:
     """transformers 5 writes only rope_parameters; 4.x reads only top-level rope_theta. Write both."""
     cfg_path = folder / "config.json"
     raw = json.loads(cfg_path.read_text())
@@ -260,7 +257,7 @@ def _build_tiny_qwen_into(out: Path) -> None:
     )
     with quiet_progress_bars():
         model.save_pretrained(str(out))
-    _add_top_level_rope_theta(out)
+    add_top_level_rope_theta(out)
 
 
 def build_tiny_qwen(dest_dir: str) -> str:
@@ -279,40 +276,6 @@ def build_tiny_qwen(dest_dir: str) -> str:
 def tiny_model_path(cache_dir: str | None = None) -> str:
     """The tiny Qwen2 model, built once into ``<cache>/models/tiny-qwen`` (``$PIPEGEN_CACHE`` or ~/.cache/pipegen)."""
     return build_tiny_qwen(str(models_dir(cache_dir) / TINY_QWEN_FOLDER))
-
-
-def build_tiny_llama_smol(dest_dir: str, smol_dir: str) -> str:
-    """Variant A: the converted SmolLM2 tokenizer (copied verbatim from ``smol_dir``) under a random 2-layer llama.
-
-    ChatML without tools; use it for fast generic tests that want SmolLM2's real tokenizer. ``smol_dir`` is the
-    folder returned by ``resolve_model_path("smollm2-135m")``.
-    """
-    src = Path(smol_dir)
-
-    def build(out: Path) -> None:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        # Copy the tokenizer files instead of re-saving them, so the folder loads identically under 4.x and 5.x.
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                     "vocab.json", "merges.txt"):
-            if (src / name).is_file():
-                shutil.copyfile(src / name, out / name)
-        tok = AutoTokenizer.from_pretrained(str(src))
-        vocab = -(-len(tok) // 128) * 128
-        cfg = AutoConfig.for_model(
-            "llama", vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-            tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        with quiet_progress_bars():
-            model.save_pretrained(str(out))
-        _add_top_level_rope_theta(out)
-
-    return str(build_folder_once(Path(os.path.expanduser(dest_dir)), build, TINY_LLAMA_SMOL_RECIPE))
 
 
 if __name__ == "__main__":

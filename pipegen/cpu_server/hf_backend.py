@@ -1,9 +1,9 @@
-"""The transformers engine of the CPU server (``--engine hf``): one model on CPU, continuous batching.
+"""The transformers model backend of the CPU server (``--engine hf``): one model on CPU, continuous batching.
 
 Owns:
   * loading ``AutoModelForCausalLM`` from a local Hugging Face folder on CPU (``--dtype auto`` = bfloat16 only
     where the CPU has native bf16, i.e. ``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo, else float32);
-  * batching concurrent requests: requests that arrive within ``batch_wait_ms`` of an idle engine are prefilled
+  * batching concurrent requests: requests that arrive within ``batch_wait_ms`` of an idle backend are prefilled
     together (left padding); while a batch decodes, newly queued requests are prefilled at the next step boundary
     and merged into the running batch (KV caches left-padded to a common length), up to ``max_batch`` rows. One
     forward per decode step for the whole batch; finished rows leave the batch at once (KV rows dropped, common
@@ -33,11 +33,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pipegen.cpu_server.engine import HEALTH_CHECK_PREFIX, Engine, EngineRequest, GenerationResult, ModelFacts
+from pipegen.cpu_server.model_backend import (HEALTH_CHECK_PREFIX, BackendRequest, GenerationResult, ModelBackend,
+                                              ModelFacts)
 from pipegen.cpu_server.hf_sampling import prompt_logprobs, row_seed, sample
 from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
 
-log = logging.getLogger("pipegen.hf_engine")
+log = logging.getLogger("pipegen.hf_backend")
 
 
 def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
@@ -63,14 +64,14 @@ def resolve_dtype_name(dtype: str) -> str:
 class _Row:
     """One generation inside the running batch (worker-thread state only)."""
 
-    req: EngineRequest
+    req: BackendRequest
     rng: random.Random
     last: int = 0
     result: GenerationResult = field(default_factory=lambda: GenerationResult([], finish_length(0)))
     finished: bool = False
 
 
-class HFEngine(Engine):
+class HFBackend(ModelBackend):
     """Transformers on CPU behind the CPU server (see the module docstring)."""
 
     name = "hf"
@@ -79,10 +80,10 @@ class HFEngine(Engine):
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--batch-wait-ms", type=float, default=5.0,
-                            help="hf: gather window when the engine is idle")
+                            help="hf: gather window when the backend is idle")
 
     @classmethod
-    def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> HFEngine:
+    def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> HFBackend:
         return cls(facts, dtype=args.dtype, threads=args.threads, max_batch=args.max_batch,
                    batch_wait_ms=args.batch_wait_ms, seed=args.seed, context_length=args.context_length)
 
@@ -99,7 +100,7 @@ class HFEngine(Engine):
         self.dtype_name = resolve_dtype_name(dtype)
         self._rng = random.Random(seed)  # seeds rows without a sampling_seed
         self._cv = threading.Condition()
-        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._waiting: collections.deque[BackendRequest] = collections.deque()
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         # Running batch (worker thread only).
@@ -140,11 +141,11 @@ class HFEngine(Engine):
         # Warm up: the first forward pays for lazy initialisation; keep that out of the first request.
         with torch.inference_mode():
             self._forward_prefill([[1 % self.vocab_size, 2 % self.vocab_size, 3 % self.vocab_size]], keep_all=False)
-        log.info("hf engine: loaded %s (%s, %d thread(s)) in %.2f s", self.model_path, self.dtype_name,
+        log.info("hf backend: loaded %s (%s, %d thread(s)) in %.2f s", self.model_path, self.dtype_name,
                  self.threads, time.monotonic() - t0)
 
     async def start(self) -> None:
-        self._thread = threading.Thread(target=self._worker, name="hf-engine", daemon=True)
+        self._thread = threading.Thread(target=self._worker, name="hf-backend", daemon=True)
         self._thread.start()
 
     async def close(self) -> None:
@@ -154,7 +155,7 @@ class HFEngine(Engine):
 
     # -- requests (event-loop side) ---------------------------------------------------------------------
 
-    def submit(self, req: EngineRequest) -> None:
+    def submit(self, req: BackendRequest) -> None:
         with self._cv:
             if req.spec.rid.startswith(HEALTH_CHECK_PREFIX):
                 self._waiting.appendleft(req)  # a health probe must not time out behind a long queue
@@ -162,7 +163,7 @@ class HFEngine(Engine):
                 self._waiting.append(req)
             self._cv.notify()
 
-    def abort(self, req: EngineRequest) -> None:
+    def abort(self, req: BackendRequest) -> None:
         req.abort_requested = True  # a running row sees it at the next step boundary
         with self._cv:
             try:
@@ -191,14 +192,14 @@ class HFEngine(Engine):
         torch = self._torch
         with torch.inference_mode():
             while True:
-                newcomers: list[EngineRequest] = []
+                newcomers: list[BackendRequest] = []
                 with self._cv:
                     while not self._stop and not self._waiting and not self._rows:
                         self._cv.wait()
                     if self._stop:
                         break
                     if not self._rows and self.batch_wait > 0:
-                        # Idle engine: give concurrent arrivals a few ms to join the first prefill.
+                        # Idle backend: give concurrent arrivals a few ms to join the first prefill.
                         deadline = self._waiting[0].created + self.batch_wait
                         while not self._stop and len(self._waiting) < self.max_batch:
                             remaining = deadline - time.monotonic()
@@ -217,7 +218,7 @@ class HFEngine(Engine):
                     if self._rows:
                         self._decode_step()
                 except Exception as exc:  # a bug or OOM: fail the affected requests, keep serving
-                    log.exception("hf engine: step failed")
+                    log.exception("hf backend: step failed")
                     reason = {"type": "abort", "message": f"internal error: {exc!r}", "status_code": 500,
                               "err_type": "InternalServerError"}
                     for row in self._rows:
@@ -246,7 +247,7 @@ class HFEngine(Engine):
                          use_cache=True, logits_to_keep=0 if keep_all else 1)
         return out.logits, cache, mask
 
-    def _admit(self, reqs: list[EngineRequest]) -> None:
+    def _admit(self, reqs: list[BackendRequest]) -> None:
         """Prefill newcomers (plain ones together; prompt-logprob ones alone), sample their first token, merge."""
         plain = [r for r in reqs if r.spec.logprob_start_len < 0]
         full = [r for r in reqs if r.spec.logprob_start_len >= 0]

@@ -1,4 +1,4 @@
-"""The fake engine's pure token function: deterministic tokens and log-probs without a model.
+"""The fake backend's pure token function: deterministic tokens and log-probs without a model.
 
 Each next token is a function of (server seed, sampling_seed, sample index, the full context token ids)
 through a 64-bit hash: an FNV-style fold over the context, then a splitmix64 finalizer. It is drawn from a
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pipegen.cpu_server.engine import ModelFacts, TopList
+from pipegen.cpu_server.model_backend import ModelFacts, TopList
 from pipegen.cpu_server.parse import EntrySpec
 
 MASK64 = (1 << 64) - 1

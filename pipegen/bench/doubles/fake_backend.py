@@ -1,9 +1,9 @@
-"""A deterministic fake LLM engine for the CPU reference server: tests and benchmarks without a model.
+"""A deterministic fake model backend for the CPU reference server: tests and benchmarks without a model.
 
-    python -m pipegen.cpu_server --engine pipegen.testing.fake_engine:FakeEngine [--model-path DIR] [flags]
+    python -m pipegen.cpu_server --engine pipegen.bench.doubles.fake_backend:FakeBackend [--model-path DIR] [flags]
 
 Owns:
-  * ``FakeEngine`` - the ``Engine`` the server runs with the ``--engine`` above: a fixed number of running
+  * ``FakeBackend`` - the ``ModelBackend`` the server runs with the ``--engine`` above: a fixed number of running
     slots (requests beyond ``--slots`` wait, FIFO) and aborts of waiting and running requests with SGLang's finish
     shapes. Two timing models: ``--token-latency L`` (each request on its own clock, L seconds per token), or
     the GPU-like ``--step-time BASE --step-time-per-request PER``: one decode loop steps every running request
@@ -35,18 +35,18 @@ from collections import deque
 from pathlib import Path
 from typing import Optional
 
-from pipegen.cpu_server.engine import Engine, EngineRequest, GenerationResult, ModelFacts, TopList
+from pipegen.cpu_server.model_backend import BackendRequest, GenerationResult, ModelBackend, ModelFacts, TopList
 from pipegen.cpu_server.parse import EntrySpec
 from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
-from pipegen.testing.fake_model import FNV_OFFSET, FakeModel, fold, fold_all, mix64
+from pipegen.bench.doubles.fake_model import FNV_OFFSET, FakeModel, fold, fold_all, mix64
 
-log = logging.getLogger("pipegen.fake_engine")
+log = logging.getLogger("pipegen.fake_backend")
 
 ASSISTANT_HEADER = "<|im_start|>assistant"
 
 
-class FakeEngine(Engine):
-    """The deterministic engine (see the module docstring)."""
+class FakeBackend(ModelBackend):
+    """The deterministic backend (see the module docstring)."""
 
     name = "fake"
     trivial_probe = True
@@ -65,7 +65,7 @@ class FakeEngine(Engine):
                             help="fake: JSON list of assistant replies (needs tokenizer.json)")
 
     @classmethod
-    def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> FakeEngine:
+    def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> FakeBackend:
         return cls(facts, seed=args.seed, slots=args.slots or args.max_batch, token_latency=args.token_latency,
                    eos_prob=args.eos_prob, script_path=args.script, context_length=args.context_length,
                    step_time=args.step_time, step_time_per_request=args.step_time_per_request)
@@ -85,7 +85,7 @@ class FakeEngine(Engine):
         self._script: Optional[list[list[int]]] = None
         self._tokenizer = None
         self._sem: Optional[asyncio.Semaphore] = None
-        self._tasks: dict[EngineRequest, asyncio.Task] = {}
+        self._tasks: dict[BackendRequest, asyncio.Task] = {}
         self._running = 0
         self._waiting = 0
         self._max_running = 0
@@ -94,7 +94,7 @@ class FakeEngine(Engine):
         self.step_time = max(0.0, step_time)
         self.step_time_per_request = max(0.0, step_time_per_request)
         self.batched = self.step_time > 0 or self.step_time_per_request > 0
-        self._queue: deque[EngineRequest] = deque()
+        self._queue: deque[BackendRequest] = deque()
         self._wake: Optional[asyncio.Event] = None
         self._loop_task: Optional[asyncio.Task] = None
         self._steps = 0
@@ -115,7 +115,7 @@ class FakeEngine(Engine):
 
         self._tokenizer = Tokenizer.from_file(str(tok_file))
         self._script = [self._tokenizer.encode(t, add_special_tokens=False).ids + [self.model.eos] for t in texts]
-        log.info("fake engine: loaded a script of %d replies from %s", len(texts), self.script_path)
+        log.info("fake backend: loaded a script of %d replies from %s", len(texts), self.script_path)
 
     async def start(self) -> None:
         self._sem = asyncio.Semaphore(self.max_running_requests)
@@ -131,7 +131,7 @@ class FakeEngine(Engine):
 
     # -- requests ---------------------------------------------------------------------------------------
 
-    def submit(self, req: EngineRequest) -> None:
+    def submit(self, req: BackendRequest) -> None:
         self._waiting += 1
         if self.batched:
             assert self._wake is not None, "start() not called"
@@ -140,7 +140,7 @@ class FakeEngine(Engine):
             return
         self._tasks[req] = asyncio.get_running_loop().create_task(self._run(req))
 
-    def abort(self, req: EngineRequest) -> None:
+    def abort(self, req: BackendRequest) -> None:
         req.abort_requested = True
         if self.batched:
             if req.state == "waiting" and req in self._queue:
@@ -152,7 +152,7 @@ class FakeEngine(Engine):
         if task is not None and req.state == "waiting":
             task.cancel()  # wakes it out of the slot queue; _run answers "Abort in waiting queue"
 
-    async def _run(self, req: EngineRequest) -> None:
+    async def _run(self, req: BackendRequest) -> None:
         assert self._sem is not None, "start() not called"
         try:
             try:
@@ -273,7 +273,7 @@ class FakeEngine(Engine):
             return res
         return None
 
-    async def _generate(self, req: EngineRequest) -> GenerationResult:
+    async def _generate(self, req: BackendRequest) -> GenerationResult:
         spec = req.spec
         st = self._begin(spec)
         loop = asyncio.get_running_loop()
@@ -302,7 +302,7 @@ class FakeEngine(Engine):
         step of ``step_time + step_time_per_request * running`` seconds gives every running request one token."""
         assert self._wake is not None
         loop = asyncio.get_running_loop()
-        running: list[tuple[EngineRequest, dict]] = []
+        running: list[tuple[BackendRequest, dict]] = []
         next_t = loop.time()
         while True:
             while self._queue and len(running) < self.max_running_requests:

@@ -1,12 +1,12 @@
-"""The contract between the CPU server and an engine, and how an engine is named and built.
+"""The contract between the CPU server and its model backend, and how a backend is named and built.
 
-Owns: ``Engine`` (the abstract engine: lifecycle, ``submit``/``abort``, counters, and the two class hooks
-``add_arguments`` / ``from_args`` through which an engine declares and reads its own command-line flags, so the
-server never knows an engine's constructor), ``load_engine_class`` (``--engine hf`` or an import path
-``package.module:ClassName``), ``EngineRequest`` (one generation's life: abort flag, future, resolved once from
-any thread), ``GenerationResult`` (what an engine hands back), and ``ModelFacts`` / ``read_model_facts`` (vocab
+Owns: ``ModelBackend`` (the abstract backend: lifecycle, ``submit``/``abort``, counters, and the two class hooks
+``add_arguments`` / ``from_args`` through which a backend declares and reads its own command-line flags, so the
+server never knows a backend's constructor), ``load_backend_class`` (``--engine hf`` or an import path
+``package.module:ClassName``), ``BackendRequest`` (one generation's life: abort flag, future, resolved once from
+any thread), ``GenerationResult`` (what a backend hands back), and ``ModelFacts`` / ``read_model_facts`` (vocab
 size, EOS ids and context length from a Hugging Face folder's JSON files, without torch).
-Must never: import torch/transformers/aiohttp, import an engine implementation at module import time (they
+Must never: import torch/transformers/aiohttp, import a backend implementation at module import time (they
 are loaded by name when the server starts), or do network I/O.
 """
 
@@ -25,14 +25,14 @@ from typing import Any, Optional
 from pipegen.cpu_server.parse import EntrySpec
 
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"  # rids of the server's own /health_generate probes (as SGLang names them)
-BUILTIN_ENGINES = {"hf": "pipegen.cpu_server.hf_engine:HFEngine"}
+BUILTIN_BACKENDS = {"hf": "pipegen.cpu_server.hf_backend:HFBackend"}
 
 TopList = list[tuple[float, int]]
 
 
 @dataclass
 class GenerationResult:
-    """What an engine hands back for one EntrySpec.
+    """What a backend hands back for one EntrySpec.
 
     ``output_logprobs`` / ``output_logprob_ids`` are per sampled token; with ``max_new_tokens = 0`` they hold
     the one phantom token that SGLang still samples while ``output_ids`` is empty. Input-side lists start at
@@ -53,10 +53,10 @@ class GenerationResult:
     cached_tokens: int = 0
 
 
-class EngineRequest:
-    """One generation travelling through an engine: the spec plus its mutable life (abort flag, future).
+class BackendRequest:
+    """One generation travelling through a backend: the spec plus its mutable life (abort flag, future).
 
-    Engines resolve it exactly once through ``finish`` (thread-safe); the server awaits ``future``.
+    Backends resolve it exactly once through ``finish`` (thread-safe); the server awaits ``future``.
     ``abort_requested`` is a plain attribute so a worker thread can poll it between decode steps.
     """
 
@@ -96,15 +96,15 @@ class EngineRequest:
                 pass  # the loop is closed (shutdown): nobody is waiting any more
 
 
-class Engine(abc.ABC):
-    """What the CPU server needs from an engine (the built-in one: ``hf_engine.HFEngine``).
+class ModelBackend(abc.ABC):
+    """What the CPU server needs from a model backend (the built-in one: ``hf_backend.HFBackend``).
 
     Lifecycle: ``from_args`` (cheap, no model) -> ``load()`` in a worker thread after the port is bound ->
     ``await start()`` on the event loop -> ``submit``/``abort`` from the loop -> ``await close()``.
     """
 
-    name: str = "engine"
-    trivial_probe: bool = False  # True: /health_generate need not run a generation through this engine
+    name: str = "backend"
+    trivial_probe: bool = False  # True: /health_generate need not run a generation through this backend
     requires_model_path: bool = False  # True: --model-path must name a model folder (weights are loaded)
     vocab_size: int
     context_length: int
@@ -113,11 +113,11 @@ class Engine(abc.ABC):
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add this engine's own command-line flags (the server's common ones are already there)."""
+        """Add this backend's own command-line flags (the server's common ones are already there)."""
 
     @classmethod
-    def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> Engine:
-        """Construct (not load) the engine from the model's facts and the parsed command line."""
+    def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> ModelBackend:
+        """Construct (not load) the backend from the model's facts and the parsed command line."""
         return cls(facts)  # type: ignore[call-arg]
 
     @abc.abstractmethod
@@ -128,27 +128,27 @@ class Engine(abc.ABC):
         """Start background work on the running loop (after load)."""
 
     @abc.abstractmethod
-    def submit(self, req: EngineRequest) -> None:
-        """Queue a generation; must not block. The engine later calls ``req.finish(result)``."""
+    def submit(self, req: BackendRequest) -> None:
+        """Queue a generation; must not block. The backend later calls ``req.finish(result)``."""
 
     @abc.abstractmethod
-    def abort(self, req: EngineRequest) -> None:
+    def abort(self, req: BackendRequest) -> None:
         """Abort a queued or running generation: queued -> 'Abort in waiting queue', running -> 'Aborted'."""
 
     def stats(self) -> dict:
-        """Engine counters merged into /pipegen_stats."""
+        """The backend's counters merged into /pipegen_stats."""
         return {}
 
     async def close(self) -> None:
         """Stop background work."""
 
 
-def load_engine_class(name: str) -> type[Engine]:
-    """``hf`` -> the built-in transformers engine; ``package.module:ClassName`` -> that Engine subclass.
+def load_backend_class(name: str) -> type[ModelBackend]:
+    """``hf`` -> the built-in transformers backend; ``package.module:ClassName`` -> that ModelBackend subclass.
 
-    Raises ValueError (with a message for the command line) when the name does not lead to an Engine.
+    Raises ValueError (with a message for the command line) when the name does not lead to a ModelBackend.
     """
-    path = BUILTIN_ENGINES.get(name, name)
+    path = BUILTIN_BACKENDS.get(name, name)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--engine {name!r}: expected 'hf' or an import path 'package.module:ClassName'")
@@ -157,8 +157,8 @@ def load_engine_class(name: str) -> type[Engine]:
     except ImportError as exc:
         raise ValueError(f"--engine {name!r}: cannot import {module_name}: {exc}") from exc
     cls = getattr(module, attr, None)
-    if not (isinstance(cls, type) and issubclass(cls, Engine)):
-        raise ValueError(f"--engine {name!r}: {attr} in {module_name} is not an Engine subclass")
+    if not (isinstance(cls, type) and issubclass(cls, ModelBackend)):
+        raise ValueError(f"--engine {name!r}: {attr} in {module_name} is not a ModelBackend subclass")
     return cls
 
 
@@ -169,7 +169,7 @@ class ModelFacts:
     model_path: str
     vocab_size: int
     eos_token_ids: frozenset[int]
-    primary_eos: int  # config.json's eos (first of a list): what a synthetic engine emits to stop
+    primary_eos: int  # config.json's eos (first of a list): what a synthetic backend emits to stop
     context_length: int
     model_type: Optional[str]
     architectures: Optional[list[str]]
@@ -188,7 +188,7 @@ def read_model_facts(model_path: Optional[str], *, default_vocab: int = 32000, d
     """Read vocab size, EOS ids (config.json plus generation_config.json) and context length.
 
     Context length follows SGLang's get_context_length for the keys that matter here
-    (max_position_embeddings and friends); no folder gives the defaults (an engine that needs no model).
+    (max_position_embeddings and friends); no folder gives the defaults (a backend that needs no model).
     """
     cfg: dict = {}
     gen: dict = {}

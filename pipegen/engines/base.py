@@ -1,0 +1,66 @@
+"""The interface every engine implements (`Engine`), the one generation it sends (`EngineRequest`), and
+`LoadUnavailable` (a server that reports no load).
+
+Owns: the shape of an engine. Must never: import an engine (sglang.py, vllm.py import it), or hold
+per-request state beyond an `EngineRequest`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from pipegen.engines.request import TokenBudget
+
+
+@dataclass
+class EngineRequest:
+    """One generation as sent to one engine: the JSON body and what the client must know about it."""
+
+    body: dict[str, Any]
+    rid: str  # this attempt's id (renewed for every re-send and hedge copy)
+    max_new_tokens: int
+    return_logprob: bool
+
+
+class Engine(Protocol):
+    """What client.py, admission.py and startup.py ask of a server (the package's docstring tells it)."""
+
+    name: str
+    generate_path: str  # POST the body here
+    health_path: str  # GET: 200 once the server generates
+
+    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "TokenBudget",
+              sampling_seed: int | None) -> EngineRequest: ...
+
+    def renewed(self, request: EngineRequest) -> EngineRequest:
+        """The same generation under a fresh request id (a re-send, or a hedge copy)."""
+        ...
+
+    def finish_type(self, answer: dict[str, Any]) -> str | None:
+        """`stop`, `length` or `abort` (None when the answer names none)."""
+        ...
+
+    def parse(self, answer: dict[str, Any], request: EngineRequest):
+        """The answer as verl's TokenOutput (its stop_reason one of finish_type's names)."""
+        ...
+
+    async def abort(self, session: "aiohttp.ClientSession", url: str, request: EngineRequest,
+                    timeout_s: float) -> None:
+        """Ask the server to stop `request`, before the client drops its connection."""
+        ...
+
+    async def max_running(self, session: "aiohttp.ClientSession", url: str) -> int | None:
+        """The server's own limit on requests running at once, if it reports one."""
+        ...
+
+    async def load(self, session: "aiohttp.ClientSession", url: str) -> tuple[int, int]:
+        """(running, waiting) now. Raises LoadUnavailable when the server does not report it."""
+        ...
+
+
+class LoadUnavailable(Exception):
+    """The server has no load endpoint: automatic concurrency keeps its start value for it."""

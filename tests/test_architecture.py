@@ -1,0 +1,36 @@
+"""ARCHITECTURE.md's "never" column, checked: the import contracts in pyproject.toml ([tool.importlinter]),
+run by import-linter's own command exactly as a developer runs `lint-imports`. A broken contract fails
+here with its name and the import chain that breaks it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def contract_names() -> list[str]:
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return [c["name"] for c in config["tool"]["importlinter"]["contracts"]]
+
+
+def test_import_contracts_hold():
+    names = contract_names()
+    assert len(names) >= 4  # roles vs roles, the shared floors, the bench, the CPU server
+    lint = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run([str(lint), "--no-cache", "--no-logo"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "1000"}, timeout=120)
+    print(result.stdout, result.stderr)
+    said = " ".join(result.stdout.split())
+    broken = [n for n in names if f"{n} BROKEN" in said]
+    assert not broken and result.returncode == 0, (
+        f"import contract broken: {'; '.join(broken) or '(see the output)'}\n{result.stdout}{result.stderr}")
+    assert all(f"{n} KEPT" in said for n in names), result.stdout

@@ -1,0 +1,224 @@
+"""Rewards the verl way and beyond it: a user's reward file (custom_reward_function.path/.name/
+.reward_kwargs, loaded by verl's own loader), the same function behind an HTTP verifier
+(python -m pipegen.rewards.serve, a real aiohttp server on loopback), a verifier that fails (recorded as
+the unit's failure, nothing faked, retried by the next launch), and the verifier client's retries and
+time limit against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
+from fake_servers import Proc
+
+REWARD_FILE = '''
+import os
+
+
+def my_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0, fail_unless=None, **kwargs):
+    """A reward a user writes: depends on the text, the row and reward_kwargs; a dict with extras."""
+    index = extra_info["index"]
+    if fail_unless is not None and index % 2 == 1 and not os.path.exists(fail_unless):
+        raise ValueError(f"cannot verify row {index} yet")
+    return {"score": scale * (len(solution_str) % 7) / 6 + index / 1000, "length": len(solution_str),
+            "source_seen": data_source}
+'''
+
+
+def expected_scores(data, model_path: str, scale: float) -> list[tuple[float, int]]:
+    """What the reward file returns for each row's decoded response (verl decodes the valid response
+    tokens with skip_special_tokens=True)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    width = data.batch["prompts"].shape[1]
+    out = []
+    for i in range(len(data)):
+        length = int(data.batch["attention_mask"][i, width:].sum())
+        text = tokenizer.decode(data.batch["responses"][i, :length].tolist(), skip_special_tokens=True)
+        index = int(data.non_tensor_batch["extra_info"][i]["index"])
+        out.append((scale * (len(text) % 7) / 6 + index / 1000, len(text)))
+    return out
+
+
+def assert_scores_are_the_files(data, model_path: str, scale: float) -> None:
+    import torch
+
+    want = expected_scores(data, model_path, scale)
+    width = data.batch["prompts"].shape[1]
+    assert "rm_scores" in data.batch.keys()
+    for i, (score, length) in enumerate(want):
+        row = data.batch["rm_scores"][i]
+        last = int(data.batch["attention_mask"][i, width:].sum()) - 1
+        assert row[last].item() == pytest.approx(score, abs=1e-6)  # float32, at the last response token
+        assert torch.count_nonzero(row) <= 1
+        # the dict's extras land in the non-tensor data, as verl's reward loop puts them
+        assert data.non_tensor_batch["length"][i] == length
+        assert data.non_tensor_batch["source_seen"][i] == data.non_tensor_batch["data_source"][i]
+    assert len({round(s, 6) for s, _ in want}) > 1, "the scores must vary, or the check proves little"
+    assert data.meta_info["reward_extra_keys"] == ["score", "length", "source_seen"]
+
+
+@pytest.fixture
+def reward_file(tmp_path) -> Path:
+    path = tmp_path / "my_reward.py"
+    path.write_text(REWARD_FILE)
+    return path
+
+
+def test_user_reward_file_gives_rm_scores_equal_to_what_it_returns(tmp_path, tiny_model, reward_file):
+    out = tmp_path / "run"
+    result = launch(out, f"model_path={tiny_model}", FAKE_ENGINE, *FAST, f"custom_reward_function.path={reward_file}",
+                    "custom_reward_function.name=my_score", "+custom_reward_function.reward_kwargs.scale=2.0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_scores_are_the_files(load_trajectories(out / "trajectories.pkl"), tiny_model, scale=2.0)
+
+
+def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny_model, reward_file):
+    cases = [
+        (f"custom_reward_function.path={tmp_path / 'nope.py'}", "custom_reward_function.path=", "no such file"),
+        (f"custom_reward_function.path={reward_file}", "custom_reward_function.name=compute_score", "has no such function"),
+        ("reward.verifier_url=localhost:9", "reward.verifier_url=localhost:9", "is not an http(s) URL"),
+    ]
+    for override, named, why in cases:
+        result = launch(tmp_path / "refused", f"model_path={tiny_model}", FAKE_ENGINE, *FAST, override)
+        assert result.returncode == 2, result.stderr[-2000:]
+        lines = [ln for ln in result.stderr.splitlines() if ln.startswith("pipegen: error:")]
+        assert len(lines) == 1 and named in lines[0] and why in lines[0], result.stderr[-2000:]
+        assert not (tmp_path / "refused" / "streams").exists()
+
+
+class Verifier(Proc):
+    """python -m pipegen.rewards.serve on a loopback port."""
+
+    def __init__(self, name: str, tmp: Path, *args: str):
+        super().__init__(name, tmp, [sys.executable, "-m", "pipegen.rewards.serve", "--port", "0",
+                                     "--port-file", str(tmp / f"{name}.port"), *args])
+
+
+def test_http_verifier_scores_as_the_file_and_a_failing_one_is_recorded_not_faked(tmp_path, tiny_model, reward_file):
+    flag = tmp_path / "verifier_ready"
+    verifier = Verifier("verifier", tmp_path, "--path", str(reward_file), "--name", "my_score",
+                        "--reward-kwargs", orjson.dumps({"scale": 3.0, "fail_unless": str(flag)}).decode())
+    try:
+        url = f"http://127.0.0.1:{verifier.port}/score"
+        out = tmp_path / "run"
+        args = (f"model_path={tiny_model}", FAKE_ENGINE, *FAST, f"reward.verifier_url={url}")
+        first = launch(out, *args)
+        # rows with an odd index fail at the verifier: their units are recorded as failed, not scored
+        assert first.returncode == 1, first.stderr[-3000:]
+        ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
+        failed = ckpt["failed"]
+        assert failed and all(int(u.split(":")[0]) % 2 == 1 for u in failed)
+        assert all("cannot verify row" in info["reason"] and url in info["reason"] for info in failed.values())
+        lines = [orjson.loads(ln) for f in (out / "streams" / "failures").glob("actor_*/*.jsonl")
+                 for ln in f.read_bytes().splitlines()]
+        assert {f"{r['index']}:{r['sample']}" for r in lines} == set(failed)
+        rollouts = [orjson.loads(ln) for f in (out / "streams" / "rollouts").glob("actor_*/*.jsonl")
+                    for ln in f.read_bytes().splitlines()]
+        assert rollouts and all(r["index"] % 2 == 0 for r in rollouts)  # no odd row got a made-up score
+        assert all(t["reward_score"] is not None for r in rollouts for t in r["trajectories"])
+
+        # the verifier recovers: the same command retries exactly the failed units, and every score is the file's
+        flag.write_text("ok")
+        second = launch(out, *args)
+        assert second.returncode == 0, second.stderr[-3000:]
+        assert_scores_are_the_files(load_trajectories(out / "trajectories.pkl"), tiny_model, scale=3.0)
+    finally:
+        verifier.stop()
+
+
+# ---- the verifier client against a real aiohttp server in this process
+
+
+async def _serve(handler):
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/score", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/score"
+
+
+def _request(i: int):
+    from pipegen.rewards.protocol import ScoreRequest
+
+    return ScoreRequest(data_source="d", solution_str=f"answer {i}", ground_truth=str(i), extra_info={"index": i})
+
+
+def test_verifier_client_retries_then_scores_and_fails_after_its_tries():
+    from aiohttp import web
+
+    from pipegen.rewards.protocol import RewardFailure, parse_result
+    from pipegen.rewards.verifier import VerifierReward, VerifierSpec
+
+    async def scenario():
+        seen = {"flaky": 0, "down": 0, "slow": 0}
+
+        async def flaky(request):  # two 503s, then answers every sample of the batch
+            seen["flaky"] += 1
+            if seen["flaky"] <= 2:
+                return web.Response(status=503, text="warming up")
+            body = orjson.loads(await request.read())
+            return web.json_response({"results": [{"score": float(r["ground_truth"]), "ok": True}
+                                                  for r in body["requests"]]})
+
+        async def down(request):
+            seen["down"] += 1
+            return web.Response(status=500, text="boom")
+
+        async def slow(request):
+            seen["slow"] += 1
+            await asyncio.sleep(5)
+            return web.json_response({"results": []})
+
+        servers = [await _serve(h) for h in (flaky, down, slow)]
+        try:
+            (_, flaky_url), (_, down_url), (_, slow_url) = servers
+            client = VerifierReward(VerifierSpec(flaky_url, timeout_s=10, attempts=3, batch=8, concurrency=1))
+            results = await asyncio.gather(*(client.score(_request(i)) for i in range(5)))
+            assert [parse_result(r, "v") for r in results] == [(float(i), {"score": float(i), "ok": True})
+                                                               for i in range(5)]
+            await client.close()
+
+            client = VerifierReward(VerifierSpec(down_url, timeout_s=10, attempts=3))
+            with pytest.raises(RewardFailure, match="failed 3 tries, the last: HTTP 500: boom"):
+                await client.score(_request(1))
+            assert seen["down"] == 3
+            await client.close()
+
+            client = VerifierReward(VerifierSpec(slow_url, timeout_s=0.3, attempts=2))
+            with pytest.raises(RewardFailure, match="no answer within reward.verifier_timeout_s=0.3"):
+                await client.score(_request(1))
+            assert seen["slow"] == 2
+            await client.close()
+
+            client = VerifierReward(VerifierSpec("http://127.0.0.1:9/score", timeout_s=5, attempts=2))
+            with pytest.raises(RewardFailure, match="failed 2 tries"):  # nothing listens there
+                await client.score(_request(1))
+            await client.close()
+        finally:
+            for runner, _ in servers:
+                await runner.cleanup()
+        assert seen["flaky"] == 3  # five samples went as one batch, tried three times
+
+    asyncio.run(scenario())
+
+
+def test_a_result_that_is_not_a_score_is_a_failure_never_a_number():
+    from pipegen.rewards.protocol import RewardFailure, parse_result
+
+    assert parse_result(0.5, "f") == (0.5, {"acc": 0.5})  # verl: a number's extras are {"acc": score}
+    assert parse_result(True, "f") == (1.0, {"acc": True})
+    assert parse_result({"score": 1, "pred": "4"}, "f") == (1.0, {"score": 1, "pred": "4"})
+    for bad in (None, "1.0", float("nan"), {"pred": "4"}, {"error": "timeout"}):
+        with pytest.raises(RewardFailure):
+            parse_result(bad, "f")

@@ -1,0 +1,139 @@
+"""Tasks (seed 000's task system): `tasks=[...]` resolves names to data and a reward through manifests,
+offline; a user's manifest file adds a task (its own generator and reward); rows of several tasks keep
+their data_source and each is scored by its own task's reward; `python -m pipegen.tasks` lists them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
+
+GENERATOR = '''
+def make(size, seed, offset=8):
+    """A user's generator: the same entries for the same seed."""
+    return [{"question": f"What is {seed + i} - {offset}?", "answer": str(seed + i - offset)} for i in range(size)]
+'''
+
+REWARD = '''
+import re
+
+
+def exact(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    found = re.findall(r"<answer>(.*?)</answer>", solution_str)
+    return 1.0 if found and found[-1].strip() == ground_truth else 0.25
+'''
+
+MANIFEST = """
+name: my_subtraction
+description: a user's own task
+data:
+  generator: gen.py:make
+  size: 4
+  seed: 2
+  config: {offset: 8}
+prompt:
+  system: Answer inside <answer></answer>.
+  template: "Question: {question}"
+reward:
+  path: my_reward.py
+  name: exact
+defaults: {n: 3, max_response_length: 64}
+"""
+
+REPLY = "<answer>-4</answer>"  # every reply of the scripted fake engine
+
+
+@pytest.fixture
+def user_task(tmp_path) -> Path:
+    folder = tmp_path / "my_task"
+    folder.mkdir()
+    (folder / "gen.py").write_text(GENERATOR)
+    (folder / "my_reward.py").write_text(REWARD)
+    (folder / "task.yaml").write_text(MANIFEST)
+    return folder / "task.yaml"
+
+
+def test_python_m_pipegen_tasks_lists_built_in_and_given_tasks(user_task):
+    result = subprocess.run([sys.executable, "-m", "pipegen.tasks", str(user_task)], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    names = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ") and line.strip()
+             and not line.startswith("   ")}
+    assert {"gsm_symbolic", "chain_sum", "leg_counting", "basic_arithmetic", "my_subtraction"} <= names
+    assert "reasoning_gym:gsm_symbolic" in result.stdout and str(user_task.resolve()) in result.stdout
+
+
+def test_tasks_resolve_defaults_deterministic_files_and_clear_errors(tmp_path, user_task):
+    from pipegen.run.config import compose
+    from pipegen.run.layout import RunDir
+    from pipegen.tasks.manifest import TaskError
+    from pipegen.tasks.materialize import materialize
+
+    cfg = compose([f"output_dir={tmp_path}", f"tasks=[{user_task},gsm_symbolic]", "n=5"])
+    # the command line wins (n); lengths are the longest any task asks for; verl's keys follow
+    assert cfg.actor_rollout_ref.rollout.n == 5
+    assert cfg.actor_rollout_ref.rollout.response_length == 1024 and cfg.data.max_prompt_length == 1024
+    with pytest.raises(TaskError, match="set different defaults for n"):
+        compose([f"output_dir={tmp_path}", f"tasks=[{user_task},gsm_symbolic]"])  # 3 vs 4
+    with pytest.raises(TaskError, match="no task named 'nope'; built-in: basic_arithmetic, chain_sum"):
+        compose([f"output_dir={tmp_path}", "tasks=[nope]"])
+
+    # the same manifest and seed give the same file (named by its digest), rows numbered across tasks
+    first = materialize([str(user_task), "chain_sum"], RunDir(tmp_path / "a"))
+    again = materialize([str(user_task), "chain_sum"], RunDir(tmp_path / "b"))
+    assert [t.path.name for t in first] == [t.path.name for t in again]
+    assert [t.path.read_bytes() for t in first] == [t.path.read_bytes() for t in again]
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(first[0].path).to_pylist() + pq.read_table(first[1].path).to_pylist()
+    assert [r["extra_info"]["index"] for r in rows] == list(range(504))
+    assert rows[0]["prompt"] == [{"role": "system", "content": "Answer inside <answer></answer>."},
+                                 {"role": "user", "content": "Question: What is 2 - 8?"}]
+    assert rows[0]["data_source"] == "my_subtraction" and rows[4]["data_source"] == "chain_sum"
+
+    bad = user_task.parent / "bad.yaml"
+    bad.write_text(MANIFEST.replace("size: 4", "size: 4\n  sizes: 5"))
+    with pytest.raises(TaskError, match=r"bad.yaml: data.sizes: Extra inputs are not permitted"):
+        materialize([str(bad)], RunDir(tmp_path / "c"))
+
+
+def test_builtin_and_user_tasks_run_offline_each_row_scored_by_its_own_task(tmp_path, tiny_model, user_task):
+    from transformers import AutoTokenizer
+
+    from pipegen.tasks.reasoning_gym import compute_score as task_score
+
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps([REPLY]))
+    out = tmp_path / "run"
+    result = launch(out, f"model_path={tiny_model}", FAKE_ENGINE, *FAST, f"tasks=[{user_task},chain_sum]",
+                    "max_samples=7", f"llm.engine_args=[--script,{script}]",
+                    env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = load_trajectories(out / "trajectories.pkl")
+    assert len(data) == 7 * 2
+    sources = list(data.non_tensor_batch["data_source"])
+    assert sources == ["my_subtraction"] * 8 + ["chain_sum"] * 6  # rows sorted by index: the user task first
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    width = data.batch["prompts"].shape[1]
+    scores = []
+    for i in range(len(data)):
+        length = int(data.batch["attention_mask"][i, width:].sum())
+        text = tokenizer.decode(data.batch["responses"][i, :length].tolist(), skip_special_tokens=True)
+        assert text == REPLY
+        row_reward = data.batch["rm_scores"][i, length - 1].item()
+        gt = data.non_tensor_batch["reward_model"][i]["ground_truth"]
+        if sources[i] == "chain_sum":  # reasoning-gym's own scorer
+            want = task_score(sources[i], text, gt, data.non_tensor_batch["extra_info"][i])
+        else:  # the manifest's reward file
+            want = 1.0 if gt == "-4" else 0.25
+        assert row_reward == pytest.approx(want), (i, sources[i], gt)
+        scores.append(row_reward)
+    assert sorted(set(scores)) == [0.0, 0.25, 1.0]  # every reward spoke: both tasks, right and wrong answers
+    assert data.non_tensor_batch["acc"].tolist() == scores  # a float result's extras: verl's {"acc": score}
