@@ -129,7 +129,7 @@ def _framed_pickle(batch) -> bytes:
 @pytest.mark.parametrize("old_format", ["framed", "pickled DataProto"])
 def test_a_run_in_the_old_pickle_format_is_refused_until_converted(committed_run, old_format, capsys):
     from pipegen.export.__main__ import main as export_main
-    from pipegen.launch.prepare import prepare_run
+    from pipegen.launch.resume import guard_resume as prepare_run
     from pipegen.observe.status import gather
     from pipegen.writer.batches import from_storage, load_batch
 

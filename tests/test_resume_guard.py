@@ -23,7 +23,7 @@ def composed(out: Path, *overrides: str):
     from omegaconf import open_dict
 
     from pipegen.run.config import compose, resolved
-    from pipegen.launch.prepare import resolve_inputs
+    from pipegen.launch.manifest import resolve_inputs
 
     cfg = compose([f"output_dir={out}", *overrides])
     with open_dict(cfg):

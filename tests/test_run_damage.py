@@ -100,7 +100,7 @@ def fix_command(line: str) -> list[str]:
 def first_answer(cfg, out: Path) -> str | None:
     """What the launcher does with a run directory before it starts any process (launcher.main): the
     refusal line's text, or None when it goes on (having re-derived what it owns)."""
-    from pipegen.launch.prepare import check_run_files, prepare_run
+    from pipegen.launch.resume import check_run_files, guard_resume as prepare_run
     from pipegen.run.layout import RunDir
 
     return prepare_run(cfg, RunDir(out)) or check_run_files(RunDir(out))
@@ -114,7 +114,7 @@ def finish_in_process(cfg, out: Path) -> str | None:
 
     import torch
 
-    from pipegen.launch.prepare import build_manifest
+    from pipegen.launch.manifest import build_manifest
     from pipegen.run.config import load_run_config
     from pipegen.run.integrity import DamagedFile
     from pipegen.run.layout import LaunchRecord, RunDir

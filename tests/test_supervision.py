@@ -160,3 +160,53 @@ def test_one_crash_looping_server_is_given_up_while_the_other_finishes_the_run(t
     assert "server_1 keeps crashing" in result.stderr
     data = load_trajectories(out / "trajectories.pkl")
     assert _units(data) == [(i, s) for i in range(6) for s in range(2)]
+
+
+class _Placement:
+    """A placement with nothing to place: done from the start, or failing its check."""
+
+    def __init__(self, problem: Exception | None = None):
+        self.problem = problem
+
+    def check(self) -> None:
+        if self.problem is not None:
+            raise self.problem
+
+    def done(self) -> bool:
+        return True
+
+
+def test_supervise_returns_what_ended_the_launch(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pipegen.launch.launcher import supervise
+    from pipegen.launch.run_writer import RunWriter
+    from pipegen.launch.supervise import CrashLoop
+    from pipegen.observe.console import Console
+    from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS
+    from pipegen.run.layout import LaunchRecord, RunDir
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 1}}, "trainer": {"logger": []},
+                            "generation": {"restart_limit": 0, "show_progress": False}})
+    run = RunDir(tmp_path / "run")
+    run.launch_file.parent.mkdir(parents=True)
+    run.write_launch(LaunchRecord(launch="l", run_key="k"))
+
+    def writer_exiting(code: int) -> RunWriter:
+        writer = RunWriter(cfg, run)
+        writer.role.argv = [sys.executable, "-c", f"import sys; sys.exit({code})"]  # the writer's exit, alone
+        writer.start()
+        return writer
+
+    with Console(cfg, run, total=1, actors=0, tracked=False) as console:
+        # the writer's exit code says how the run ended: complete, units failed, a damaged file refused
+        for code in (0, EXIT_FAILED_UNITS, EXIT_DAMAGED):
+            assert supervise(_Placement(), writer_exiting(code), console) == code
+        # no writer here: the launch ends when its placement is done, and says it has no writer's word
+        assert supervise(_Placement(), None, console) is None
+        # a writer that crashes past generation.restart_limit ends the launch naming it
+        with pytest.raises(CrashLoop, match="writer"):
+            supervise(_Placement(), writer_exiting(1), console)
+        # so does a placement that cannot go on
+        with pytest.raises(RuntimeError, match="every node failed"):
+            supervise(_Placement(RuntimeError("every node failed")), writer_exiting(0), console)

@@ -70,9 +70,9 @@ def test_python_m_pipegen_tasks_lists_built_in_and_given_tasks(user_task):
 
 
 def test_tasks_resolve_defaults_deterministic_files_and_clear_errors(tmp_path, user_task):
-    from pipegen.run.config import compose
     from pipegen.run.layout import RunDir
     from pipegen.tasks.manifest import TaskError
+    from pipegen.tasks.manifest import compose_job as compose
     from pipegen.tasks.materialize import materialize
 
     cfg = compose([f"output_dir={tmp_path}", f"tasks=[{user_task},gsm_symbolic]", "n=5"])

@@ -139,16 +139,19 @@ class UnitServerManager:
     """The object handed to one verl agent loop: pins the unit's prompt to one server and its seed, and
     tells the unit's slot (admission.UnitSlot) when it asks a server and when it was answered."""
 
-    def __init__(self, pool: Any, sticky_key: Any, sampling_seed: int | None, slot: Any):
+    def __init__(self, pool: Any, sticky_key: Any, sampling_seed: int | None, slot: Any, gateway: Any = None):
         self.pool = pool
         self.sticky_key = sticky_key
         self.sampling_seed = sampling_seed
         self.slot = slot
+        self.gateway = gateway  # the actor's gateway (pipegen/gateway/), for the `external` loop
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
         self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
+        # a gateway session asks with its own seed per call (the unit's seed for its first)
+        seed = kw["sampling_seed"] if "sampling_seed" in kw else self.sampling_seed
         output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                          sticky_key=self.sticky_key, sampling_seed=self.sampling_seed)
+                                          sticky_key=self.sticky_key, sampling_seed=seed)
         await self.slot.answered()
         return output
 
@@ -192,6 +195,10 @@ class UnitRunner:
         )
         # verl adds YAML-registered loops only inside AgentLoopWorker.__init__; do the same here.
         register_agent_loops(rollout.agent.agent_loop_config_path)
+        import pipegen.gateway.loop  # noqa: F401  (registers the `external` agent loop, as verl's own register)
+        from pipegen.gateway.server import Gateway
+
+        self.gateway = Gateway(cfg.external.host)  # started by the first `external` unit
         self.registry = agent_loop_registry()
         self.loops = AgentLoops(self.registry, dict(
             trainer_config=verl_agent_loop.DictConfigWrap(cfg),  # verl only reads through these wrappers
@@ -252,7 +259,8 @@ class UnitRunner:
         if agent_name not in self.registry:
             raise ValueError(f"agent loop '{agent_name}' is not registered; known: {sorted(self.registry)} "
                              "(register yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
-        agent = self.loops.build(agent_name, UnitServerManager(pool, sticky_key=index, sampling_seed=seed, slot=slot))
+        agent = self.loops.build(agent_name, UnitServerManager(pool, sticky_key=index, sampling_seed=seed, slot=slot,
+                                                               gateway=self.gateway))
         result = await agent.run(dict(self.sampling_params), **kwargs)
         outputs = check_trajectories(result, self.prompt_length, self.response_length)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score

@@ -19,4 +19,5 @@ SCENARIOS = {
     "vllm": "pipegen.bench.engine_vllm",
     "cluster": "pipegen.bench.cluster",
     "reward": "pipegen.bench.reward_verifier",
+    "gateway": "pipegen.bench.gateway",
 }

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
-DEMO_NAME = "demo"
-DEMO_PARQUET = Path(__file__).resolve().parent / "demo_arith.parquet"
+from pipegen.run.schema import DEMO_NAME, DEMO_PARQUET, is_demo  # the config's names for the demo set
+
 _FIX = "pass an existing parquet/json file, a list of them, or 'demo' for the packaged arithmetic set"
 
 
@@ -48,15 +47,6 @@ def resolve_train_files(spec: str | os.PathLike[str] | Iterable[str | os.PathLik
     if not items:
         raise ValueError(f"train_files is empty; {_FIX}")
     return [_one(item, spec) for item in items]
-
-
-def is_demo(spec: object) -> bool:
-    """Whether ``data.train_files`` names only the packaged demo set (by its short name or its path): the
-    demo's small defaults (schema.DEMO_DEFAULTS) apply to it alone, never to a user's data."""
-    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec or [])  # type: ignore[arg-type]
-    return bool(items) and all(
-        isinstance(i, (str, os.PathLike)) and (os.fspath(i).strip() == DEMO_NAME or os.fspath(i) == str(DEMO_PARQUET))
-        for i in items)
 
 
 __all__ = ["DEMO_NAME", "DEMO_PARQUET", "is_demo", "resolve_train_files"]

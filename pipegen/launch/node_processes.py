@@ -1,20 +1,23 @@
-"""One node's child processes: its servers (each with a readiness watch) and the roles started beside them.
+"""Child processes on one node: its servers (each with a readiness watch), its actors, and the writer.
 
-Both the launcher (every node of a local run) and a node runner (each node under cluster=ray) start and
-stop a node's processes through this, so neither imports the other.
-Owns: the node's Supervisor, its servers' command lines put to work, their readiness watches, and the stop
-of every child. Must never: decide which units run (the launcher and the lease book do), or outlive a stop
-with a child still running.
+The local placement, a node runner (each node under cluster=ray) and the launcher's writer each hold one, so
+none of them imports another.
+Owns: a Supervisor, the servers' command lines put to work, their readiness watches, an actor's command line
+(built here alone), and the stop of every child. Must never: decide which units run (each actor's share, or
+the lease book), or outlive a stop with a child still running.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipegen.launch.servers import SERVER_COMMANDS, ServerWatch, check_server_python, server_python
 from pipegen.launch.supervise import Role, Supervisor
+from pipegen.launch.world import WorldPlan
 from pipegen.run.layout import RunDir
 
 log = logging.getLogger("pipegen.launch")
@@ -25,17 +28,24 @@ class NodeProcesses:
         self.cfg = cfg
         self.run = run
         self.sup = Supervisor(run)
-        self.watches: list = []  # launch.servers.ServerWatch, one per server URL
+        self.watches: list[ServerWatch] = []  # one per server URL
         self.launch_started = run.read_launch().started  # the origin of every start-up phase
 
     def role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
         return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
                                  int(self.cfg.generation.restart_limit)))
 
-    def start_servers(self, plan) -> None:
-        """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
-        from pipegen.launch.servers import SERVER_COMMANDS, ServerWatch, check_server_python, server_python
+    def start_actor(self, name: str, rank: int | str, num_actors: int, node: str | None = None,
+                    leases: str | None = None) -> None:
+        """Start one actor process; under cluster=ray it names its node and its runner's lease endpoint."""
+        argv = [sys.executable, "-m", "pipegen.actor", f"output_dir={self.run.root}", f"rank={rank}",
+                f"num_actors={num_actors}"]
+        argv += [f"node={node}"] if node is not None else []
+        argv += [f"leases={leases}"] if leases is not None else []
+        self.sup.start(self.role(name, argv))
 
+    def start_servers(self, plan: WorldPlan) -> None:
+        """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
         build = SERVER_COMMANDS.get(llm["kind"])
         if llm["kind"] != "cpu" and plan.servers:

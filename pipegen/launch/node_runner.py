@@ -1,8 +1,9 @@
 """The node runner (cluster=ray): one restartable Ray actor per generation node, placed by
-launch/ray_cluster.py. It runs that node's servers and actor processes with the one-node code
-(launch/servers.py through Launcher.start_servers, launch/supervise.py), writes the node's own launch
-record (`conf/nodes/<node>.json`), and hands the units of its leases to its actors over a loopback
-HTTP endpoint (the protocol is in actor/units.py), as they free up.
+launch/ray_placement.py. It runs that node's servers and actor processes with the one-node code
+(launch/node_processes.py, which starts them through launch/servers.py and launch/supervise.py), writes the
+node's own launch record (`conf/nodes/<node>.json`), and hands the units of its leases to its actors over a
+loopback HTTP endpoint (the routes are run/lease_protocol.py's; the actors' side is actor/units.py), as
+they free up.
 
 Every start is a new incarnation (a short random id): it is in the names of the node's actors and
 servers, so their shards, logs and stats never mix with a predecessor's, even one still running on a
@@ -11,8 +12,8 @@ the servers' process groups are also in the node record, and the next incarnatio
 kills any left (an SGLang server does not watch its parent).
 
 Owns: this node's children, its node record, and the queue of units its actors pull from.
-Must never: import ray at module level (the launcher's one-node path imports nothing of Ray), decide
-which units are pending in the run (the launcher does), or write streams itself.
+Must never: import ray at module level (a local run imports nothing of Ray), decide which units are pending
+in the run (the Ray placement's lease book does), or write streams itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import os
 import shlex
 import signal
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -37,6 +37,7 @@ from omegaconf import OmegaConf
 from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
 from pipegen.launch.leases import open_units
 from pipegen.launch.node_processes import NodeProcesses
+from pipegen.launch.world import current_plan
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import NodeRecord, RunDir, node_actor_role
 
@@ -167,11 +168,9 @@ class LeaseEndpoint:
 
 
 class NodeRunner:
-    """A Ray actor (made remote by ray_cluster.py): this node's servers, actors and lease queue."""
+    """A Ray actor (made remote by ray_placement.py): this node's servers, actors and lease queue."""
 
     def __init__(self, output_dir: str, node: str, launch: str):
-        from pipegen.launch.world import current_plan
-
         self.run = RunDir(Path(output_dir))
         self.node = node
         self.incarnation = uuid.uuid4().hex[:6]
@@ -200,10 +199,8 @@ class NodeRunner:
             incarnation=self.incarnation, host=self.host,
             server_pgids=[r.proc.pid for r in self.processes.sup.roles.values() if r.proc is not None]))
         for role in actors:
-            rank = role.removeprefix("actor_")
-            self.processes.sup.start(self.processes.role(role, [
-                sys.executable, "-m", "pipegen.actor", f"output_dir={self.run.root}", f"rank={rank}",
-                f"num_actors={plan.num_actors}", f"node={node}", f"leases={self.endpoint.url}"]))
+            self.processes.start_actor(role, role.removeprefix("actor_"), plan.num_actors, node=node,
+                                       leases=self.endpoint.url)
         log.info("%s incarnation %s on %s (pid %d): servers %s, actors %s, leases at %s", node, self.incarnation,
                  self.host, os.getpid(), ", ".join(plan.urls), ", ".join(actors), self.endpoint.url)
         threading.Thread(target=self._supervise, name="supervise", daemon=True).start()
@@ -257,7 +254,7 @@ class NodeRunner:
         log.warning("%s exited holding %d unit(s): %d queued again for this node's actors", actor, len(held),
                     len(still_open))
 
-    # ---- called by the launcher through Ray (async: a wait holds no thread, so leases may pile up) ----
+    # ---- called by the Ray placement through Ray (async: a wait holds no thread, so leases may pile up) ----
     async def ping(self) -> dict:
         import ray
 

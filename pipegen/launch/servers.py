@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from pipegen.engines import UNREACHABLE, ready_problem
-from pipegen.launch.world import ServerPlan
+from pipegen.engines import AUTO, UNREACHABLE, UnknownEngine, detect_protocol, engine, ready_problem
+from pipegen.launch.world import ServerPlan, llm_settings
 
 # How long an external server may refuse connections before it counts as not there at all: a server
 # we did not start is already running, or it is not coming (a restart of it takes this long at most).
@@ -88,25 +88,26 @@ def check_server_python(kind: str, python: str) -> str | None:
 def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
     """`python -m sglang.launch_server` for one tensor-parallel group, token ids in and out, run by
     `llm.python` (SGLang's own environment)."""
+    llm = llm_settings(llm, "sglang")
     argv = [
         server_python(llm), "-m", "sglang.launch_server",
         "--model-path", str(model_path),
         "--host", plan.host,
         "--port", str(plan.port),
-        "--tp-size", str(len(plan.gpus) or int(llm.get("tp", 1))),
-        "--mem-fraction-static", str(llm.get("mem_fraction_static", 0.85)),
+        "--tp-size", str(len(plan.gpus) or int(llm["tp"])),
+        "--mem-fraction-static", str(llm["mem_fraction_static"]),
         "--random-seed", str(seed),
         "--skip-tokenizer-init",
     ]
-    if int(llm.get("dp", 1)) > 1:
+    if int(llm["dp"]) > 1:
         argv += ["--dp-size", str(llm["dp"])]
-    if llm.get("context_length"):
+    if llm["context_length"]:
         argv += ["--context-length", str(llm["context_length"])]
-    if llm.get("deterministic_inference"):
+    if llm["deterministic_inference"]:
         argv.append("--enable-deterministic-inference")
-    if llm.get("max_running_requests"):
+    if llm["max_running_requests"]:
         argv += ["--max-running-requests", str(llm["max_running_requests"])]
-    argv += [str(a) for a in (llm.get("extra_args") or [])]
+    argv += [str(a) for a in llm["extra_args"] or []]
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in plan.gpus)} if plan.gpus else {}
     return argv, env
 
@@ -164,7 +165,6 @@ def log_tail(path: Path | None, lines: int = 15) -> str:
     return "\n".join("    " + t for t in text)
 
 
-# Probe outcomes that mean "nothing listens at that address" (as opposed to a server still loading).
 def _with_log(message: str, log_path: Path | None) -> str:
     tail = log_tail(log_path)
     if log_path is None:
@@ -294,8 +294,6 @@ class ServerProcess:
 
 def wait_for_protocol(url: str, deadline_s: float, poll_s: float = 0.5) -> str:
     """`llm.protocol=auto`: which engine serves url, once it answers (engines.detect_protocol)."""
-    from pipegen.engines import UnknownEngine, detect_protocol
-
     started = time.monotonic()
     while True:
         try:
@@ -335,8 +333,6 @@ class ServerWatch:
 
     def _wait(self) -> None:
         try:
-            from pipegen.engines import AUTO, engine
-
             external = self.role is None  # nobody of ours is starting it: refused connections mean nothing is there
             started = time.monotonic()
             if self.protocol == AUTO:
@@ -346,5 +342,5 @@ class ServerWatch:
                                 health_path=engine(self.protocol).health_path)
             waited = time.monotonic() - started
             self.ready_at, self.ready_after_s = time.time(), waited
-        except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): the launcher raises it
+        except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): check_servers raises it
             self.error = e

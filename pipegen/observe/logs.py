@@ -1,7 +1,8 @@
 """Per-process logging and the orphan guard.
 
 Owns: the log format every role uses (timestamps, role name; stdout/stderr go to DIR/logs/<role>.log
-because the launcher redirects them), and exiting when the launcher that started us is gone.
+because the launcher redirects them), and the orphan guard: exiting when the process that started us (the
+launcher, or a node runner under cluster=ray) is gone.
 Must never: write log files itself (the launcher owns where logs go, so a hand-restarted role logs to
 the terminal that started it).
 """
@@ -57,9 +58,9 @@ class HarmlessNoiseFilter(logging.Filter):
 
 
 def watch_parent(poll_s: float = 1.0) -> None:
-    """Exit at once when the launcher that started this process dies (even by SIGKILL).
+    """Exit at once when the process that started this one (the launcher, a node runner) dies, even by SIGKILL.
 
-    Only active when the launcher set PIPEGEN_PARENT_PID; a role restarted by hand has no parent to
+    Only active when the parent set PIPEGEN_PARENT_PID (launch/supervise.py does, for every child); a role restarted by hand has no parent to
     watch. Hand-written because the portable alternative (prctl PDEATHSIG) is Linux-only ctypes and
     fires on thread exit, not process exit.
     """

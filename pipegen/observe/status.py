@@ -64,7 +64,7 @@ class RunStatus:
     logs_files: list[dict[str, Any]] = field(default_factory=list)
     servers: list[dict[str, Any]] = field(default_factory=list)  # {"url", "answering"}
     startup: dict[str, Any] | None = None  # this launch's start-up phases (pipegen/observe/startup.py)
-    cluster: ClusterStats | None = None  # cluster=ray: the launcher's latest cluster line (launch/ray_cluster.py)
+    cluster: ClusterStats | None = None  # cluster=ray: the launcher's latest cluster line (launch/ray_placement.py)
 
 
 class NotARun(Exception):

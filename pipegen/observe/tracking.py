@@ -31,13 +31,13 @@ from typing import Any, Iterator
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.observe.stats import Rates, StatsAppender, actor_lines, flatten_numbers
 from pipegen.run.stats_line import LaunchStats, StatsLine
 
 log = logging.getLogger("pipegen.tracking")
 
-DEFAULT_INTERVAL_S = 10.0
 ELAPSED_S = "time/elapsed_s"  # the launch's age at this step (the launcher's closing summary reads these two)
 LAUNCH_UNITS_PER_S = "throughput/units_per_s_launch_avg"
 CONSOLE_KEYS = ("progress/done", "progress/committed", "progress/total", "progress/failed", "progress/in_flight",
@@ -98,10 +98,9 @@ class RunTracker:
                  stats_role: str | None = LaunchStats.ROLE):
         self.cfg = cfg
         self.run = run
-        gen = cfg.generation
-        self.interval_s = float(interval_s if interval_s is not None else gen.get("tracking_interval_s", DEFAULT_INTERVAL_S))
+        self.interval_s = float(interval_s if interval_s is not None else cfg.generation.tracking_interval_s)
         if console is None:
-            console = not bool(gen.get("show_progress", True))
+            console = not bool(cfg.generation.show_progress)
         self.backends = backends_for(cfg, console)
         self.tracking: Any = None
         self.step = 0
@@ -216,8 +215,6 @@ def upload_artifact(cfg: DictConfig, run: RunDir) -> None:
         log.error("no %s to upload", run.artifact)
         return
     try:
-        from pipegen.run.checkpoint import load_checkpoint
-
         ckpt = load_checkpoint(run.checkpoint)
         rollout = cfg.actor_rollout_ref.rollout
         metadata = {

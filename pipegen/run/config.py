@@ -43,10 +43,6 @@ def compose(overrides: list[str]) -> DictConfig:
     search = f"hydra.searchpath=[file://{verl_config_dir()}]"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = hydra_compose(config_name=PRIMARY, overrides=[search, *overrides])
-    if cfg.get("tasks"):  # a task's defaults (n, lengths) hold unless an override sets the key
-        from pipegen.tasks.manifest import apply_task_defaults
-
-        apply_task_defaults(cfg, list(overrides))
     return cfg
 
 

@@ -110,6 +110,9 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
         },
         "scoring": cfg.actors.get("scoring"),
         **_reward(cfg),
+        # the `external` loop's harness defines its units' data; absent when unset, so other runs' prints stay
+        **({"external": {"harness": ext.get("harness"), "command": ext.get("command")}}
+           if (ext := cfg.get("external") or {}).get("harness") or ext.get("command") else {}),
     }
 
 

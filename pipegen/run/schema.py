@@ -13,7 +13,9 @@ whole number") is in each field's `Rule`, checked by `check_values`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -123,6 +125,23 @@ class Generation:
     restart_limit: int = key(5, "restarts per role before the run stops with that role's log", at_least=0)
     run_writer: bool = key(True, "false: start no writer here (run python -m pipegen.writer output_dir=DIR)",
                            choices=(True, False))
+
+
+@dataclass
+class External:
+    """external.*: the `external` agent loop: any agent harness, unmodified, through pipegen's gateway
+    (pipegen/gateway/). Select it with actor_rollout_ref.rollout.agent.default_agent_loop=external or a row's
+    agent_name."""
+
+    harness: Optional[str] = key(None, "module:function called per unit as function(row, base_url, api_key), sync "
+                                       "or async; returns a reward, {'reward': ..., more fields}, or nothing", non_empty=True)
+    command: Optional[str] = key(None, "a shell command run per unit with OPENAI_BASE_URL, OPENAI_API_KEY, "
+                                       "ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY and PIPEGEN_ROW (the row as a JSON "
+                                       "file); its result is the JSON on its last stdout line", non_empty=True)
+    timeout_s: float = key(600.0, "per-unit limit: a harness still running is stopped and its unit goes to the "
+                                  "failures stream", above=0)
+    host: str = key("127.0.0.1", "the address each actor's gateway binds (loopback only by default)",
+                    non_empty=True)
 
 
 @dataclass
@@ -284,7 +303,7 @@ class LocalCluster:
 
 @dataclass
 class RayCluster(LocalCluster):
-    """cluster=ray: several nodes through an existing Ray cluster (launch/ray_cluster.py). The launcher runs
+    """cluster=ray: several nodes through an existing Ray cluster (launch/ray_placement.py). The launcher runs
     the writer where it runs and a node runner on every node with `node_resource`; their actors pull leases."""
 
     kind: str = key("ray", "local = this node alone | ray = several nodes through a Ray cluster",
@@ -321,9 +340,21 @@ def job_default(name: str) -> str:
     return f"${{{JOB_RESOLVER}:{name},${{train_files}},${{tasks}}}}"
 
 
-def _job_default(name: str, train_files: Any, tasks: Any) -> int:
-    from pipegen.inputs.demo import is_demo  # no verl, no torch: only paths
+# train_files' default names the packaged demo set (its file: inputs/demo.py resolves the name to it)
+DEMO_NAME = "demo"
+DEMO_PARQUET = Path(__file__).resolve().parents[1] / "inputs" / "demo_arith.parquet"
 
+
+def is_demo(spec: Any) -> bool:
+    """Whether `train_files` names only the packaged demo set (by its short name or its path): the demo's small
+    defaults (DEMO_DEFAULTS) apply to it alone, never to a user's data."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec or [])
+    return bool(items) and all(
+        isinstance(i, (str, os.PathLike)) and (os.fspath(i).strip() == DEMO_NAME or os.fspath(i) == str(DEMO_PARQUET))
+        for i in items)
+
+
+def _job_default(name: str, train_files: Any, tasks: Any) -> int:
     return (DEMO_DEFAULTS if is_demo(train_files) and not list(tasks or []) else JOB_DEFAULTS)[name]
 
 
@@ -356,6 +387,7 @@ class PipegenConfig:
     trainer: Trainer = field(default_factory=Trainer)
     custom_reward_function: CustomRewardFunction = field(default_factory=CustomRewardFunction)
     reward: Reward = field(default_factory=Reward)
+    external: External = field(default_factory=External)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
     # verl's groups, composed from verl's own YAML in verl's layout: verl owns their keys and defaults
@@ -468,6 +500,14 @@ def check_values(cfg: DictConfig) -> None:
             value = OmegaConf.to_container(value, resolve=True)
         if _problem(info.rule, value):
             raise ConfigValueError(f"{info.path}={_shown(value)} is not allowed: use {info.allowed()}")
+    harness, command = OmegaConf.select(cfg, "external.harness"), OmegaConf.select(cfg, "external.command")
+    if harness and command:
+        raise ConfigValueError("external.harness and external.command are both set: the external agent loop runs "
+                               "one of them")
+    if OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop") == "external" and not (
+            harness or command):
+        raise ConfigValueError("default_agent_loop=external needs the harness to run: set "
+                               "external.harness=module:function or external.command='...'")
 
 
 def describe_keys(cfg: DictConfig) -> str:

@@ -205,7 +205,7 @@ class ReleaseStats:
 
 @dataclass
 class ClusterStats(StatsLine):
-    """cluster=ray: the launcher's lease book (launch/ray_cluster.py)."""
+    """cluster=ray: the launcher's lease book (launch/ray_placement.py)."""
 
     ROLE: ClassVar[str] = "cluster"
 

@@ -1,5 +1,6 @@
-"""cluster=ray, the launcher's side: join the Ray cluster, place one node runner per generation node, and
-hand out leases of units until the run needs no more.
+"""cluster=ray, the launcher's side (`RayPlacement`, a placement as launch/placement.py defines one): join the
+Ray cluster, place one node runner per generation node, and hand out leases of units until the run needs
+no more. The head itself runs no servers or actors: only the launcher and the writer.
 
 What Ray owns here: placement (a placement group with one bundle per node that has
 `cluster.node_resource`, no hard node affinity, so a runner whose node died comes back on a replacement
@@ -15,6 +16,7 @@ state goes to streams/stats/cluster.jsonl (nodes, leases out per node, units lea
 loss), which `pipegen.status` shows.
 
 Owns: the Ray connection of the launcher, the placement groups, the runners' handles and the lease book.
+(Its settings are `cluster.*`, run/schema.py's RayCluster.)
 Must never: write under the run directory except its stats line, start processes on the head itself,
 or pin a runner to a node (a hard-pinned actor never comes back after its node dies, measured on ray 2.60).
 """
@@ -22,6 +24,7 @@ or pin a runner to a node (a hard-pinned actor never comes back after its node d
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections import deque
@@ -31,6 +34,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipegen.launch.leases import LeaseBook, open_units
+from pipegen.launch.world import NodeInfo, WorldPlan
 from pipegen.observe.stats import StatsAppender
 from pipegen.run.stats_line import ClusterStats, NodeStats, ReleaseStats
 from pipegen.run.layout import RunDir
@@ -57,8 +61,6 @@ def infrastructure_errors() -> tuple[type[BaseException], ...]:
 
 def answers(address: str, timeout_s: float = 5.0) -> bool:
     """Something accepts TCP connections at a Ray address (`host:port`, optionally `ray://host:port`)."""
-    import socket
-
     host, _, port = address.removeprefix("ray://").rpartition(":")
     try:
         with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
@@ -107,11 +109,11 @@ class ClusterState:
     bundles: int = 0
 
 
-class RayCluster:
-    def __init__(self, cfg: DictConfig, run: RunDir, launch: str):
+class RayPlacement:
+    def __init__(self, cfg: DictConfig, run: RunDir):
         self.cfg = cfg
         self.run = run
-        self.launch = launch
+        self.launch = ""  # the launch id, from the launch record once it is written
         self.ccfg = cfg.cluster
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self.resource = str(self.ccfg.node_resource)
@@ -122,9 +124,20 @@ class RayCluster:
         self._thread: threading.Thread | None = None
         self._lease_refs: dict[Any, tuple[str, int, str]] = {}  # ObjectRef -> ("taken" | "done", lease id, node)
         self._infra: tuple[type[BaseException], ...] = ()
-        self.stats = StatsAppender(run.stats, CLUSTER_ROLE)
+        self.stats: StatsAppender | None = None
 
     # ---- start ----
+    def plan(self) -> WorldPlan:
+        """The head runs the writer only; each node runner plans its own node."""
+        return WorldPlan(NodeInfo(), num_actors=0)
+
+    def place(self) -> None:
+        """Join the cluster and place the runners; they start their nodes' servers and actors meanwhile."""
+        self.launch = self.run.read_launch().launch
+        self.stats = StatsAppender(self.run.stats, CLUSTER_ROLE)
+        self.connect()
+        self.place_runners()
+
     def connect(self) -> None:
         import ray
 
@@ -145,7 +158,7 @@ class RayCluster:
 
         return [n for n in ray.nodes() if n.get("Alive") and float(n.get("Resources", {}).get(self.resource, 0)) > 0]
 
-    def place(self) -> None:
+    def place_runners(self) -> None:
         """One runner per node that has the node resource, in one STRICT_SPREAD placement group."""
         nodes = self.generation_nodes()
         if not nodes:
@@ -176,7 +189,7 @@ class RayCluster:
             self.state.slots[name] = NodeSlot(name, handle)
         log.info("placed %d node runner(s) (resource %s); %d in all", len(amounts), self.resource, self.state.bundles)
 
-    def start(self) -> None:
+    def begin(self) -> None:
         """Lease the run's open units (rebuilt from the run directory) from a thread of this process."""
         units = open_units(self.run, self.n)
         self.book = LeaseBook(units, int(self.ccfg.lease_min_units), int(self.ccfg.lease_max_units))
@@ -184,7 +197,7 @@ class RayCluster:
         self._thread = threading.Thread(target=self._loop_guarded, name="leases", daemon=True)
         self._thread.start()
 
-    # ---- what the launcher's supervise loop asks ----
+    # ---- what the launcher asks while the run goes ----
     def check(self) -> None:
         if self.error is not None:
             raise self.error
@@ -196,7 +209,7 @@ class RayCluster:
     def _loop_guarded(self) -> None:
         try:
             self._loop()
-        except BaseException as e:  # the launcher's supervise loop raises it (check())
+        except BaseException as e:  # the launcher's supervision raises it (check())
             self.error = e
 
     def _loop(self) -> None:
@@ -361,6 +374,8 @@ class RayCluster:
 
     # ---- status ----
     def write_stats(self, final: bool = False) -> None:
+        if self.stats is None:  # not placed
+            return
         book = self.book
         self.stats.append(ClusterStats(
             final=final,
@@ -384,6 +399,7 @@ class RayCluster:
     def stop(self) -> None:
         """Stop the lease loop, let every runner stop its children, and give the bundles back."""
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         self._stop.set()
         if self._thread is not None:
@@ -395,8 +411,6 @@ class RayCluster:
         stops = [s.handle.stop.remote() for s in self.state.slots.values() if s.state == "alive"]
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=45)
-        from ray.util.placement_group import remove_placement_group
-
         for pg in self.state.placement_groups:
             try:
                 remove_placement_group(pg)

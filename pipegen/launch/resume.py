@@ -1,0 +1,127 @@
+"""The resume guard: a new run's config and fingerprint saved, a resumed run's checked against them, and the
+small files a launch finds checked before any process starts.
+
+A changed setup is refused unless resume_with_changes=true; a damaged fingerprint is restored only when this
+launch reproduces the run key the run recorded. What the launcher can write again (the config, the launch
+record, the unit manifest) is set aside when damaged; what it cannot re-derive (the checkpoint, the batch
+files it lists) is refused with the rebuild command, never overwritten or deleted.
+Owns: DIR/conf/config.yaml and DIR/conf/fingerprint.json. Must never: start a process, or change a run that
+already holds generated data.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from omegaconf import DictConfig
+
+from pipegen.run.checkpoint import check_listed_batches, load_checkpoint
+from pipegen.run.config import load_run_config, save_run_config
+from pipegen.run.fingerprint import (OVERRIDE_KEY, compute_fingerprint, has_output, load_fingerprint, mismatch_message,
+                                     run_key_of, save_fingerprint)
+from pipegen.run.integrity import DamagedFile, set_aside
+from pipegen.run.layout import RunDir
+
+log = logging.getLogger("pipegen.launch")
+
+
+def guard_resume(cfg: DictConfig, run: RunDir) -> str | None:
+    """Save config + fingerprint for a new run, or check them for a resumed one. Returns an error."""
+    legacy = run.legacy_batch_files()
+    if legacy:
+        from pipegen.run.batchfile import legacy_format_message  # numpy and pyarrow: only when needed
+
+        return legacy_format_message(run.root, legacy)
+    current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
+    try:
+        stored = load_fingerprint(run)
+    except DamagedFile as e:
+        stored, damage = None, e
+    else:
+        damage = None
+    if stored is None and has_output(run):
+        problem = restore_fingerprint(cfg, run, current, damage)
+        if problem:
+            return problem
+    elif stored is not None:
+        problem = mismatch_message(stored, current, run.root)
+        if problem and not has_output(run):
+            # nothing generated yet (an earlier launch was refused or stopped early): the new
+            # settings replace the old ones, and the unit manifest is read again from them
+            log.info("%s holds no generated data yet: using this launch's settings", run.root)
+            run.units_file.unlink(missing_ok=True)
+        elif problem and not cfg.get(OVERRIDE_KEY):
+            return problem
+        elif problem:
+            log.warning("%s=true: continuing despite: %s", OVERRIDE_KEY, problem)
+    run.root.mkdir(parents=True, exist_ok=True)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    set_aside_if_damaged(run.config_file, lambda: load_run_config(run), "this launch writes it again")
+    save_run_config(run, cfg)  # also what restores a damaged or missing config.yaml
+    save_fingerprint(run.fingerprint_file, current)
+    return None
+
+
+def recorded_run_keys(run: RunDir) -> set[str]:
+    """The run keys the run recorded where they survive: the checkpoint's and the last launch's."""
+    keys = set()
+    for read in (lambda: load_checkpoint(run.checkpoint).run_key, lambda: run.read_launch().run_key):
+        try:
+            keys.add(read())
+        except DamagedFile:
+            pass
+    return keys - {""}
+
+
+def restore_fingerprint(cfg: DictConfig, run: RunDir, current: dict, damage: DamagedFile | None) -> str | None:
+    """The fingerprint is damaged or missing in a run that holds data. This launch's fingerprint
+    restores it when its digest is the run key the run recorded (the same setup, byte for byte, so
+    uids and the resume guard stay what they were); otherwise the launch is refused. Returns an error."""
+    what = str(damage.problem) if damage else "missing"
+    recorded = recorded_run_keys(run)
+    if run_key_of(current) in recorded:
+        if damage is not None:
+            log.warning("%s was damaged (%s): kept as %s; restored from this launch's setup, which matches the run "
+                        "key %s recorded in the checkpoint", run.fingerprint_file, what,
+                        set_aside(run.fingerprint_file).name, run_key_of(current))
+        else:
+            log.warning("%s was missing: restored from this launch's setup, which matches the run key %s recorded "
+                        "in the checkpoint", run.fingerprint_file, run_key_of(current))
+        return None
+    if cfg.get(OVERRIDE_KEY):
+        log.warning("%s=true: %s is %s and this setup's run key is new; continuing with it", OVERRIDE_KEY,
+                    run.fingerprint_file, what)
+        return None
+    if not recorded:
+        log.warning("%s is %s and no run key survives to check this launch against; continuing with this "
+                    "launch's setup", run.fingerprint_file, what)
+        return None
+    return (f"{run.fingerprint_file} is {'damaged (' + what + ')' if damage else 'missing'}, and this launch's setup "
+            f"does not reproduce the run key {sorted(recorded)[0]} that the run recorded; intact: the checkpoint, "
+            f"batch files and shards; fix: rerun the exact command that started this run (it restores the file), "
+            f"or add {OVERRIDE_KEY}=true to continue with this setup (its output would mix both setups)")
+
+
+def set_aside_if_damaged(path, read, what_next: str) -> None:
+    """A file the launcher writes anyway: when read() finds it damaged, keep it beside (never delete)."""
+    if not path.exists():
+        return
+    try:
+        read()
+    except DamagedFile as e:
+        log.warning("%s is damaged (%s): kept as %s; %s", path, e.problem, set_aside(path).name, what_next)
+
+
+def check_run_files(run: RunDir) -> str | None:
+    """Before any process starts: what the launcher cannot re-derive is checked (the checkpoint and
+    the batch files it lists: a damaged one is refused with the rebuild command, never overwritten or
+    deleted); what it can is set aside and written again (a damaged unit manifest is read again from
+    the dataset; launch.json is written by every launch). Returns an error."""
+    set_aside_if_damaged(run.units_file, run.read_manifest, "reading the dataset again for it")
+    set_aside_if_damaged(run.launch_file, run.read_launch, "this launch writes it again")
+    try:
+        check_listed_batches(run.root, load_checkpoint(run.checkpoint))
+    except DamagedFile as e:
+        return str(e)
+    return None

@@ -1,0 +1,141 @@
+"""The launcher's console: its refusals, what it shows while a run goes, and the closing report.
+
+- `refuse(message)`: one line on stderr, `pipegen: error: ...`, and exit code 2.
+- `Console`: while the run goes, every role's warnings and errors above the progress bar (off with
+  generation.show_progress=false), the start-up line once every actor of this launch has its first unit in a
+  shard, and the run's metrics through RunTracker (on the writer's node only, so a multi-node run tracks once).
+- `report(run, n, writer_rc)`: where the data is, which units failed and why, or what the writer refused.
+
+Owns: what the launcher prints. Must never: change the run it shows, or decide when the run ends (the
+launcher does; the console only shows it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from contextlib import ExitStack
+
+from omegaconf import DictConfig
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from pipegen.observe.job import job_lines
+from pipegen.observe.outcomes import unit_outcomes
+from pipegen.observe.progress import LogWatcher, ProgressBar, snapshot
+from pipegen.observe.startup import startup_phases
+from pipegen.observe.stats import human_rate, latest_stats
+from pipegen.observe.tracking import ELAPSED_S, LAUNCH_UNITS_PER_S, RunTracker
+from pipegen.run.checkpoint import failure_reason
+from pipegen.run.handshake import EXIT_DAMAGED
+from pipegen.run.layout import BATCH_GLOB, RunDir
+from pipegen.run.stats_line import LaunchStats, WriterStats
+
+log = logging.getLogger("pipegen.launch")
+
+
+def refuse(message: str) -> int:
+    print(f"pipegen: error: {message}", file=sys.stderr)
+    return 2
+
+
+class Console:
+    """The run as the launcher shows it; `with Console(...) as console:` around the supervision, which calls
+    `refresh()`. Leaving the block shows the end state once more, closes the bar and finishes the tracking."""
+
+    def __init__(self, cfg: DictConfig, run: RunDir, total: int, actors: int, tracked: bool):
+        self.run = run
+        self.n = int(cfg.actor_rollout_ref.rollout.n)
+        self.total = total
+        self.actors = actors  # actors this launcher started itself: the start-up line waits for each
+        self.launch_started = run.read_launch().started  # the origin of every start-up phase
+        self.watcher = LogWatcher(run.logs)
+        self.tracker = RunTracker(cfg, run) if tracked else None
+        self.snap = snapshot(run, self.n, total)
+        self.bar = ProgressBar(total, initial=self.snap.committed) if cfg.generation.show_progress else None
+        self._startup_logged = False
+        self._stack = ExitStack()
+
+    def __enter__(self) -> "Console":
+        if self.bar is not None:
+            self._stack.enter_context(logging_redirect_tqdm())  # the launcher's own log lines go above the bar
+        return self
+
+    def refresh(self, final: bool = False) -> None:
+        for line in self.watcher.poll():  # warnings/errors of the roles reach this console
+            if self.bar is not None:
+                self.bar.write(line)
+            else:
+                print(line, file=sys.stderr, flush=True)
+        self.snap = snapshot(self.run, self.n, self.total)
+        self.log_startup(final)
+        if self.tracker is not None:
+            self.tracker.update(self.snap, force=final)
+        if self.bar is not None:
+            self.bar.show(self.snap)
+
+    def log_startup(self, final: bool) -> None:
+        """Once every actor has reported its first unit (or at the end, as far as it got): the launch's
+        start-up phases, in one log line."""
+        if self._startup_logged:
+            return
+        phases = startup_phases(self.snap.roles, self.launch_started)
+        if phases is not None and (final or (phases.complete and phases.actors >= self.actors)):
+            self._startup_logged = True
+            log.info("start-up: %s", phases.render())
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        with self._stack:
+            try:
+                self.refresh(final=True)
+            except Exception as e:  # showing the end state must not hide why the run ended
+                log.warning("final progress refresh failed: %s", e)
+            if self.bar is not None:
+                self.bar.close()
+            if self.tracker is not None:
+                self.tracker.finish(exit_code=0 if exc_type is None else 1)
+
+
+def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = False) -> int:
+    """The closing report of a launch whose writer exited with `writer_rc` (None: this launch ran no writer).
+    Returns the launch's exit code: 0 when the run is complete (or this node's part of it is done), 1 when
+    units failed, 2 when the writer refused a damaged file."""
+    if already_complete:
+        print(f"pipegen: {run.root} is already complete.")
+    if writer_rc == EXIT_DAMAGED:
+        writer_line = latest_stats(run.stats).get(WriterStats.ROLE)
+        refusal = writer_line.refused if isinstance(writer_line, WriterStats) else None
+        return refuse(refusal or f"the writer refused a damaged file; see {run.role_log(WriterStats.ROLE)}")
+    if writer_rc is None:
+        print(f"pipegen: this node's actors finished; the writer of {run.root} commits and merges "
+              f"(python -m pipegen.writer output_dir={run.root}).")
+        return 0
+    snap = snapshot(run, n)
+    launch = snap.roles.get(LaunchStats.ROLE)
+    metrics = launch.metrics if isinstance(launch, LaunchStats) else {}
+    if snap.complete:
+        tokens = f", {snap.output_tokens} output tokens" if snap.output_tokens else ""
+        took = ""
+        if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
+            took = (f" (this launch: {metrics[ELAPSED_S]:.1f}s, "
+                    f"{human_rate(metrics[LAUNCH_UNITS_PER_S], 'samples')})")
+        print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
+        outcomes = unit_outcomes(run)
+        scores = outcomes.rewards if outcomes is not None else None
+        if scores is not None:
+            print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
+                  f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
+        for line in job_lines(run, outcomes):  # prompts skipped, responses that reached the limit
+            print(line)
+        if snap.merged:
+            print(f"  trajectories: {run.merged_output() or run.trajectories}")
+            print(f"  artifact:     {run.artifact}")
+        else:
+            print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
+        print(f"  logs:         {run.logs}/   streams: {run.streams}/")
+        return 0
+    print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed. "
+          f"Reasons: {run.checkpoint} ('failed'); rerun the same command to retry them.", file=sys.stderr)
+    for unit, info in list(snap.failed_units.items())[:10]:
+        print(f"  unit {unit}: {failure_reason(info)}", file=sys.stderr)
+    print(f"  logs: {run.logs}/   details: python -m pipegen.status {run.root}", file=sys.stderr)
+    return 1
