@@ -40,9 +40,10 @@ def copy_agent_loop(prototype: Any) -> Any:
     return agent
 
 
-def postprocess_worker(cfg: DictConfig, tokenizer: Any) -> Any:
+def postprocess_worker(cfg: DictConfig, tokenizer: Any, processor: Any = None) -> Any:
     """An AgentLoopWorker holding only what its postprocessing reads. Why: verl's padding of agent-loop
-    outputs into a DataProto lives on that worker, whose __init__ starts Ray actors and servers."""
+    outputs into a DataProto lives on that worker, whose __init__ starts Ray actors and servers. `processor`:
+    the model's multimodal processor, from which verl builds multi_modal_inputs and M-RoPE position ids."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -50,8 +51,8 @@ def postprocess_worker(cfg: DictConfig, tokenizer: Any) -> Any:
     worker.config = cfg
     worker.rollout_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     worker.tokenizer = tokenizer
-    worker.processor = None
-    worker.mm_processor_kwargs = {}
+    worker.processor = processor
+    worker.mm_processor_kwargs = dict(cfg.data.get("mm_processor_kwargs") or {}) if processor is not None else {}
     worker.reward_loop_worker_handles = None
     worker.distillation_enabled = False
     return worker

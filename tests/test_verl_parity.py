@@ -29,16 +29,21 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
     from verl.utils.dataset.rl_dataset import collate_fn
 
     from pipegen.actor.client import ClientLimits, ServerPool
-    from pipegen.inputs.dataset import load_dataset, load_tokenizer
+    from pipegen.inputs.dataset import load_dataset, load_processor, load_tokenizer
+    from pipegen.run.media import load_pictures
 
-    dataset = load_dataset(cfg, load_tokenizer(cfg))
-    batch = DataProto.from_single_dict(collate_fn([dataset[i] for i in range(len(dataset))]))
+    dataset = load_dataset(cfg, load_tokenizer(cfg), load_processor(cfg))  # a vision model's processor too
+    rows = [dataset[i] for i in range(len(dataset))]
+    for row in rows:  # pictures decoded once: PIL's lazy decode races when a prompt's samples share one
+        load_pictures(row["raw_prompt"])
+    batch = DataProto.from_single_dict(collate_fn(rows))
     batch.non_tensor_batch["uid"] = np.array([uids_by_index[int(i)] for i in batch.non_tensor_batch["index"]],
                                              dtype=object)
     batch = batch.repeat(int(cfg.actor_rollout_ref.rollout.n), interleave=True)
     batch.non_tensor_batch["priority"] = np.arange(len(batch), dtype=np.int64)
     rollout = cfg.actor_rollout_ref.rollout
     hf = AutoConfig.from_pretrained(cfg.actor_rollout_ref.model.path)
+    hf = getattr(hf, "text_config", None) or hf  # a vision-language model's limits are its language model's
 
     async def run():
         async with aiohttp.ClientSession() as session:
@@ -57,17 +62,7 @@ def test_trajectories_equal_verl_agent_loop_output(tmp_path, tiny_model):
     assert result.returncode == 0, result.stderr[-3000:]
     ours = load_trajectories(out / "trajectories.pkl")
 
-    cfg = load_run_config(RunDir(out))
-    plan = ServerPlan("parity", "127.0.0.1", free_port())
-    argv, env = cpu_server_command(plan, cfg.actor_rollout_ref.model.path, dict(cfg.llm), int(cfg.seed))
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(plan.url, 60, lambda: server.poll() is None)
-        uids = {int(i): u for i, u in zip(ours.non_tensor_batch["index"], ours.non_tensor_batch["uid"])}
-        theirs = _verl_reference(cfg, plan.url, uids)
-    finally:
-        server.kill()
-        server.wait()
+    theirs = verl_reference_for(out, ours)
 
     assert len(ours) == len(theirs) == 12
     assert set(ours.batch.keys()) == set(theirs.batch.keys())
@@ -85,6 +80,24 @@ def test_trajectories_equal_verl_agent_loop_output(tmp_path, tiny_model):
     # the padding verl uses is the tokenizer's pad id (2000 for the tiny model), not 0
     P = ours.batch["prompts"].shape[1]
     assert (ours.batch["responses"][ours.batch["attention_mask"][:, P:] == 0] == 2000).all()
+
+
+def verl_reference_for(out, ours):
+    """verl's AgentLoopWorker's output for run `out`'s config and prompts (uids as in `ours`), against a fresh
+    CPU server of the run's own settings."""
+    cfg = load_run_config(RunDir(out))
+    plan = ServerPlan("parity", "127.0.0.1", free_port())
+    argv, env = cpu_server_command(plan, cfg.actor_rollout_ref.model.path, dict(cfg.llm), int(cfg.seed))
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(plan.url, 60, lambda: server.poll() is None)
+        uids = {int(i): u for i, u in zip(ours.non_tensor_batch["index"], ours.non_tensor_batch["uid"])}
+        theirs = _verl_reference(cfg, plan.url, uids)
+    finally:
+        server.kill()
+        server.wait()
+
+    return theirs
 
 
 def _plain(x):

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
+from pipegen.run.media import image_data_url
 from pipegen.engines import AUTO, Engine, EngineRequest, engine, is_ready
 from pipegen.actor.admission import Admission, TokenClock, WatchdogLimits
 from pipegen.actor.protocol import ClientLimits
@@ -210,9 +211,12 @@ class ServerPool:
         sampling_params: dict[str, Any],
         sticky_key: Any = None,
         sampling_seed: int | None = None,
+        image_data: list[Any] | None = None,
         **_: Any,
     ):
-        request = self.engine.build(prompt_ids, sampling_params, self.limits, sampling_seed)
+        if image_data:  # verl's loops hand PIL images; the engines take PNG data URLs (run/media.py)
+            image_data = [i if isinstance(i, str) else image_data_url(i) for i in image_data]
+        request = self.engine.build(prompt_ids, sampling_params, self.limits, sampling_seed, image_data)
         key = sticky_key if sticky_key is not None else request_id
         tried: set[str] = set()
         errors: list[str] = []

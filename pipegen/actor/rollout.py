@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.inputs.dataset import dataset_indices, load_dataset, load_tokenizer
+from pipegen.inputs.dataset import dataset_indices, load_dataset, load_processor, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.detokenize import response_decoder
 from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
+from pipegen.run.media import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry
 from pipegen.run.stream import (FailureRecord, RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, prompt_uid,
                                 unit_seed)
@@ -55,6 +56,8 @@ def row_fields(dataset, position: int) -> dict[str, Any]:
         fields["tools_kwargs"] = {}
     if fields.get("interaction_kwargs") is None:
         fields["interaction_kwargs"] = {}
+    if has_media(fields.get("raw_prompt")):
+        load_pictures(fields["raw_prompt"])
     return fields
 
 
@@ -124,11 +127,16 @@ def trajectory_json(output) -> dict[str, Any]:
     lists go to orjson as they are (pydantic's JSON mode copies every element: about half the cost of
     this function at 256 tokens, for the same bytes)."""
     lists = {k: getattr(output, k) for k in TrajectoryKeys.TOKEN_LISTS}
+    media = output.multi_modal_data
+    if media:  # PIL images: pydantic's JSON mode cannot write them; encoded below
+        output = output.model_copy(update={"multi_modal_data": None})
     if all(type(v) is list for k, v in lists.items() if v is not None or k != TrajectoryKeys.RESPONSE_LOGPROBS):
         rest = output.model_dump(mode="json", exclude=_TOKEN_LIST_SET)
         data = {k: lists[k] if k in lists else rest[k] for k in type(output).model_fields}
     else:  # anything unusual (arrays, tensors) goes through pydantic's conversion
         data = output.model_dump(mode="json")
+    if media:  # the pictures as lossless PNG (run/media.py): the writer rebuilds multi_modal_inputs from them
+        data[TrajectoryKeys.MULTI_MODAL_DATA] = encode_multi_modal_data(media)
     if data.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
         data[TrajectoryKeys.RESPONSE_LOGPROBS] = np.asarray(data[TrajectoryKeys.RESPONSE_LOGPROBS], dtype=np.float32)
@@ -146,12 +154,22 @@ class UnitServerManager:
         self.slot = slot
         self.gateway = gateway  # the actor's gateway (pipegen/gateway/), for the `external` loop
 
-    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kw: Any):
+    async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: list | None = None, video_data: list | None = None,
+                       audio_data: list | None = None, **kw: Any):
+        """verl's generate call. image_data (PIL images) travels to the engine (client.py); videos and audio,
+        which no engine pipegen speaks takes, fail the unit in one line (refused at launch already). Not sent:
+        `priority` (admission.py orders the units) and `mm_processor_kwargs`/`mm_processor_output` (the pictures
+        are already at the processor's size; verl's SGLang server sends neither for images either)."""
+        if video_data or audio_data:
+            raise ValueError("this prompt holds videos or audio, which no engine pipegen speaks takes; drop the "
+                             "dataset's video/audio column")
         self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
         # a gateway session asks with its own seed per call (the unit's seed for its first)
         seed = kw["sampling_seed"] if "sampling_seed" in kw else self.sampling_seed
         output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                          sticky_key=self.sticky_key, sampling_seed=seed)
+                                          sticky_key=self.sticky_key, sampling_seed=seed,
+                                          image_data=image_data)
         await self.slot.answered()
         return output
 
@@ -172,7 +190,8 @@ class UnitRunner:
         self.prompt_length = int(rollout.prompt_length)
         self.response_length = int(rollout.response_length)
         self.tokenizer = load_tokenizer(cfg)
-        self.dataset = load_dataset(cfg, self.tokenizer)
+        self.processor = load_processor(cfg)  # a vision-language model's; None for a text model
+        self.dataset = load_dataset(cfg, self.tokenizer, self.processor)
         self.indices = run.read_manifest()
         if dataset_indices(self.dataset) != self.indices:
             # e.g. data.shuffle=true without data.seed: verl then samples a different subset per process
@@ -184,7 +203,10 @@ class UnitRunner:
                                                trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
         model_type = getattr(hf_config, "model_type", None)
         self.hf_model_type = model_type if isinstance(model_type, str) else None
-        self.max_model_len = int(rollout.get("max_model_len") or hf_config.max_position_embeddings)
+        # a vision-language model keeps its language model's limits in text_config
+        text_config = getattr(hf_config, "text_config", None) or hf_config
+        self.max_model_len = int(rollout.get("max_model_len") or getattr(hf_config, "max_position_embeddings", None)
+                                 or text_config.max_position_embeddings)
         vocab = getattr(hf_config, "vocab_size", None) or getattr(getattr(hf_config, "text_config", None),
                                                                   "vocab_size", None)
         self.vocab_size = int(vocab) if vocab else None
@@ -203,7 +225,7 @@ class UnitRunner:
         self.loops = AgentLoops(self.registry, dict(
             trainer_config=verl_agent_loop.DictConfigWrap(cfg),  # verl only reads through these wrappers
             tokenizer=self.tokenizer,
-            processor=None,
+            processor=self.processor,
             hf_model_type=self.hf_model_type,
             dataset_cls=get_dataset_class(cfg.data),
             data_config=verl_agent_loop.DictConfigWrap(cfg.data),
@@ -219,6 +241,7 @@ class UnitRunner:
         self.scorer = Scorer(cfg, self.tokenizer) if cfg.actors.scoring else None
         self._decode = response_decoder(self.tokenizer)
         self._rows: dict[int, dict[str, Any]] = {}
+        self._stripped: dict[int, dict[str, Any]] = {}
         self._uids: dict[int, str] = {}
         # read once: a DictConfig lookup costs tens of microseconds, and these are read per unit
         self._base_seed = int(cfg.seed)
@@ -232,6 +255,15 @@ class UnitRunner:
         if pos not in self._rows:
             self._rows[pos] = row_fields(self.dataset, pos)
         return self._rows[pos]
+
+    def record_row(self, pos: int) -> dict[str, Any]:
+        """The row as its line keeps it: a multimodal prompt's pictures reduced to their places
+        (run/media.py's strip_media; the pictures travel once, in the trajectory's multi_modal_data)."""
+        stripped = self._stripped.get(pos)
+        if stripped is None:  # verl's dataset puts the pictures into `raw_prompt` and the prompt column alike
+            row = self.row(pos)
+            stripped = self._stripped[pos] = {k: strip_media(v) if has_media(v) else v for k, v in row.items()}
+        return stripped
 
     def seed(self, index: int, sample: int) -> int | None:
         return unit_seed(self._base_seed, index, sample) if self._per_unit_seed else None
@@ -275,7 +307,7 @@ class UnitRunner:
         return RolloutRecord(index=index, sample=sample, reward=last.reward_score, text=self.peek(last.response_ids),
                              finish="length" if len(last.response_ids) >= self.response_length else "stop",
                              uid=uid, priority=priority, seed=seed,
-                             agent_name=agent_name, launch=self.launch.launch, row=row,
+                             agent_name=agent_name, launch=self.launch.launch, row=self.record_row(pos),
                              trajectories=[trajectory_json(o) for o in outputs])
 
     async def close(self) -> None:

@@ -69,6 +69,7 @@ class _Row:
     last: int = 0
     result: GenerationResult = field(default_factory=lambda: GenerationResult([], finish_length(0)))
     finished: bool = False
+    rope_delta: int = 0  # a vision model's M-RoPE offset of this row's decoded positions (vision.py)
 
 
 class HFBackend(ModelBackend):
@@ -115,6 +116,7 @@ class HFBackend(ModelBackend):
         self._tokens = 0
         self._torch: Any = None
         self.model: Any = None
+        self.vision: Any = None  # vision.VisionInputs for a vision-language model
 
     # -- lifecycle --------------------------------------------------------------------------------------
 
@@ -133,14 +135,23 @@ class HFBackend(ModelBackend):
         torch_dtype = getattr(torch, self.dtype_name)
         from pipegen.inputs.models import quiet_progress_bars  # keeps the weight-loading bar out of the server log
 
+        from transformers import AutoConfig
+
+        from pipegen.cpu_server.vision import VisionInputs, is_vision_model
+
+        vision = is_vision_model(AutoConfig.from_pretrained(self.model_path))
+        if vision:
+            from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
         with quiet_progress_bars():
             self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype).eval()
+        if vision:
+            self.vision = VisionInputs(self.model, self.model_path)
         cfg_vocab = getattr(self.model.config, "vocab_size", None)
         if cfg_vocab and cfg_vocab != self.vocab_size:
             self.vocab_size = int(cfg_vocab)
         # Warm up: the first forward pays for lazy initialisation; keep that out of the first request.
         with torch.inference_mode():
-            self._forward_prefill([[1 % self.vocab_size, 2 % self.vocab_size, 3 % self.vocab_size]], keep_all=False)
+            self._forward_prefill([[1 % self.vocab_size, 2 % self.vocab_size, 3 % self.vocab_size]], keep_all=False)[0]
         log.info("hf backend: loaded %s (%s, %d thread(s)) in %.2f s", self.model_path, self.dtype_name,
                  self.threads, time.monotonic() - t0)
 
@@ -230,8 +241,10 @@ class HFBackend(ModelBackend):
 
     # -- model work (worker thread) ---------------------------------------------------------------------
 
-    def _forward_prefill(self, prompts: list[tuple[int, ...]] | list[list[int]], keep_all: bool) -> tuple[Any, Any, Any]:
-        """Left-padded prefill of a group; returns (logits, cache, mask). ``keep_all``: logits at every position."""
+    def _forward_prefill(self, prompts: list[tuple[int, ...]] | list[list[int]], keep_all: bool,
+                         images: list[tuple[str, ...]] | None = None) -> tuple[Any, Any, Any, Any]:
+        """Left-padded prefill of a group; returns (logits, cache, mask, each row's rope delta or None).
+        ``keep_all``: logits at every position. ``images``: each row's image_data (a vision model's)."""
         torch = self._torch
         from transformers import DynamicCache
 
@@ -243,9 +256,13 @@ class HFBackend(ModelBackend):
             mask[i, width - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True, logits_to_keep=0 if keep_all else 1)
-        return out.logits, cache, mask
+        extra: dict[str, Any] = {"position_ids": pos}
+        deltas = None
+        if self.vision is not None:
+            extra, deltas = self.vision.prefill(ids, mask, images or [()] * len(prompts))
+        out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                         use_cache=True, logits_to_keep=0 if keep_all else 1, **extra)
+        return out.logits, cache, mask, deltas
 
     def _admit(self, reqs: list[BackendRequest]) -> None:
         """Prefill newcomers (plain ones together; prompt-logprob ones alone), sample their first token, merge."""
@@ -266,7 +283,11 @@ class HFBackend(ModelBackend):
                 if req.spec.token_ids_logprob is not None:
                     rows[-1].result.output_token_ids_logprobs = []
             keep_all = group is not plain
-            logits, cache, mask = self._forward_prefill([r.req.spec.input_ids for r in rows], keep_all=keep_all)
+            logits, cache, mask, deltas = self._forward_prefill([r.req.spec.input_ids for r in rows], keep_all=keep_all,
+                                                                images=[r.req.spec.image_data for r in rows])
+            if deltas is not None:
+                for row, delta in zip(rows, deltas.tolist()):
+                    row.rope_delta = int(delta)
             self._prefills += 1
             if keep_all:
                 res = rows[0].result
@@ -332,6 +353,8 @@ class HFBackend(ModelBackend):
         ids = torch.tensor([[r.last] for r in self._rows], dtype=torch.long)
         self._mask = torch.cat([self._mask, torch.ones((b, 1), dtype=torch.long)], dim=1)
         pos = self._mask.sum(dim=1, keepdim=True) - 1
+        if self.vision is not None:
+            pos = self.vision.decode_positions(pos, torch.tensor([r.rope_delta for r in self._rows]))
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=pos, past_key_values=self._cache,
                          use_cache=True, logits_to_keep=1)
         self._decode_steps += 1

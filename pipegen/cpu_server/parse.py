@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from pipegen.cpu_server.vision import check_image_data
 from pipegen.cpu_server.errors import bad_request, invalid_type_error, type_name, validation_error
 from pipegen.cpu_server.sampling_params import UNLIMITED, SamplingSpec, is_int, parse_sampling_params
 
@@ -40,6 +41,7 @@ class EntrySpec:
     token_ids_logprob: Optional[tuple[int, ...]] = None
     prompt_index: int = 0
     sample_index: int = 0
+    image_data: tuple[str, ...] = ()  # the prompt's pictures (data URLs / base64), for a vision model's prefill
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,10 @@ def parse_generate_request(
     logprob_start_len = _per_entry(body.get("logprob_start_len"), batch_size, "logprob_start_len", is_int, -1)
     top_logprobs_num = _per_entry(body.get("top_logprobs_num"), batch_size, "top_logprobs_num", is_int, 0)
     token_ids_logprob = _token_ids_logprob(body.get("token_ids_logprob"), batch_size)
+    for key in ("video_data", "audio_data"):
+        if body.get(key):
+            raise bad_request(f"pipegen reference server: {key} is not supported; it takes image_data only.")
+    image_data = check_image_data(body.get("image_data"), batch_size)
 
     entries: list[EntrySpec] = []
     for i, prompt in enumerate(prompts):
@@ -246,5 +252,6 @@ def parse_generate_request(
                 token_ids_logprob=tids if return_logprob[i] else None,
                 prompt_index=i,
                 sample_index=j,
+                image_data=image_data[i],
             ))
     return ParsedRequest(entries=tuple(entries), is_single=is_single and n == 1, user_rids=user_rids)

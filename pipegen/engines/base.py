@@ -34,7 +34,10 @@ class Engine(Protocol):
     health_path: str  # GET: 200 once the server generates
 
     def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "TokenBudget",
-              sampling_seed: int | None) -> EngineRequest: ...
+              sampling_seed: int | None, image_data: list[str] | None = None) -> EngineRequest:
+        """image_data: the prompt's pictures as PNG data URLs (run/media.py); an engine that cannot send them
+        raises ValueError, never drops them."""
+        ...
 
     def renewed(self, request: EngineRequest) -> EngineRequest:
         """The same generation under a fresh request id (a re-send, or a hedge copy)."""

@@ -5,7 +5,8 @@ served by pipegen's CPU reference server (with the real model or the bench's fak
 - abort: `POST /abort_request {rid}` (the server answers the request itself with an `abort` finish);
 - readiness: `GET /health_generate` (generates one token);
 - running limit: `/get_server_info` `max_running_requests`;
-- load: `/get_load` (per data-parallel rank `num_reqs`, running and waiting together, and `num_waiting_reqs`).
+- load: `/get_load` (per data-parallel rank `num_reqs`, running and waiting together, and `num_waiting_reqs`);
+- images: `image_data` (PNG data URLs) beside `input_ids`, which already hold the processor's placeholder spans.
 
 The body and the answer are built and read here (`build_request`, `parse_response`), as verl's SGLang
 server does.
@@ -61,8 +62,10 @@ class SGLang:
     health_path = "/health_generate"
 
     def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,
-              sampling_seed: int | None) -> EngineRequest:
+              sampling_seed: int | None, image_data: list[str] | None = None) -> EngineRequest:
         body = build_request(prompt_ids, sampling_params, limits, sampling_seed)
+        if image_data:  # SGLang's /generate: the pictures beside input_ids, whose placeholder spans they fill
+            body["image_data"] = list(image_data)
         return EngineRequest(body, body["rid"], int(body["sampling_params"]["max_new_tokens"]),
                              body["return_logprob"])
 

@@ -56,13 +56,19 @@ def parse_metrics(text: str) -> tuple[int, int]:
     return int(totals[RUNNING_METRIC]), int(totals[WAITING_METRIC])
 
 
+NO_IMAGES = ("vLLM's /v1/completions takes token ids without images: this prompt's images cannot be sent; serve "
+             "the model with SGLang (llm.protocol=sglang) or drop the dataset's image column")
+
+
 class VLLM:
     name = "vllm"
     generate_path = "/v1/completions"
     health_path = "/health"
 
     def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,
-              sampling_seed: int | None) -> EngineRequest:
+              sampling_seed: int | None, image_data: list[str] | None = None) -> EngineRequest:
+        if image_data:  # refused at launch for llm=vllm (inputs/media.py); this catches llm.protocol=auto
+            raise ValueError(NO_IMAGES)
         ids = checked_prompt_ids(prompt_ids, limits)
         params = dict(sampling_params)
         max_new = max_new_tokens_for(params, len(ids), limits)

@@ -31,8 +31,18 @@ def load_tokenizer(cfg: DictConfig):
     return hf_tokenizer(model.get("tokenizer_path") or model.path, trust_remote_code=model.trust_remote_code)
 
 
-def load_dataset(cfg: DictConfig, tokenizer):
-    """verl's RLHFDataset over data.train_files (honours data.custom_cls like verl's main_ppo)."""
+def load_processor(cfg: DictConfig):
+    """The model's multimodal processor, loaded as verl's trainer loads it (`hf_processor(path,
+    use_fast=True)`, which also binds the model's rope index to it), or None for a text-only model; see
+    `pipegen.inputs.media` for what a run with images needs."""
+    from pipegen.inputs.media import load_processor as load
+
+    return load(cfg)
+
+
+def load_dataset(cfg: DictConfig, tokenizer, processor=None):
+    """verl's RLHFDataset over data.train_files (honours data.custom_cls like verl's main_ppo); `processor`:
+    the model's (`load_processor`), which verl needs for rows with images."""
     from verl.trainer.ppo.utils import create_rl_dataset
 
     files = check_files(cfg)
@@ -40,7 +50,7 @@ def load_dataset(cfg: DictConfig, tokenizer):
     try:
         with _quiet_row_selection(bool(cfg.data.get("shuffle"))):
             dataset = create_rl_dataset(
-                files, cfg.data, tokenizer, None, is_train=True, max_samples=cfg.data.get("train_max_samples", -1)
+                files, cfg.data, tokenizer, processor, is_train=True, max_samples=cfg.data.get("train_max_samples", -1)
             )
     except KeyError as e:
         raise DatasetError(_missing_column(str(e).strip("'\""), prompt_key, _columns(files[0]))) from None

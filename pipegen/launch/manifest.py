@@ -40,9 +40,12 @@ def resolve_inputs(cfg: DictConfig) -> None:
 
 def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     """Load the dataset once through verl, check it, and record its unit indices."""
-    check_files(cfg)  # seconds before verl is imported
+    from pipegen.inputs.media import check_media
+
+    files = check_files(cfg)  # seconds before verl is imported
+    processor = check_media(cfg, files)  # images the model or the engine cannot take: refused here, in one line
     tokenizer = load_tokenizer(cfg)
-    dataset = load_dataset(cfg, tokenizer)
+    dataset = load_dataset(cfg, tokenizer, processor)
     indices = dataset_indices(dataset)
     if not indices:
         raise ValueError("train_files: the dataset has no rows (after max_samples / filtering)")

@@ -7,6 +7,8 @@ batch with a row per trajectory row of the batch:
                  in the metadata), in its on-disk dtype
   column/<key>   each non-tensor column of a plain numpy dtype (sample, trajectory, priority, ...) as
                  Arrow's own type, and a row key of Python ints (index) as int64
+  tensors/<key>  a column of dicts of tensors per row (verl's multi_modal_inputs: pixel_values, image_grid_thw,
+                 ...): each tensor's name, dtype, shape and raw bytes (run/media.py), read back as numpy
   rows/json      every other non-tensor column (the dataset row's fields, uid, ...): one JSON array
                  per row, the columns in the metadata's order
   lengths/prompt, lengths/response, reward/last_token   what the dropped tensors are rebuilt from
@@ -53,6 +55,8 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
+from pipegen.run.media import is_tensor_dict_column, read_tensor_dict_column, tensor_dict_column
+
 
 class BatchColumns:
     """The names of a batch's columns, as verl's DataProto holds them and a batch file stores them
@@ -89,8 +93,9 @@ ROW_KEYS = (BatchColumns.INDEX, BatchColumns.SAMPLE, BatchColumns.TRAJECTORY)  #
 CONVERT_FLAG = "--convert-pickle-batches"
 _INT32 = np.dtype(np.int32).str
 _JSON, _INT = "json", "int"  # kinds of object columns: JSON values, or Python ints stored as int64
+_TENSORS = "tensors"  # an object column of dicts of tensors (multi_modal_inputs): run/media.py's Arrow encoding
 _JSON_ROWS = "rows/json"  # per row: the JSON-kind columns' values as one JSON array, in the metadata's order
-_TENSOR, _COLUMN = "tensor/", "column/"
+_TENSOR, _COLUMN, _TENSOR_DICT = "tensor/", "column/", "tensors/"
 _PROMPT_LENS, _RESPONSE_LENS, _LAST_TOKEN_REWARD = "lengths/prompt", "lengths/response", "reward/last_token"
 
 
@@ -258,6 +263,10 @@ def _encode_columns(non_tensor: dict[str, np.ndarray]) -> tuple[dict[str, str], 
             kinds[key] = _INT
             names.append(_COLUMN + key)
             arrays.append(pa.array(values.astype(np.int64)))
+        elif is_tensor_dict_column(values):
+            kinds[key] = _TENSORS
+            names.append(_TENSOR_DICT + key)
+            arrays.append(tensor_dict_column(values))
         else:
             kinds[key] = _JSON
             as_json.append(values.tolist())
@@ -400,6 +409,8 @@ def _decode_columns(record: pa.RecordBatch, kinds: dict[str, str],
             out[key] = object_array([row[at] for row in rows_json])
         elif kind == _INT:
             out[key] = object_array(record.column(_COLUMN + key).to_pylist())
+        elif kind == _TENSORS:
+            out[key] = object_array(read_tensor_dict_column(record.column(_TENSOR_DICT + key)))
         else:
             # a copy (one value per row): Arrow's views are read-only, and verl's users may write in place
             out[key] = np.array(record.column(_COLUMN + key).to_numpy(zero_copy_only=False), dtype=np.dtype(kind))

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 
 from pipegen.run.batchfile import (INT_TENSORS, BatchColumns, StoredBatch, attention_mask_of, encode_batch_file,
                                    object_array, position_ids_of, read_batch)
+from pipegen.run.media import decode_multi_modal_data
 from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 
@@ -40,8 +41,10 @@ INT64_COLUMNS = (BatchColumns.SAMPLE, BatchColumns.TRAJECTORY, BatchColumns.PRIO
 
 
 class BatchBuilder:
-    def __init__(self, cfg: DictConfig, tokenizer):
-        worker = postprocess_worker(cfg, tokenizer)
+    def __init__(self, cfg: DictConfig, tokenizer, processor=None):
+        """processor: the model's multimodal processor (`inputs.dataset.load_processor`); with one, every row
+        goes through verl's own postprocessing, which builds multi_modal_inputs and the M-RoPE position ids."""
+        worker = postprocess_worker(cfg, tokenizer, processor)
         self.worker = worker
         self.default_agent = cfg.actor_rollout_ref.rollout.agent.default_agent_loop
         self.prompt_length = int(worker.rollout_config.prompt_length)
@@ -104,6 +107,8 @@ class BatchBuilder:
         from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
         plain = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in traj.items()}
+        if plain.get(TrajectoryKeys.MULTI_MODAL_DATA):  # the line's PNGs back as the pictures verl's loop had
+            plain[TrajectoryKeys.MULTI_MODAL_DATA] = decode_multi_modal_data(plain[TrajectoryKeys.MULTI_MODAL_DATA])
         output = AgentLoopOutput.model_validate(plain)
         return await postprocess_trajectory(self.worker, output, **kwargs)
 
@@ -228,8 +233,21 @@ def to_dataproto(stored: StoredBatch):
     from verl.protocol import DataProto
 
     tensors = {k: torch.from_numpy(v) for k, v in stored.tensors.items()}
-    return DataProto(batch=TensorDict(tensors, batch_size=[len(stored)]), non_tensor_batch=stored.non_tensor,
-                     meta_info=stored.meta_info)
+    return DataProto(batch=TensorDict(tensors, batch_size=[len(stored)]),
+                     non_tensor_batch=torch_tensor_dicts(stored.non_tensor), meta_info=stored.meta_info)
+
+
+def torch_tensor_dicts(non_tensor: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Non-tensor columns with each dict of numpy arrays (a batch file's multi_modal_inputs) as a dict of torch
+    tensors, as verl's agent loop holds it and its trainer concatenates it."""
+    from pipegen.run.media import MULTI_MODAL_INPUTS
+
+    values = non_tensor.get(MULTI_MODAL_INPUTS)
+    if values is None:
+        return non_tensor
+    converted = object_array([None if v is None else {k: torch.from_numpy(np.asarray(t)) for k, t in v.items()}
+                              for v in values])
+    return {**non_tensor, MULTI_MODAL_INPUTS: converted}
 
 
 def from_storage(batch):

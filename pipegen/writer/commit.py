@@ -278,10 +278,10 @@ class Writer:
 
     async def main(self) -> int:
         from pipegen.writer.batches import BatchBuilder
-        from pipegen.inputs.dataset import load_tokenizer
+        from pipegen.inputs.dataset import load_processor, load_tokenizer
 
-        # Import verl and load the tokenizer up front (seconds), not on the first commit.
-        self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg))
+        # Import verl and load the tokenizer (and a vision model's processor) up front (seconds), not on the first commit.
+        self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg), load_processor(self.cfg))
         self.recover()
         if self.ckpt.complete and self.ckpt.num_committed == self.total_units:
             log.info("run already complete: %s", self.run.trajectories)

@@ -37,6 +37,7 @@ from pipegen.run.checkpoint import Checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.rows import ROW_ORDER, SortedRows
 from pipegen.verl_private import performance_metrics
+from pipegen.writer.batches import torch_tensor_dicts
 
 log = logging.getLogger("pipegen.writer")
 
@@ -91,7 +92,7 @@ class MergePlan(SortedRows):
 
         tensors = {k: torch.from_numpy(v) for k, v in self.tensors(lo, hi).items()}
         return DataProto.from_dict(tensors=tensors, meta_info=self.run_meta(),
-                                   non_tensors={k: v[lo:hi] for k, v in self.non_tensor.items()})
+                                   non_tensors=torch_tensor_dicts({k: v[lo:hi] for k, v in self.non_tensor.items()}))
 
     def pieces(self, rows: int) -> Iterator[tuple[int, int, Any]]:
         """(lo, hi, DataProto) for consecutive ranges of at most ``rows`` sorted rows."""
