@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipegen.inputs.dataset import file_rows, selected_rows
-from pipegen.observe.outcomes import Outcomes
+from pipegen.observe.outcomes import Outcomes, unit_outcomes
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir
@@ -128,7 +128,6 @@ class RunSummary:
 def run_summary(run: RunDir) -> RunSummary:
     """The run's summary now (complete or not): its units, where the output is, the rewards, the prompts used
     and skipped, and the responses that reached the response limit."""
-    from pipegen.observe.outcomes import unit_outcomes
     from pipegen.observe.progress import snapshot
     from pipegen.run.config import load_run_config
 
