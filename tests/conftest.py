@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
@@ -143,3 +144,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if job is not None and job.proc.poll() is None:  # the run was interrupted before the test collected it
         job.proc.kill()
         shutil.rmtree(job.dir, ignore_errors=True)
+
+
+def wait_for_lines(launcher: subprocess.Popen, shard: Path, count: int, timeout: float) -> None:
+    """Wait until `shard` holds `count` complete lines while `launcher` runs (a crash test's moment to kill)."""
+    deadline = time.monotonic() + timeout
+    while not (shard.exists() and shard.read_bytes().count(b"\n") >= count):
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"the actor never wrote {count} records"
+        time.sleep(0.05)

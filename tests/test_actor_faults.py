@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, launch, load_trajectories, wait_for_lines
 from fake_servers import FakeServer, RecordingProxy, launch_external, pids_where, read_records
 from pipegen.launch.world import free_port
 
@@ -273,12 +273,7 @@ def test_actor_sigkill_mid_run_loses_nothing_duplicates_nothing_and_never_resend
     launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        shard = out / "streams" / "rollouts" / "actor_0" / "000000.jsonl"
-        deadline = time.monotonic() + 120
-        while not (shard.exists() and shard.read_bytes().count(b"\n") >= 8):
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the actor never wrote 8 records"
-            time.sleep(0.05)
+        wait_for_lines(launcher, out / "streams" / "rollouts" / "actor_0" / "000000.jsonl", 8, 120)
         pid = find_actor_pid(out)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
@@ -363,12 +358,7 @@ def test_hangs_503s_and_a_killed_actor_with_default_timeouts(tmp_path, tiny_mode
     launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        shard = out / "streams" / "rollouts" / "actor_0" / "000000.jsonl"
-        deadline = time.monotonic() + 120
-        while not (shard.exists() and shard.read_bytes().count(b"\n") >= 6):
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the actor never wrote 6 records"
-            time.sleep(0.05)
+        wait_for_lines(launcher, out / "streams" / "rollouts" / "actor_0" / "000000.jsonl", 6, 120)
         pid = find_actor_pid(out)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)

@@ -15,13 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_verl_agrees, launch, load_trajectories
+from conftest import REPO, assert_verl_agrees, launch, load_trajectories, wait_for_lines
 from fake_servers import FakeServer, RecordingProxy, read_records, write_dataset
 # the scripted server (hermes calculator calls, then "#### 5") and the tokenizer, as the agent-loop tests use them
 from test_agent_loops import SCRIPT, TOOL_BLOCK, scripted, tokenizer  # noqa: F401  (fixtures)
@@ -199,12 +198,7 @@ def test_actor_sigkill_mid_session_then_the_same_command_gives_every_unit_once(t
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, **ENV})
     try:
-        shard = out / "streams" / "rollouts" / "actor_0" / "000000.jsonl"
-        deadline = time.monotonic() + 180
-        while not (shard.exists() and shard.read_bytes().count(b"\n") >= 2):
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the actor never wrote 2 records"
-            time.sleep(0.05)
+        wait_for_lines(launcher, out / "streams" / "rollouts" / "actor_0" / "000000.jsonl", 2, 180)
         os.kill(find_actor_pid(out), signal.SIGKILL)  # sessions are in flight: units are mid-conversation
         launcher.kill()  # ... and the whole launch goes with it
         launcher.wait()

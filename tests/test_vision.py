@@ -19,14 +19,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import FAKE_ENGINE, REPO, assert_same_trajectories, launch, load_trajectories
+from conftest import FAKE_ENGINE, REPO, assert_same_trajectories, launch, load_trajectories, wait_for_lines
 from fake_servers import pids_where
 from test_verl_parity import verl_reference_for
 
@@ -137,12 +136,7 @@ def test_killed_writer_and_actor_then_the_same_command_give_the_clean_output(tmp
     launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *cmd], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        shard = out / "streams" / "rollouts" / "actor_0" / "000000.jsonl"
-        deadline = time.monotonic() + 180
-        while not (shard.exists() and shard.read_bytes().count(b"\n") >= 2):
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the actor never wrote 2 records"
-            time.sleep(0.05)
+        wait_for_lines(launcher, out / "streams" / "rollouts" / "actor_0" / "000000.jsonl", 2, 180)
         for module in ("pipegen.writer", "pipegen.actor"):
             pid = _pid(out, module)
             assert pid is not None, module

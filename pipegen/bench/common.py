@@ -185,6 +185,11 @@ def prepare_run(root: Path, *overrides: str, servers: list[str] | None = None) -
     return cfg, run
 
 
+# what the actor puts up front for a person watching: the start of the response, at its longest (120 characters)
+PEEK_TEXT = ("Step 1: 17 + 25 = 42. Step 2: 42 x 3 = 126. Step 3: 126 - 6 = 120, so the answer is 120. #### 120 "
+             "(checked twice, once by adding the parts again and once by working backwards from the total)")[:120]
+
+
 class RecordFactory:
     """RolloutRecords with the actor's exact shape: real rows of the demo set, trajectories made by the
     actor's `trajectory_json` from a verl AgentLoopOutput (float32 logprobs), uid, priority and seed
@@ -229,7 +234,7 @@ class RecordFactory:
                 extra_fields={"turn_scores": [], "tool_rewards": [], "reward_extra_info": {"acc": 1.0}},
             )
             out.append(RolloutRecord(
-                index=index, sample=sample, uid=prompt_uid(LAUNCH, index), priority=self.keys.priority(pos, sample),
+                index=index, sample=sample, reward=output.reward_score, finish="stop", text=PEEK_TEXT, uid=prompt_uid(LAUNCH, index), priority=self.keys.priority(pos, sample),
                 seed=unit_seed(0, index, sample), agent_name="single_turn_agent", launch=LAUNCH,
                 row=self.rows[pos], trajectories=[trajectory_json(output)],
             ))

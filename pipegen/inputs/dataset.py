@@ -17,6 +17,8 @@ from typing import Iterator
 
 from omegaconf import DictConfig
 
+from pipegen.run.layout import DatasetFacts
+
 
 class DatasetError(ValueError):
     """A problem with the user's dataset, reported as one line that names the fix."""
@@ -153,6 +155,31 @@ def dataset_indices(dataset) -> list[int]:
             raise DatasetError(f"train_files: extra_info.index {i} at row {pos} is negative; use indices >= 0")
         seen[int(i)] = pos
     return [int(i) for i in indices]
+
+
+def file_rows(cfg: DictConfig) -> int | None:
+    """Rows in data.train_files from the parquet footers (None when a file is json: counted only by reading it)."""
+    import pyarrow.parquet as pq
+
+    files = list(cfg.data.train_files) if not isinstance(cfg.data.train_files, str) else [cfg.data.train_files]
+    if not all(str(f).endswith(".parquet") for f in files):
+        return None
+    return sum(pq.read_metadata(f).num_rows for f in files)
+
+
+def selected_rows(rows: int, max_samples: int | None) -> int:
+    """The rows verl's RLHFDataset keeps of `rows` under data.train_max_samples (before any length filter)."""
+    return min(rows, int(max_samples)) if max_samples is not None and int(max_samples) > 0 else rows
+
+
+def dataset_facts(cfg: DictConfig, prompts: int) -> DatasetFacts:
+    """Where the run's `prompts` came from: the rows of the files, and the rows max_samples and verl's
+    filter_overlong_prompts left out (verl selects max_samples rows first, then filters)."""
+    rows = file_rows(cfg)
+    if rows is None:
+        return DatasetFacts(rows=None, skipped_by_max_samples=0, skipped_too_long=0)
+    kept = selected_rows(rows, cfg.data.get("train_max_samples"))
+    return DatasetFacts(rows=rows, skipped_by_max_samples=rows - kept, skipped_too_long=max(0, kept - prompts))
 
 
 def check_prompt_lengths(cfg: DictConfig, dataset, tokenizer) -> None:

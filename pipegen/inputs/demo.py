@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
-DEMO_NAME = "demo"
-DEMO_PARQUET = Path(__file__).resolve().parent / "demo_arith.parquet"
+from pipegen.run.schema import DEMO_NAME, DEMO_PARQUET, is_demo  # the config's names for the demo set
+
 _FIX = "pass an existing parquet/json file, a list of them, or 'demo' for the packaged arithmetic set"
 
 
@@ -50,4 +49,4 @@ def resolve_train_files(spec: str | os.PathLike[str] | Iterable[str | os.PathLik
     return [_one(item, spec) for item in items]
 
 
-__all__ = ["DEMO_NAME", "DEMO_PARQUET", "resolve_train_files"]
+__all__ = ["DEMO_NAME", "DEMO_PARQUET", "is_demo", "resolve_train_files"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, open_dict
 
-from pipegen.inputs.dataset import check_files, check_prompt_lengths, dataset_indices, load_dataset, load_tokenizer
+from pipegen.inputs.dataset import (check_files, check_prompt_lengths, dataset_facts, dataset_indices, load_dataset,
+                                    load_tokenizer)
 from pipegen.inputs.demo import resolve_train_files
 from pipegen.inputs.models import resolve_model_path
 from pipegen.run.layout import RunDir
@@ -49,5 +50,5 @@ def build_manifest(cfg: DictConfig, run: RunDir) -> int:
     if not indices:
         raise ValueError("train_files: the dataset has no rows (after max_samples / filtering)")
     check_prompt_lengths(cfg, dataset, tokenizer)
-    run.write_manifest(indices)
+    run.write_manifest(indices, dataset_facts(cfg, len(indices)))
     return len(indices)

@@ -30,11 +30,13 @@ from pipegen.launch.placement import Placement, placement_for
 from pipegen.launch.resume import check_run_files, guard_resume
 from pipegen.launch.servers import ServerNotReady, check_reachable
 from pipegen.observe.console import refuse
+from pipegen.observe.job import print_plan
 from pipegen.observe.logs import setup_logging
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.config import check_types, compose, describe_config_error, help_text, resolved
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.ownership import DirectoryLock, LockHeld
+from pipegen.run.verl_keys import translate as translate_verl_keys
 from pipegen.tasks.manifest import compose_job
 
 USAGE = """\
@@ -100,6 +102,10 @@ def prepare(argv: list[str]) -> Prepared | int:
     if not any(a.startswith("output_dir=") for a in argv):
         return refuse("missing output_dir=DIR (where the run's files go); see --help")
     try:
+        argv = translate_verl_keys(argv)  # verl's own keys: pipegen's equivalents set, or refused in one line
+    except ValueError as e:
+        return refuse(str(e))
+    try:
         cfg = compose_job(argv)  # pipegen's and verl's keys, then the named tasks' defaults
     except Exception as e:  # Hydra's override errors are long: one line naming the key and the fix
         return refuse(describe_config_error(e, argv))
@@ -118,6 +124,7 @@ def prepare(argv: list[str]) -> Prepared | int:
         return refuse(str(e))
     except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing value (llm.urls)
         return refuse(describe_config_error(e, argv))
+    print_plan(cfg, run)  # the launch's first line: what will run
     run.root.mkdir(parents=True, exist_ok=True)
     lock = DirectoryLock(run.launcher_lock, role="launcher", name_host=True)
     try:

@@ -19,7 +19,8 @@ from contextlib import ExitStack
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipegen.observe.outcomes import reward_summary
+from pipegen.observe.job import job_lines
+from pipegen.observe.outcomes import unit_outcomes
 from pipegen.observe.progress import LogWatcher, ProgressBar, snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import human_rate, latest_stats
@@ -118,15 +119,13 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
             took = (f" (this launch: {metrics[ELAPSED_S]:.1f}s, "
                     f"{human_rate(metrics[LAUNCH_UNITS_PER_S], 'samples')})")
         print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
-        scores = reward_summary(run)
+        outcomes = unit_outcomes(run)
+        scores = outcomes.rewards if outcomes is not None else None
         if scores is not None:
             print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
                   f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
-        finish = {k.split("/", 1)[1]: int(v) for k, v in snap.metrics.items() if k.startswith("finish_reason/")}
-        cut, seen = finish.get("length", 0), sum(finish.values())
-        if seen and cut >= 0.25 * seen:  # the default limit fits the demo's short answers, not real tasks
-            print(f"  note:         {cut} of {seen} responses stopped at the response limit: raise "
-                  f"max_response_length if they were cut short")
+        for line in job_lines(run, outcomes):  # prompts skipped, responses that reached the limit
+            print(line)
         if snap.merged:
             print(f"  trajectories: {run.merged_output() or run.trajectories}")
             print(f"  artifact:     {run.artifact}")

@@ -1,11 +1,13 @@
-"""What the generated samples scored, for the end-of-run summary: mean reward and pass@n.
+"""What the generated samples scored and how they ended, for the end-of-run summary: mean reward, pass@n,
+and how many responses reached the response limit.
 
 Read from the rollout shards (each unit's first complete line, as the writer keeps it): the mean of
-every trajectory's `reward_score`, and pass@n, the share of prompts with at least one of its n samples
-scoring above 0. Only the `index`/`sample` head and the `reward_score` fields of a line are looked at
-(a regex over the bytes, no JSON parse), so a summary of a 100k-unit run costs about a second.
+every trajectory's `reward_score`, pass@n, the share of prompts with at least one of its n samples
+scoring above 0, and each unit's `finish` (run/stream.py). Only the `index`/`sample` head, the `finish` and
+the `reward_score` fields of a line are looked at (a regex over the bytes, no JSON parse), so a summary of a
+100k-unit run costs about a second.
 
-Owns: the reward summary. Must never: write anything, or read more than MAX_BYTES of shards (a huge
+Owns: the reward and finish summary. Must never: write anything, or read more than MAX_BYTES of shards (a huge
 run gets no pass@n line rather than a long wait at its end).
 """
 
@@ -19,6 +21,7 @@ from pipegen.run.stream import TrajectoryKeys, read_head
 
 MAX_BYTES = 2 << 30
 _REWARD = re.compile(b'"%s":(-?[0-9][0-9.eE+-]*)' % TrajectoryKeys.REWARD_SCORE.encode())
+_FINISH = re.compile(rb'"finish":"(\w*)"')
 
 
 @dataclass
@@ -33,8 +36,14 @@ class RewardSummary:
         return self.passed / self.prompts if self.prompts else 0.0
 
 
-def reward_summary(run: RunDir) -> RewardSummary | None:
-    """None when nothing was scored (no ground truth, scoring off) or the shards exceed MAX_BYTES."""
+@dataclass
+class Outcomes:
+    rewards: RewardSummary | None  # None when nothing was scored (no ground truth, scoring off)
+    finishes: dict[str, int]  # units by their line's `finish` ("stop", "length"); lines of an older pipegen: none
+
+
+def unit_outcomes(run: RunDir) -> Outcomes | None:
+    """None when the shards exceed MAX_BYTES."""
     shards = [p for paths in list_shards(run.rollouts).values() for p in paths]
     try:
         if sum(p.stat().st_size for p in shards) > MAX_BYTES:
@@ -45,6 +54,7 @@ def reward_summary(run: RunDir) -> RewardSummary | None:
     total = 0.0
     scored = 0
     best: dict[int, float] = {}
+    finishes: dict[str, int] = {}
     for path in shards:
         try:
             data = path.read_bytes()
@@ -55,12 +65,14 @@ def reward_summary(run: RunDir) -> RewardSummary | None:
             if head is None or head in seen:
                 continue
             seen.add(head)
+            finish = _FINISH.search(line, 0, 400)  # it leads the line, after the head and the reward
+            if finish is not None:
+                finishes[finish.group(1).decode()] = finishes.get(finish.group(1).decode(), 0) + 1
             rewards = [float(m) for m in _REWARD.findall(line)]
             if not rewards:
                 continue
             total += sum(rewards)
             scored += len(rewards)
             best[head[0]] = max(best.get(head[0], float("-inf")), max(rewards))
-    if not scored:
-        return None
-    return RewardSummary(total / scored, scored, len(best), sum(1 for v in best.values() if v > 0))
+    rewards = RewardSummary(total / scored, scored, len(best), sum(1 for v in best.values() if v > 0)) if scored else None
+    return Outcomes(rewards, finishes)

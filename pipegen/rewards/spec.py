@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipegen.rewards.local import FunctionSpec
+from pipegen.rewards.local import FunctionSpec, load_function
 from pipegen.rewards.verifier import VerifierSpec
 
 # verl's default_compute_score executes the model's code for these unless a sandbox is configured
@@ -56,7 +56,6 @@ def task_reward(cfg: DictConfig, spec: Any) -> RewardSettings | None:
 
 
 def _plain(value: Any) -> dict[str, Any]:
-    from omegaconf import OmegaConf
 
     if OmegaConf.is_config(value):
         value = OmegaConf.to_container(value, resolve=True)
@@ -89,7 +88,6 @@ def resolve_reward_settings(cfg: DictConfig) -> None:
             raise ValueError(f"custom_reward_function.path={path}: no such file; give the .py file holding "
                              f"{crf.name} (or pkg://your.module)")
         path = str(local.resolve())
-    from pipegen.rewards.local import load_function
 
     try:
         load_function(FunctionSpec(path, str(crf.name), _plain(crf.reward_kwargs)))

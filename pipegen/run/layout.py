@@ -248,8 +248,17 @@ class RunDir:
         path = self.fingerprint_file  # fingerprint.run_key_of gives the same digest before the file is saved
         return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
 
-    def write_manifest(self, indices: list[int]) -> None:
-        atomic_write_bytes(self.units_file, orjson.dumps({"indices": indices}))
+    def write_manifest(self, indices: list[int], dataset: "DatasetFacts | None" = None) -> None:
+        body = {"indices": indices, **({"dataset": asdict(dataset)} if dataset is not None else {})}
+        atomic_write_bytes(self.units_file, orjson.dumps(body))
+
+    def read_dataset_facts(self) -> "DatasetFacts | None":
+        """How the manifest's prompts were chosen from the dataset (None: not recorded, or unreadable)."""
+        try:
+            facts = orjson.loads(self.units_file.read_bytes()).get("dataset")
+            return DatasetFacts(**facts) if isinstance(facts, dict) else None
+        except (OSError, ValueError, TypeError):
+            return None
 
     def read_manifest(self) -> list[int]:
         """The unit manifest's indices; a DamagedFile when it is missing or damaged (the launcher
@@ -287,6 +296,15 @@ class RunDir:
             return None
         known = NodeRecord.__dataclass_fields__
         return NodeRecord(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass
+class DatasetFacts:
+    """In the unit manifest beside its indices: the dataset's rows, and the prompts left out of the run."""
+
+    rows: int | None  # rows in train_files (None: json files, whose rows are not counted before verl reads them)
+    skipped_by_max_samples: int
+    skipped_too_long: int  # data.filter_overlong_prompts=true dropped them
 
 
 @dataclass

@@ -13,7 +13,9 @@ whole number") is in each field's `Rule`, checked by `check_values`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -111,8 +113,12 @@ class Generation:
     show_progress: bool = key(True, "tqdm progress bar on the launcher", choices=(True, False))
     tracking_interval_s: float = key(10.0, "seconds between metric logs (trainer.logger backends and "
                                            "streams/stats/launch.jsonl)", above=0)
-    upload_artifact: bool = key(True, "upload trajectories.zip to wandb when wandb is in trainer.logger",
-                                choices=(True, False))
+    upload_artifact: bool = key(True, "write trajectories.zip (the merged output, its parts, or with final_merge=false "
+                                      "the batch files; the checkpoint and config) and upload it to wandb when wandb "
+                                      "is in trainer.logger; false: no zip", choices=(True, False))
+    keep_streams: bool = key(True, "false: once the run is complete and `python -m pipegen.status DIR --verify` "
+                                   "passes on it, delete the rollout shards (the batch files and merged output hold "
+                                   "every sample)", choices=(True, False))
     batch_int32: bool = key(True, "store token tensors as int32 in batch files (the merge restores int64)",
                             choices=(True, False))
     max_attempts: int = key(8, "tries per request before its unit goes to the failures stream", at_least=1)
@@ -319,6 +325,39 @@ class RayCluster(LocalCluster):
 CLUSTER_KINDS: dict[str, type[LocalCluster]] = {"local": LocalCluster, "ray": RayCluster}
 
 
+# The lengths and row count a job gets when it sets none. A user's dataset: every row, responses up to the seed's
+# 4,096 tokens (verl's 512 cuts reasoning answers short), prompts up to twice verl's 512 (a system prompt or
+# few-shot examples fit; a longer prompt is refused at launch with the fix, never cut). The packaged demo: its
+# own small settings (its answers are a few tokens; 32 prompts finish in about a minute on a laptop's CPU).
+JOB_DEFAULTS = {"max_samples": -1, "max_prompt_length": 1024, "max_response_length": 4096}
+DEMO_DEFAULTS = {"max_samples": 32, "max_prompt_length": 256, "max_response_length": 32}
+JOB_RESOLVER = "pipegen_job_default"
+
+
+def job_default(name: str) -> str:
+    """A key whose default depends on the data: an interpolation `register` resolves from `train_files` and
+    `tasks` (a task's own defaults, set by tasks/manifest.py, replace it)."""
+    return f"${{{JOB_RESOLVER}:{name},${{train_files}},${{tasks}}}}"
+
+
+# train_files' default names the packaged demo set (its file: inputs/demo.py resolves the name to it)
+DEMO_NAME = "demo"
+DEMO_PARQUET = Path(__file__).resolve().parents[1] / "inputs" / "demo_arith.parquet"
+
+
+def is_demo(spec: Any) -> bool:
+    """Whether `train_files` names only the packaged demo set (by its short name or its path): the demo's small
+    defaults (DEMO_DEFAULTS) apply to it alone, never to a user's data."""
+    items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec or [])
+    return bool(items) and all(
+        isinstance(i, (str, os.PathLike)) and (os.fspath(i).strip() == DEMO_NAME or os.fspath(i) == str(DEMO_PARQUET))
+        for i in items)
+
+
+def _job_default(name: str, train_files: Any, tasks: Any) -> int:
+    return (DEMO_DEFAULTS if is_demo(train_files) and not list(tasks or []) else JOB_DEFAULTS)[name]
+
+
 @dataclass
 class PipegenConfig:
     """The root: pipegen's short knobs (interpolated into verl's keys by conf/pipegen.yaml) and its groups."""
@@ -329,11 +368,14 @@ class PipegenConfig:
     train_files: Any = key("demo", "verl-format parquet file(s); demo = 96 arithmetic problems shipped with "
                                    "pipegen", non_empty=True)
     n: int = key(2, "samples per prompt", at_least=1)
-    max_samples: int = key(32, "prompts to use from the dataset (-1 = all)", at_least=-1)
+    max_samples: int = key(job_default("max_samples"), "prompts to use from the dataset (-1 = all); default: all "
+                                                        "of your train_files or tasks, 32 of the demo", at_least=-1)
     seed: int = key(0, "base sampling seed; each (index, sample) gets its own derived seed")
-    max_prompt_length: int = key(256, "prompt tokens at most", at_least=1)
-    max_response_length: int = key(32, "response tokens at most (fits the demo's answers; raise it for real "
-                                       "tasks)", at_least=1)
+    max_prompt_length: int = key(job_default("max_prompt_length"), "prompt tokens at most (a longer prompt is "
+                                                                    "refused at launch); default: 1024, 256 for the "
+                                                                    "demo", at_least=1)
+    max_response_length: int = key(job_default("max_response_length"), "response tokens at most; default: 4096, "
+                                                                        "32 for the demo's short answers", at_least=1)
     temperature: float = key(1.0, "sampling temperature", at_least=0)
     tasks: list[str] = key([], "tasks by name or manifest file, as in '[gsm_symbolic,./my_task.yaml]' (python -m "
                                "pipegen.tasks lists them): their data replaces train_files, their rewards score "
@@ -358,6 +400,8 @@ def register() -> None:
     """Put the schema into Hydra's ConfigStore (idempotent): conf/pipegen.yaml's defaults list names it."""
     from hydra.core.config_store import ConfigStore
 
+    if not OmegaConf.has_resolver(JOB_RESOLVER):
+        OmegaConf.register_new_resolver(JOB_RESOLVER, _job_default)
     store = ConfigStore.instance()
     store.store(name="pipegen_schema", node=PipegenConfig)
     for kind, schema in LLM_KINDS.items():

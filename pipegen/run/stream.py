@@ -61,7 +61,7 @@ import re
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import KW_ONLY, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Final, Iterator, TypeVar
 
@@ -159,6 +159,13 @@ class RolloutRecord(_Line):
 
     index: int
     sample: int
+    _: KW_ONLY
+    # What a person watching the run reads (`tail -f ... | cut -c1-200`), right after the head: the unit's
+    # reward (null when unscored), "length" when its response reached the response limit (else "stop"),
+    # and the start of its response text. The trajectories hold the full data; the writer keeps none of these.
+    reward: float | None = None
+    finish: str = ""
+    text: str = ""
     uid: str
     priority: int
     seed: int | None
@@ -221,7 +228,8 @@ ARRAY_KEYS = {
     TrajectoryKeys.RESPONSE_MASK: ("i", np.int64),
     TrajectoryKeys.RESPONSE_LOGPROBS: ("d", np.float64),
 }
-_SCALAR_FIELDS = tuple(f.name for f in fields(RolloutRecord) if f.name not in ("trajectories", "row"))
+_SCALAR_FIELDS = tuple(f.name for f in fields(RolloutRecord) if f.name not in ("trajectories", "row", "reward", "finish",
+                                                                                  "text"))  # the watcher's: not read
 _MISSING = object()
 ROW_CACHE_SIZE = 256  # distinct dataset rows remembered; a prompt's n samples arrive close together
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from pipegen.run.batchfile import (INT_TENSORS, BatchColumns, StoredBatch, attention_mask_of, encode_batch_file,
                                    object_array, position_ids_of, read_batch)
-from pipegen.run.media import decode_multi_modal_data
+from pipegen.run.media import MULTI_MODAL_INPUTS, decode_multi_modal_data
 from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 
@@ -240,7 +240,6 @@ def to_dataproto(stored: StoredBatch):
 def torch_tensor_dicts(non_tensor: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Non-tensor columns with each dict of numpy arrays (a batch file's multi_modal_inputs) as a dict of torch
     tensors, as verl's agent loop holds it and its trainer concatenates it."""
-    from pipegen.run.media import MULTI_MODAL_INPUTS
 
     values = non_tensor.get(MULTI_MODAL_INPUTS)
     if values is None:

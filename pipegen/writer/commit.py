@@ -222,8 +222,16 @@ class Writer:
                 self._raise_damaged_batch()
                 raise
             ckpt.merged = True
+        elif complete and ckpt.batches:  # final_merge=false: the batch files are the output
+            from pipegen.writer.merge import write_artifact
+
+            write_artifact(self.cfg, self.run, ckpt)
         ckpt.complete = complete
         save_checkpoint(self.run.checkpoint, ckpt)
+        if complete and not self.gen.keep_streams:
+            from pipegen.writer.tidy import drop_streams_once_verified
+
+            drop_streams_once_verified(self.run)
         if ckpt.failed:
             log.error("%d unit(s) failed in this launch (relaunch the same command to retry them):", len(ckpt.failed))
             for unit, info in list(ckpt.failed.items())[:20]:

@@ -146,7 +146,7 @@ def merge_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
         atomic_write(run.trajectories, partial(save_dataproto, merged))
         del merged
         target = run.trajectories
-    write_artifact(cfg, run)
+    write_artifact(cfg, run, ckpt)
     log.info("merged %d rows into %s in %.1fs", plan.num_rows, target, time.monotonic() - started)
 
 
@@ -185,21 +185,33 @@ def load_shards(run: RunDir) -> Iterator[Any]:
         yield DataProto.load_from_disk(str(run.output_shards / shard["file"]))
 
 
-def write_artifact(cfg: DictConfig, run: RunDir) -> None:
-    """trajectories.zip: the output (the index alone for a sharded one), the checkpoint and the config."""
+def artifact_files(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> list[Path]:
+    """What trajectories.zip holds: the output (trajectories.pkl; or the sharded parts and their index; or, with
+    final_merge=false, the batch files the checkpoint lists), then the checkpoint and the config."""
+    if not cfg.generation.final_merge:
+        output = [run.batch_file(i) for i in ckpt.batches.numbers()]
+    elif run.output_index.exists():
+        output = [run.output_shards / shard["file"] for shard in read_index(run)["shards"]] + [run.output_index]
+    else:
+        output = [run.trajectories]
+    return [p for p in (*output, run.checkpoint, run.config_file) if p.exists()]
+
+
+def write_artifact(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
+    """trajectories.zip (artifact_files), uploaded to wandb when it is a tracking backend; none with
+    generation.upload_artifact=false."""
+    if not cfg.generation.upload_artifact:
+        run.artifact.unlink(missing_ok=True)  # an earlier launch's zip would not match this output
+        return
+    files = artifact_files(cfg, run, ckpt)
 
     def write(f) -> None:
         with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as z:
-            if run.trajectories.exists():
-                z.write(run.trajectories, run.trajectories.name)
-            if run.output_index.exists():
-                z.write(run.output_index, run.output_index.relative_to(run.root).as_posix())
-            if run.checkpoint.exists():
-                z.write(run.checkpoint, run.checkpoint.name)
-            z.write(run.config_file, run.config_file.relative_to(run.root).as_posix())
+            for path in files:
+                z.write(path, path.relative_to(run.root).as_posix())
 
     atomic_write(run.artifact, write)
-    if cfg.generation.upload_artifact and "wandb" in list(cfg.trainer.logger):
+    if "wandb" in list(cfg.trainer.logger):
         from pipegen.observe.tracking import upload_artifact
 
         upload_artifact(cfg, run)

@@ -1,0 +1,223 @@
+"""verl's own keys, set the verl way on pipegen's command line: each one honoured, or refused in one line.
+
+A verl user sets `actor_rollout_ref.rollout.tensor_model_parallel_size=2`, `data.train_max_samples=100` or
+`trainer.nnodes=2`. pipegen composes verl's rollout and data groups in verl's layout, so such a key is
+accepted by Hydra; without this module most would then change nothing (pipegen starts its servers from
+`llm.*`, its actors from `actors.*`). `translate` reads the overrides before Hydra composes them and, per
+key of `VERL_KEYS`:
+- `Same`: the key is one of pipegen's short keys under verl's name (`rollout.n` is `n`): the override is
+  rewritten to pipegen's key, which conf/pipegen.yaml interpolates back into verl's key;
+- `ToLlm`: an engine setting: pipegen's `llm.*` key of the chosen `llm=` kind is set too (refused for a
+  kind that has no such setting);
+- `Read`: verl's own code that pipegen runs reads it (RLHFDataset, the agent loops, the sampling params);
+- `Refused`: pipegen cannot honour it; one line naming pipegen's key (or that there is nothing to set).
+
+Owns: the table of verl keys under `actor_rollout_ref.rollout`, `data` and `trainer` and what pipegen does
+with each (README "Your own job" lists it), and the rewrite of the overrides.
+Must never: import verl or Hydra (it runs before the config is composed), or let a listed key through
+that pipegen would then ignore.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Union
+
+ROLLOUT = "actor_rollout_ref.rollout."
+
+
+@dataclass(frozen=True)
+class Same:
+    """pipegen's own short key under verl's name."""
+
+    key: str
+
+
+@dataclass(frozen=True)
+class ToLlm:
+    """An engine setting: `llm.<key>` for each llm kind that has one."""
+
+    keys: Mapping[str, str]  # llm kind -> key under llm.
+
+
+@dataclass(frozen=True)
+class Read:
+    """Read by verl's own code that pipegen runs, as verl's trainer reads it."""
+
+    by: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Not honoured: `fix` names what to set instead. `accepted`: values that are what pipegen does anyway."""
+
+    fix: str
+    accepted: tuple[str, ...] = ()
+
+
+Handling = Union[Same, ToLlm, Read, Refused]
+
+ENGINE_FLAG = Refused("pass the engine's own flag to the servers pipegen starts with llm.extra_args "
+                      "(e.g. 'llm.extra_args=[--enforce-eager]')")
+TRAINING_ONLY = Refused("a training-time setting (weight sync, log-prob recompute, checkpoints, profiling): "
+                        "pipegen only generates; drop it")
+VALIDATION = Refused("pipegen generates for train_files: run the validation file in its own output_dir with "
+                     "train_files=PATH (and e.g. n=1 temperature=0)")
+DATASET = Read("verl's RLHFDataset")
+AGENT_LOOP = Read("verl's agent loops")
+SAMPLING = Read("the actors' sampling params")
+
+# Keys ending in "." cover every key under them. The longest entry that matches a key decides.
+VERL_KEYS: dict[str, Handling] = {
+    # ---- actor_rollout_ref.rollout ----
+    f"{ROLLOUT}name": Refused("pipegen starts the servers llm= names: llm=cpu | sglang | vllm | external",
+                              accepted=("sglang",)),
+    f"{ROLLOUT}mode": Refused("pipegen's servers are always HTTP servers its actors call (async)", accepted=("async",)),
+    f"{ROLLOUT}n": Same("n"),
+    f"{ROLLOUT}temperature": Same("temperature"),
+    f"{ROLLOUT}prompt_length": Same("max_prompt_length"),
+    f"{ROLLOUT}response_length": Same("max_response_length"),
+    f"{ROLLOUT}seed": Same("seed"),
+    f"{ROLLOUT}top_p": SAMPLING,
+    f"{ROLLOUT}top_k": SAMPLING,
+    f"{ROLLOUT}calculate_log_probs": SAMPLING,
+    f"{ROLLOUT}do_sample": Refused("pipegen always samples: set temperature=0 for greedy decoding", accepted=("true",)),
+    f"{ROLLOUT}ignore_eos": Refused("pipegen stops at the model's end of sequence; max_response_length bounds a "
+                                    "response", accepted=("false",)),
+    f"{ROLLOUT}val_kwargs.": VALIDATION,
+    f"{ROLLOUT}tensor_model_parallel_size": ToLlm({"sglang": "tp", "vllm": "tp"}),
+    f"{ROLLOUT}data_parallel_size": ToLlm({"sglang": "dp", "cpu": "num_servers"}),
+    f"{ROLLOUT}gpu_memory_utilization": ToLlm({"sglang": "mem_fraction_static", "vllm": "gpu_memory_utilization"}),
+    f"{ROLLOUT}max_num_seqs": ToLlm({"sglang": "max_running_requests", "vllm": "max_running_requests",
+                                     "external": "max_running_requests", "cpu": "max_batch"}),
+    f"{ROLLOUT}max_model_len": ToLlm({"sglang": "context_length", "vllm": "context_length"}),
+    f"{ROLLOUT}dtype": ToLlm({"vllm": "dtype", "cpu": "dtype"}),
+    f"{ROLLOUT}full_determinism": ToLlm({"sglang": "deterministic_inference"}),
+    f"{ROLLOUT}nnodes": Refused("several nodes run through a Ray cluster: cluster=ray (README: Several nodes)",
+                                accepted=("0", "1")),
+    f"{ROLLOUT}n_gpus_per_node": Refused("pipegen uses every GPU CUDA_VISIBLE_DEVICES shows, llm.tp per server"),
+    f"{ROLLOUT}load_format": Refused("pipegen's servers load the weights of model_path", accepted=("auto",)),
+    f"{ROLLOUT}logprobs_mode": Refused("pipegen asks for log-probs after temperature, as verl recomputes them",
+                                       accepted=("processed_logprobs",)),
+    f"{ROLLOUT}skip_tokenizer_init": Refused("pipegen's servers take token ids (always true)", accepted=("true",)),
+    **{f"{ROLLOUT}{k}": ENGINE_FLAG for k in (
+        "enforce_eager", "cudagraph_capture_sizes", "expert_parallel_size", "pipeline_model_parallel_size",
+        "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
+        "disable_log_stats", "engine_kwargs.", "quantization", "quantization_config_file")},
+    **{f"{ROLLOUT}{k}": TRAINING_ONLY for k in (
+        "free_cache_engine", "layered_summon", "log_prob_micro_batch_size", "log_prob_micro_batch_size_per_gpu",
+        "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu", "over_sample_rate", "multi_stage_wake_up",
+        "checkpoint_engine.", "profiler.", "prometheus.", "router_config_path", "disaggregation.", "mtp", "qat",
+        "enable_rollout_routing_replay", "moe_load_balance_metrics_interval", "update_weights_bucket_megabytes")},
+    f"{ROLLOUT}trace.": Refused("every trajectory is in the run's streams already: python -m pipegen.status DIR "
+                                "--follow (README: Watch a run)"),
+    f"{ROLLOUT}multi_turn.": AGENT_LOOP,
+    f"{ROLLOUT}agent.default_agent_loop": AGENT_LOOP,
+    f"{ROLLOUT}agent.agent_loop_config_path": AGENT_LOOP,
+    f"{ROLLOUT}agent.num_workers": Same("actors.num_actors"),
+    f"{ROLLOUT}agent.custom_async_server.": Refused("pipegen calls the servers it starts, or yours with llm=external "
+                                                    "'llm.urls=[http://HOST:PORT]'"),
+    # ---- data ----
+    "data.train_files": Same("train_files"),
+    "data.train_max_samples": Same("max_samples"),
+    "data.max_prompt_length": Same("max_prompt_length"),
+    "data.max_response_length": Same("max_response_length"),
+    "data.seed": Same("seed"),
+    **{f"data.{k}": DATASET for k in (
+        "tokenizer", "use_shm", "prompt_key", "return_raw_input_ids", "return_full_prompt", "shuffle",
+        "image_patch_size", "filter_overlong_prompts", "filter_overlong_prompts_workers", "image_key", "video_key",
+        "audio_key", "trust_remote_code", "custom_cls.", "return_multi_modal_inputs", "apply_chat_template_kwargs",
+        "mm_processor_kwargs", "tool_config_path", "function_tool_path")},
+    "data.return_raw_chat": Refused("pipegen's agent loops read each row's chat messages (always true)",
+                                    accepted=("true",)),
+    "data.truncation": Refused("pipegen never cuts a prompt: raise max_prompt_length, or set "
+                               "data.filter_overlong_prompts=true to skip longer prompts", accepted=("error",)),
+    "data.reward_fn_key": Refused("pipegen scores each row by its data_source column", accepted=("data_source",)),
+    "data.dataloader_num_workers": Refused("each actor reads the dataset itself: actors.num_actors",
+                                           accepted=("0",)),
+    "data.train_batch_size": Refused("pipegen streams every prompt without step batches; rows per batch file: "
+                                     "generation.save_batch_size"),
+    "data.gen_batch_size": Refused("pipegen streams every prompt without step batches; rows per batch file: "
+                                   "generation.save_batch_size"),
+    **{f"data.{k}": VALIDATION for k in ("val_files", "val_max_samples", "val_batch_size", "validation_shuffle")},
+    # ---- trainer (pipegen's trainer group holds verl's tracking keys; the rest is verl's training loop) ----
+    "trainer.project_name": Read("pipegen's tracking (verl's Tracking)"),
+    "trainer.experiment_name": Read("pipegen's tracking (verl's Tracking)"),
+    "trainer.logger": Read("pipegen's tracking (verl's Tracking)"),
+    "trainer.nnodes": Refused("several nodes run through a Ray cluster: cluster=ray (README: Several nodes)",
+                              accepted=("1",)),
+    "trainer.n_gpus_per_node": Refused("pipegen uses every GPU CUDA_VISIBLE_DEVICES shows, llm.tp per server"),
+    "trainer.device": Refused("llm=cpu | sglang | vllm chooses where generation runs"),
+    "trainer.total_epochs": Refused("each prompt is generated n times: set n", accepted=("1",)),
+    "trainer.total_training_steps": Refused("pipegen generates every prompt once, n samples each: set n and "
+                                            "max_samples"),
+    "trainer.default_local_dir": Refused("output_dir=DIR holds every file of the run"),
+    "trainer.rollout_data_dir": Refused("output_dir=DIR holds every file of the run (streams/ as it runs)"),
+    "trainer.validation_data_dir": Refused("output_dir=DIR holds every file of the run"),
+    "trainer.resume_mode": Refused("the same command resumes its output_dir; resume_with_changes=true continues a "
+                                   "changed setup"),
+    "trainer.resume_from_path": Refused("the same command resumes its output_dir"),
+    **{f"trainer.{k}": TRAINING_ONLY for k in (
+        "balance_batch", "log_val_generations", "save_freq", "esi_redundant_time", "checkpoint_callback_class",
+        "val_before_train", "val_only", "test_freq", "critic_warmup", "default_hdfs_dir", "del_local_ckpt_after_load",
+        "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep", "ray_wait_register_center_timeout", "use_v1", "v1.")},
+}
+
+
+def handling(key: str) -> Handling | None:
+    """What pipegen does with verl key `key` (None: not one of the groups this module covers)."""
+    best = None
+    for entry in VERL_KEYS:
+        if (key == entry or (entry.endswith(".") and key.startswith(entry))) and (best is None or len(entry) > len(best)):
+            best = entry
+    return VERL_KEYS[best] if best is not None else None
+
+
+def _split(override: str) -> tuple[str, str, str] | None:
+    """(prefix, key, value) of `[+|++|~]key=value`; None for anything else (a group choice, a flag)."""
+    if "=" not in override:
+        return None
+    key, value = override.split("=", 1)
+    prefix = key[: len(key) - len(key.lstrip("+~"))]
+    return prefix, key[len(prefix):], value
+
+
+def _plain(value: str) -> str:
+    """An override value as compared with `Refused.accepted` (Hydra reads True and true alike)."""
+    return value.strip().strip("'\"").lower()
+
+
+def translate(overrides: list[str]) -> list[str]:
+    """The overrides with verl's keys turned into pipegen's (see the module's header); ValueError, one line,
+    for a verl key pipegen cannot honour or two settings of one key that disagree."""
+    parsed = [_split(o) for o in overrides]
+    given = {p[1]: p[2] for p in parsed if p is not None}
+    llm_kind = given.get("llm", "cpu")
+    out: list[str] = []
+    added: dict[str, tuple[str, str]] = {}  # pipegen key -> (value, the verl key that set it)
+    for override, part in zip(overrides, parsed):
+        rule = handling(part[1]) if part is not None else None
+        if rule is None or isinstance(rule, Read):
+            out.append(override)
+            continue
+        _, key, value = part
+        if isinstance(rule, Refused):
+            if _plain(value) in rule.accepted:
+                out.append(override)
+                continue
+            raise ValueError(f"{key} is not used by pipegen: {rule.fix}")
+        if isinstance(rule, ToLlm):
+            if llm_kind not in rule.keys:
+                kinds = ", ".join(f"llm={k} (llm.{v})" for k, v in rule.keys.items())
+                raise ValueError(f"{key} has no meaning for llm={llm_kind}: it sets {kinds}")
+            target = f"llm.{rule.keys[llm_kind]}"
+            out.append(override)  # verl's key keeps the user's value too
+        else:
+            target = rule.key
+        for other_key, other in ((target, given.get(target)), added.get(target, (None, None))[::-1]):
+            if other is not None and _plain(other) != _plain(value):
+                raise ValueError(f"{key}={value} and {other_key}={other} disagree: set {target} once")
+        if target not in given and target not in added:
+            out.append(f"{target}={value}")
+        added[target] = (value, key)
+    return out

@@ -1,0 +1,82 @@
+"""The Python entry, `pipegen.generate(...)` / `pipegen.run_generation(cfg)`: the demo run from Python with the
+command line's keys, its directory and summary back, a resume by calling again, and the launcher's one-line
+error as an exception."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import pipegen
+from conftest import FAKE_ENGINE, FAST, assert_verified
+from pipegen.api import to_overrides
+
+
+def test_the_demo_runs_through_generate_and_a_second_call_resumes_it(tmp_path: Path, tiny_model: str) -> None:
+    keys = dict(o.split("=", 1) for o in FAST)
+    engine = FAKE_ENGINE.split("=", 1)[1]
+    out = tmp_path / "demo"
+    result = pipegen.generate(out, model_path=tiny_model, llm={"engine": engine}, quiet=True, **keys)
+    assert result.run_dir == out.resolve()
+    assert_verified(out)
+    s = result.summary
+    assert (s.complete, s.samples, s.units, s.prompts, s.n, s.failed) == (True, 12, 12, 6, 2, {})
+    assert s.output == out.resolve() / "trajectories.pkl" and s.artifact == out.resolve() / "trajectories.zip"
+    assert (s.dataset_rows, s.skipped_by_max_samples, s.skipped_too_long) == (96, 90, 0)
+    assert s.response_limit == 24 and 0 <= s.responses_at_limit <= 12 and s.mean_reward is not None
+
+    from verl import DataProto
+
+    assert len(DataProto.load_from_disk(str(s.output))) == 12
+    before = s.output.stat().st_mtime_ns
+    again = pipegen.run_generation({"output_dir": str(out), "model_path": tiny_model, "llm": {"engine": engine},
+                                    **keys}, quiet=True)
+    assert again.summary == s and s.output.stat().st_mtime_ns == before  # the same run, found complete
+
+
+def test_a_refused_setting_raises_the_launchers_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(pipegen.GenerationError) as refused:
+        pipegen.generate(tmp_path / "run", quiet=True, **{"trainer.nnodes": 2})
+    assert str(refused.value).startswith("trainer.nnodes is not used by pipegen: several nodes run through a Ray "
+                                         "cluster: cluster=ray"), refused.value
+    assert refused.value.returncode == 2 and "\n" not in str(refused.value)
+
+
+def test_keys_become_the_command_lines_overrides() -> None:
+    assert to_overrides({"output_dir": "runs/a b", "n": 4, "llm": {"kind": "vllm", "tp": 2}, "temperature": 0.7,
+                         "data.shuffle": True, "trainer": {"logger": ["console", "wandb"]}, "data": {
+                             "apply_chat_template_kwargs": {"enable_thinking": False}}, "llm.context_length": None}) == [
+        "output_dir='runs/a b'", "n=4", "llm=vllm", "llm.tp=2", "temperature=0.7", "data.shuffle=true",
+        "trainer.logger=[console,wandb]", "data.apply_chat_template_kwargs={enable_thinking:false}",
+        "llm.context_length=null"]
+
+
+def test_an_interrupted_generate_resumes_with_the_next_call(tmp_path: Path, tiny_model: str) -> None:
+    """Ctrl-C in the caller stops the launcher and every process of the run; calling again finishes it with
+    every unit exactly once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    keys = dict(o.split("=", 1) for o in FAST)
+    engine = FAKE_ENGINE.split("=", 1)[1]
+    out = tmp_path / "demo"
+    call = (f"import pipegen; pipegen.generate({str(out)!r}, model_path={tiny_model!r}, quiet=True, "
+            f"llm={{'engine': {engine!r}, 'engine_args': ['--token-latency', '0.2']}}, **{keys!r})")
+    caller = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE, text=True)
+    shards = out / "streams" / "rollouts"
+    deadline = time.monotonic() + 240
+    while not any(p.stat().st_size for p in shards.glob("actor_*/*.jsonl")) and time.monotonic() < deadline:
+        assert caller.poll() is None, caller.stderr.read()[-2000:]
+        time.sleep(0.2)
+    os.kill(caller.pid, signal.SIGINT)
+    assert caller.wait(timeout=120) != 0
+    assert "KeyboardInterrupt" in caller.stderr.read()
+    assert not (out / "trajectories.pkl").exists()
+
+    result = pipegen.generate(out, model_path=tiny_model, llm={"engine": engine}, quiet=True, **keys)
+    assert_verified(out)
+    assert (result.summary.complete, result.summary.samples, result.summary.failed) == (True, 12, {})
