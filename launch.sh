@@ -143,7 +143,7 @@ case "${1:-}" in
     shift; setup
     cd "$here"
     # --durations: the slowest tests close every run's output, so what makes the suite slow is seen
-    start "$venv/bin/python" -m pytest --durations=25 "$@" ;;
+    start "$venv/bin/python" -m pytest -n auto --dist loadfile --durations=25 "$@" ;;
   --module)
     shift; setup
     mod="$1"; shift
