@@ -17,7 +17,7 @@ import time
 from pipegen.bench import common as c
 
 KEY = "gateway"
-TITLE = "11. Gateway for outside agents (openai SDK through the gateway vs direct engine requests)"
+TITLE = "12. Gateway for outside agents (openai SDK through the gateway vs direct engine requests)"
 TARGET = "≥ 0.9"
 
 
