@@ -74,7 +74,7 @@ def run(quick: bool) -> c.ScenarioResult:
                                   "--delay-s", str(DELAY_S)], tmp / "verifier.log", port_file=port_file, cwd=c.REPO)
         verifier.start()
         try:
-            with c.reference_server(tmp / "srv", c.fake_engine_args(slots=4096, eos_prob=0)) as server:
+            with c.reference_server(tmp / "srv", c.fake_backend_args(slots=4096, eos_prob=0)) as server:
                 while verifier.port is None:
                     if not verifier.alive:
                         raise RuntimeError(f"the verifier exited: {verifier.log_tail()}")
