@@ -184,3 +184,25 @@ def test_hedging_waits_for_the_tail_and_idle_capacity():
         await run
 
     asyncio.run(main())
+
+
+def test_units_waiting_on_a_remote_verifier_leave_room_for_new_units_up_to_its_capacity():
+    """A 100 ms verifier must not hold the actor back: answered units waiting on it stay out of the held
+    count, up to what the verifier checks at once; a score computed on this machine still counts (a slow
+    local scorer must not pile units up)."""
+    from pipegen.actor.admission import Slots
+
+    async def main() -> None:
+        slots = Slots(asyncio.Event())
+        units = [slots.admitted() for _ in range(6)]
+        for unit in units:
+            unit.ask()
+        assert slots.held(6) == 6
+        with units[0].awaiting_verifier(0):  # scored here: still held
+            assert slots.held(6) == 6
+        with units[0].awaiting_verifier(2), units[1].awaiting_verifier(2), units[2].awaiting_verifier(2):
+            assert slots.wake.is_set()  # the admission loop hears of the room at once
+            assert slots.held(6) == 4  # three wait on the verifier, which checks two at once
+        assert slots.held(6) == 6
+
+    asyncio.run(main())

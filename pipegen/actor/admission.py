@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Iterator, Protocol
 
 import aiohttp
 
@@ -220,7 +221,9 @@ class Slots:
     answers arrives together, the server gets the next burst of requests right away and works on it while
     the actor builds records, instead of idling until every record of the burst is written. A multi-turn
     loop that asks again takes a slot again at once. Units past their answer count towards `held_cap`, so
-    a slow scorer cannot make them pile up."""
+    a slow scorer on this machine cannot make them pile up; a unit waiting on a remote verifier does not,
+    up to what the verifier checks at once (`verifier_room`): those units cost memory only, and holding
+    them back would let a 100 ms verifier cut the actor's rate by more than half."""
 
     def __init__(self, wake: asyncio.Event):
         self.wake = wake  # the admission loop's event (the controller's `changed`)
@@ -231,6 +234,8 @@ class Slots:
         self._settled = asyncio.Event()
         self._settled.set()
         self._hold_timer: asyncio.TimerHandle | None = None  # one per round, not one per waiting unit
+        self.at_verifier = 0  # answered units waiting on a remote verifier's score
+        self.verifier_room = 0  # of those, how many may stay out of `held_cap`: what the verifier checks at once
 
     def holding(self, running: int) -> int:
         """Of `running` units in the actor, those that hold a slot."""
@@ -240,6 +245,10 @@ class Slots:
     def held_cap(limit: int, memory_cap: int) -> int:
         """Units the actor may hold at once, answered or not: twice the limit, within the memory bound."""
         return max(limit, min(2 * limit, memory_cap))
+
+    def held(self, running: int) -> int:
+        """Of `running` units in the actor, those that count towards `held_cap`."""
+        return running - min(self.at_verifier, self.verifier_room)
 
     def admitted(self) -> "UnitSlot":
         self.unsent += 1
@@ -306,6 +315,22 @@ class UnitSlot:
                 slots._unsettle()
             slots.wake.set()
         await slots.settled()
+
+    @contextlib.contextmanager
+    def awaiting_verifier(self, capacity: int) -> Iterator[None]:
+        """While its score is checked by a remote verifier that checks `capacity` samples at once (0: the
+        score is computed on this machine), the unit leaves room under `held_cap` for another."""
+        if capacity <= 0:
+            yield
+            return
+        slots = self.slots
+        slots.verifier_room = max(slots.verifier_room, capacity)
+        slots.at_verifier += 1
+        slots.wake.set()
+        try:
+            yield
+        finally:
+            slots.at_verifier -= 1
 
     def release(self) -> None:
         """The unit ends, whatever happened to it."""
@@ -400,7 +425,8 @@ class Admission:
         try:
             while True:
                 while (self.waiting_on_servers() >= control.total()
-                       or len(running) >= Slots.held_cap(control.total(), control.memory_cap)):
+                       or slots.held(len(running)) >= Slots.held_cap(control.total(), control.memory_cap)
+                       or len(running) >= max(control.total(), control.memory_cap)):
                     slots.round_done()
                     wake.clear()
                     await wake.wait()

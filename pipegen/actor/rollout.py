@@ -298,7 +298,8 @@ class UnitRunner:
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
         if self.scorer is not None and outputs[-1].reward_score is None and self.scorer.applies(row):
             # inline when proven cheap, else off the event loop (scoring.py); a failed reward fails the unit
-            await self.scorer.score(outputs[-1], row)
+            with slot.awaiting_verifier(self.scorer.remote_capacity(row)):
+                await self.scorer.score(outputs[-1], row)
             for out in outputs[:-1]:  # a multi-trajectory unit shares its final reward, as verl's TQ worker does
                 out.reward_score = outputs[-1].reward_score
                 if "reward_extra_info" in outputs[-1].extra_fields:

@@ -80,6 +80,11 @@ class Scorer:
     def applies(self, row: dict[str, Any]) -> bool:
         return self.reward_for(row) is not None
 
+    def remote_capacity(self, row: dict[str, Any]) -> int:
+        """Samples the row's reward checks at once elsewhere (an HTTP verifier); 0 when this machine scores it."""
+        reward = self.reward_for(row)
+        return reward.capacity if isinstance(reward, VerifierReward) else 0
+
     async def score(self, output, row: dict[str, Any]) -> None:
         """Set output.reward_score and extra_fields['reward_extra_info']; a RewardFailure propagates."""
         reward = self.reward_for(row)

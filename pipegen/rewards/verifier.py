@@ -54,6 +54,11 @@ class VerifierReward:
     def describe(self) -> str:
         return self.spec.describe()
 
+    @property
+    def capacity(self) -> int:
+        """Samples the verifier checks at once: its requests in flight times their batch."""
+        return self.spec.batch * self.spec.concurrency
+
     async def score(self, request: ScoreRequest) -> Any:
         """The verifier's raw result for this sample (protocol.parse_result reads it)."""
         return await self._batcher.submit(request)
