@@ -153,3 +153,17 @@ def wait_for_lines(launcher: subprocess.Popen, shard: Path, count: int, timeout:
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
         assert time.monotonic() < deadline, f"the actor never wrote {count} records"
         time.sleep(0.05)
+
+
+def response_texts(data, model_path: str) -> list[tuple[str, int]]:
+    """Each row's response as verl decodes it for scoring (its valid tokens, skip_special_tokens=True), with
+    its length in tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    width = data.batch["prompts"].shape[1]
+    out = []
+    for i in range(len(data)):
+        length = int(data.batch["attention_mask"][i, width:].sum())
+        out.append((tokenizer.decode(data.batch["responses"][i, :length].tolist(), skip_special_tokens=True), length))
+    return out

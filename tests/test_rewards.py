@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, launch, load_trajectories, response_texts
 from fake_servers import Proc
 
 REWARD_FILE = '''
@@ -33,14 +33,8 @@ def my_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0
 def expected_scores(data, model_path: str, scale: float) -> list[tuple[float, int]]:
     """What the reward file returns for each row's decoded response (verl decodes the valid response
     tokens with skip_special_tokens=True)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    width = data.batch["prompts"].shape[1]
     out = []
-    for i in range(len(data)):
-        length = int(data.batch["attention_mask"][i, width:].sum())
-        text = tokenizer.decode(data.batch["responses"][i, :length].tolist(), skip_special_tokens=True)
+    for i, (text, _) in enumerate(response_texts(data, model_path)):
         index = int(data.non_tensor_batch["extra_info"][i]["index"])
         out.append((scale * (len(text) % 7) / 6 + index / 1000, len(text)))
     return out

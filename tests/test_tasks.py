@@ -9,10 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import orjson
 import pytest
 
-from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories, response_texts
 
 GENERATOR = '''
 def make(size, seed, offset=8):
@@ -104,8 +103,6 @@ def test_tasks_resolve_defaults_deterministic_files_and_clear_errors(tmp_path, u
 
 
 def test_builtin_and_user_tasks_run_offline_each_row_scored_by_its_own_task(tmp_path, tiny_model, user_task):
-    from transformers import AutoTokenizer
-
     from pipegen.tasks.reasoning_gym import compute_score as task_score
 
     script = tmp_path / "script.json"
@@ -120,12 +117,8 @@ def test_builtin_and_user_tasks_run_offline_each_row_scored_by_its_own_task(tmp_
     sources = list(data.non_tensor_batch["data_source"])
     assert sources == ["my_subtraction"] * 8 + ["chain_sum"] * 6  # rows sorted by index: the user task first
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    width = data.batch["prompts"].shape[1]
     scores = []
-    for i in range(len(data)):
-        length = int(data.batch["attention_mask"][i, width:].sum())
-        text = tokenizer.decode(data.batch["responses"][i, :length].tolist(), skip_special_tokens=True)
+    for i, (text, length) in enumerate(response_texts(data, tiny_model)):
         assert text == REPLY
         row_reward = data.batch["rm_scores"][i, length - 1].item()
         gt = data.non_tensor_batch["reward_model"][i]["ground_truth"]

@@ -124,7 +124,7 @@ class HFBackend(ModelBackend):
         """Import torch, load the model, warm it up. Runs in a worker thread after the port is bound."""
         t0 = time.monotonic()
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         self._torch = torch
         torch.set_num_threads(self.threads)
@@ -140,10 +140,9 @@ class HFBackend(ModelBackend):
         from pipegen.cpu_server.vision import VisionInputs, is_vision_model
 
         vision = is_vision_model(AutoConfig.from_pretrained(self.model_path))
-        if vision:
-            from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
+        model_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         with quiet_progress_bars():
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype).eval()
+            self.model = model_class.from_pretrained(self.model_path, dtype=torch_dtype).eval()
         if vision:
             self.vision = VisionInputs(self.model, self.model_path)
         cfg_vocab = getattr(self.model.config, "vocab_size", None)
