@@ -100,9 +100,11 @@ setup() {
     if [[ $gpu == 1 ]]; then
       log "NVIDIA GPU found: installing torch (CUDA build) with pipegen; SGLang goes into $sglang_venv"
     else
-      # A plain `pip install torch` pulls the multi-GB CUDA build; 2.13.0 resolves to the CPU wheel here.
-      log "no NVIDIA GPU: installing the CPU build of torch (${PIPEGEN_TORCH:-torch==2.13.0})"
-      pip_install "$venv/bin/python" "${PIPEGEN_TORCH:-torch==2.13.0}"
+      # torch with the torchvision built against it (verl reads pictures through torchvision: pyproject.toml).
+      # PyPI's builds of both are CUDA builds, which run on the CPU; a CPU-only torch has no torchvision on PyPI
+      # that imports beside it. PIPEGEN_TORCH replaces the pair (e.g. a CPU-only torch for text-only runs).
+      log "no NVIDIA GPU: installing torch and torchvision (${PIPEGEN_TORCH:-torch==2.14.1 torchvision==0.29.1})"
+      pip_install "$venv/bin/python" ${PIPEGEN_TORCH:-torch==2.14.1 torchvision==0.29.1}
     fi
     log "installing pipegen and its dependencies (verl 0.9.1, transformers, hydra, ...)"
     pip_install "$venv/bin/python" -e "$here[test]"

@@ -66,7 +66,8 @@ def test_launch_sh_takes_the_gpu_path_where_nvidia_smi_reports_a_gpu(tmp_path: P
     for no_gpu in (None, "exit 9"):  # no nvidia-smi, or one that finds no GPU (a driver without a device)
         cpu = dry_run_setup(tmp_path, no_gpu, "--setup")
         assert not any(".venv-sglang" in a for c in cpu for a in c), cpu
-        assert [main_python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "torch==2.13.0"] in cpu
+        assert [main_python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "torch==2.14.1",
+                "torchvision==0.29.1"] in cpu  # the pair built together: verl reads pictures through torchvision
 
 
 def test_the_server_environment_pins_what_verl_expects() -> None:

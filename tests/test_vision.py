@@ -7,10 +7,9 @@ end to end with a tiny random-weight Qwen2-VL and its processor, and what comes 
 - a killed writer and a killed actor, then the same command again: the clean run's output;
 - the refusals at launch: images with a text-only model, images with vLLM.
 
-The processor loads with torchvision (verl's `hf_processor`) and without it (a CPU-only torch: pipegen builds the
-same processor on transformers' PIL image backend, pipegen/inputs/media.py). The runs also need verl's picture
-reader, qwen_vl_utils, which imports torchvision at its top: where it cannot be imported they are skipped,
-saying so, and the launch refuses the image column in one line (tested below).
+The processor is verl's own (`hf_processor`); verl's picture reader, qwen_vl_utils, imports torchvision, which
+launch.sh installs with its matching torch, so every test here runs on a CPU-only machine. Where the reader cannot
+be imported the launch refuses the image column in one line (tested below).
 """
 
 from __future__ import annotations
@@ -35,18 +34,6 @@ RUN = [f"n={N}", "max_response_length=16", "actors.concurrency=8", "actors.stats
        "actors.scoring=false"]
 
 
-def _qwen_vl_utils() -> bool:
-    try:
-        import qwen_vl_utils  # noqa: F401
-    except Exception:  # noqa: BLE001  (it imports torchvision: missing, or a build that does not match this torch)
-        return False
-    return True
-
-
-needs_picture_reader = pytest.mark.skipif(not _qwen_vl_utils(), reason="verl reads pictures through qwen_vl_utils, "
-                                          "which imports torchvision, and torchvision cannot be imported here")
-
-
 @pytest.fixture(scope="session")
 def vision_parquet(tmp_path_factory) -> str:
     from support.tiny_vlm import write_image_parquet
@@ -64,8 +51,6 @@ def tiny_vlm() -> str:
 @pytest.fixture(scope="session")
 def fake_vision_run(tmp_path_factory, tiny_vlm, vision_parquet) -> tuple[Path, list[str]]:
     """One clean run on the deterministic fake engine: the reference of the parity and crash tests."""
-    if not _qwen_vl_utils():
-        pytest.skip("verl reads pictures through qwen_vl_utils, which imports torchvision, not importable here")
     out = tmp_path_factory.mktemp("vision-run") / "clean"
     overrides = [f"model_path={tiny_vlm}", f"train_files={vision_parquet}", *RUN, FAKE_ENGINE,
                  "actors.per_unit_seed=false"]
@@ -74,7 +59,6 @@ def fake_vision_run(tmp_path_factory, tiny_vlm, vision_parquet) -> tuple[Path, l
     return out, overrides
 
 
-@needs_picture_reader
 def test_multimodal_rows_equal_verl_agent_loop_output(fake_vision_run):
     out, _ = fake_vision_run
     ours = load_trajectories(out / "trajectories.pkl")
@@ -91,7 +75,6 @@ def test_multimodal_rows_equal_verl_agent_loop_output(fake_vision_run):
     assert all(m["image_grid_thw"].shape[0] == 2 for m in two)
 
 
-@needs_picture_reader
 def test_cpu_server_log_probs_agree_with_transformers_given_the_pictures(tmp_path, tiny_vlm, vision_parquet):
     from transformers import AutoModelForImageTextToText
     from verl.utils.torch_functional import logprobs_from_logits
@@ -128,7 +111,6 @@ def _pid(out: Path, module: str) -> int | None:
     return pids[0] if pids else None
 
 
-@needs_picture_reader
 def test_killed_writer_and_actor_then_the_same_command_give_the_clean_output(tmp_path, fake_vision_run):
     clean, overrides = fake_vision_run
     out = tmp_path / "killed"
@@ -250,26 +232,12 @@ def test_line_images_round_trip_to_the_same_pixels():
     assert strip_media(messages) == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
 
 
-def test_the_processor_is_built_with_or_without_torchvision(tiny_vlm, caplog):
-    import logging
-
+def test_the_processor_is_verls_own(tiny_vlm):
     from pipegen.inputs.media import load_model_processor
 
-    with caplog.at_level(logging.INFO, logger="pipegen.inputs"):
-        processor, why = load_model_processor(tiny_vlm)
+    processor, why = load_model_processor(tiny_vlm)
     assert why == "" and type(processor).__name__ == "Qwen2VLProcessor"  # the name verl matches on
-    assert processor.get_rope_index.__func__.__qualname__.startswith("Qwen2VLModel.")  # bound as verl binds it
-    pil = [r.getMessage() for r in caplog.records if "PIL backend" in r.getMessage()]
-    try:
-        import torchvision  # noqa: F401
-        has_torchvision = True
-    except Exception:  # noqa: BLE001  (missing, or PyPI's CUDA-linked build beside a CPU torch)
-        has_torchvision = False
-    if not has_torchvision:  # the CPU path: images only, said once
-        assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
-        assert not hasattr(processor, "video_processor") and len(pil) == 1
-    else:
-        assert pil == []  # verl's own hf_processor, untouched
+    assert processor.get_rope_index.__func__.__qualname__.startswith("Qwen2VLModel.")  # bound by verl's hf_processor
 
 
 def test_images_without_the_picture_reader_are_refused_at_launch(vision_parquet, monkeypatch):

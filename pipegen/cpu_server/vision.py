@@ -3,8 +3,8 @@
 A request's `input_ids` already hold the processor's placeholder spans (`<|image_pad|>` x the picture's merged
 patch count, rendered by verl's agent loop); `image_data` holds the pictures (PNG data URLs, or bare base64).
 The model's image processor turns them into `pixel_values` and `image_grid_thw`: the one pipegen's dataset, agent
-loops and writer use (`inputs.media.load_model_processor`: verl's `hf_processor`, or the PIL backend without
-torchvision), so the features are the trainer's; the model's own `get_rope_index` gives each row's M-RoPE position ids
+loops and writer use (`inputs.media.load_model_processor`: verl's `hf_processor`), so the features are the
+trainer's; the model's own `get_rope_index` gives each row's M-RoPE position ids
 for the prefill and its `rope_delta`, with which every decoded token's position is `cached tokens + delta` on
 all three axes (what transformers' own generate does).
 

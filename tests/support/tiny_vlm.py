@@ -59,7 +59,7 @@ def _build_into(out: Path) -> None:
     # small pictures stay small: 56x56 px is 4x4 patches of 14 px, merged 2x2 into 4 image tokens. Saved as
     # the published Qwen2-VL-Instruct folders are: preprocessor_config.json (the image processor, naming
     # Qwen2VLProcessor) beside the tokenizer and its chat template, no video config. The PIL class writes the
-    # same config as the torchvision one and needs no torchvision (which a CPU-only torch cannot import).
+    # same config as the torchvision one, and the folder names the latter, which verl's hf_processor loads.
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
                                                merge_size=2, temporal_patch_size=2)
     image_processor.image_processor_type = "Qwen2VLImageProcessor"  # what either backend loads from
