@@ -31,7 +31,7 @@ import pytest
 from conftest import REPO, assert_verl_agrees, load_trajectories
 from fake_servers import RecordingProxy, launch_external, pids_where, read_records
 from pipegen.actor.admission import HEADROOM
-from pipegen.launch.servers import ServerProcess, vllm_server_command
+from pipegen.launch.servers import ServerNotReady, ServerProcess, vllm_server_command
 from pipegen.launch.world import ServerPlan, free_port
 from pipegen.run.schema import llm_defaults
 
@@ -54,15 +54,26 @@ def smollm2() -> str:
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python, smollm2, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm")
-    plan = ServerPlan("vllm", "127.0.0.1", free_port())
     llm = {**llm_defaults("vllm"), "python": vllm_python, "dtype": "float32", "max_running_requests": SERVER_MAX_RUNNING}
-    argv, env = vllm_server_command(plan, smollm2, llm, seed=0)
-    # its own compile cache: the sampler is compiled with g++ on the first request, and another run's
-    # half-written cache must not be read
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")
-    server = ServerProcess(argv, tmp / "vllm.log", port=plan.port, env=env, health_path="/health").start()
+    for attempt in range(3):
+        plan = ServerPlan("vllm", "127.0.0.1", free_port())
+        argv, env = vllm_server_command(plan, smollm2, llm, seed=0)
+        # its own compile cache: the sampler is compiled with g++ on the first request, and another run's
+        # half-written cache must not be read
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp / "inductor")
+        server = ServerProcess(argv, tmp / f"vllm-{attempt}.log", port=plan.port, env=env, health_path="/health")
+        try:
+            server.start().wait_ready(600)
+            break
+        except ServerNotReady:
+            server.stop(30)
+            # the port was free when picked; another test's server (the suite runs a file per core) can take
+            # it before vLLM binds it: pick another. Any other start-up failure fails the tests.
+            if "Address already in use" not in server.log_tail(200):
+                raise
+    else:
+        pytest.fail(f"vLLM found each of 3 free ports taken when it bound them: {tmp}")
     try:
-        server.wait_ready(600)
         yield server
     finally:
         server.stop(30)
