@@ -105,6 +105,24 @@ def test_cpu_server_log_probs_agree_with_transformers_given_the_pictures(tmp_pat
     assert max(blind) > 1e-2  # the check tells a server that ignored the pictures apart
 
 
+def test_parquet_export_carries_multi_modal_inputs(fake_vision_run, tmp_path):
+    import pyarrow.parquet as pq
+
+    from pipegen.export.__main__ import main as export_main
+
+    out, _ = fake_vision_run
+    target = tmp_path / "vision.parquet"
+    assert export_main([str(out), "--output", str(target)]) == 0
+    rows = pq.read_table(target).to_pylist()
+    ours = load_trajectories(out / "trajectories.pkl")
+    assert len(rows) == len(ours) == ROWS * N
+    for row, mm in zip(rows, ours.non_tensor_batch["multi_modal_inputs"]):
+        exported = row["multi_modal_inputs"]  # nested lists: a plain Parquet column, no pickle
+        assert set(exported) == set(mm)
+        for name, value in mm.items():
+            assert np.array_equal(np.asarray(exported[name], dtype=value.numpy().dtype), value.numpy()), name
+
+
 def _pid(out: Path, module: str) -> int | None:
     want = [module.encode(), f"output_dir={out}".encode()]
     pids = pids_where("cmdline", lambda argv: all(w in argv for w in want))
