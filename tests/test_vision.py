@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -121,6 +122,46 @@ def test_parquet_export_carries_multi_modal_inputs(fake_vision_run, tmp_path):
         assert set(exported) == set(mm)
         for name, value in mm.items():
             assert np.array_equal(np.asarray(exported[name], dtype=value.numpy().dtype), value.numpy()), name
+
+
+def test_a_sampled_picture_placeholder_fails_its_unit_by_name_and_the_run_goes_on(tmp_path, tiny_vlm, vision_parquet):
+    """A model that samples its own <|video_pad|> (or <|image_pad|>): verl cannot compute M-RoPE positions for
+    the row, so the unit is a named failure and the writer, which never sees it, commits the rest."""
+    script = tmp_path / "script.json"
+    script.write_text('["<|video_pad|>"]')  # every reply: that one token, then EOS
+    out = tmp_path / "run"
+    result = launch(out, f"model_path={tiny_vlm}", f"train_files={vision_parquet}", *RUN, FAKE_ENGINE,
+                    f"llm.engine_args=[--script,{script}]", "generation.max_attempts=1")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "writer crashed" not in result.stderr and "rerun the same command" in result.stderr
+    ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
+    assert len(ckpt["failed"]) == ROWS * N and ckpt["num_committed"] == 0
+    for info in ckpt["failed"].values():
+        assert "sampled its video placeholder token (id" in info["reason"], info["reason"]
+    assert "Traceback" not in (out / "logs" / "writer.log").read_text()
+
+
+def test_placeholders_are_refused_only_where_the_model_sampled_them(tiny_vlm):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from pipegen.actor.rollout import InvalidTrajectory, check_trajectories, vision_placeholders
+    from pipegen.inputs.media import load_model_processor
+
+    processor, _ = load_model_processor(tiny_vlm)
+    placeholders = vision_placeholders(processor)
+    image = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert set(placeholders) == {image, processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")}
+    assert vision_placeholders(None) == {}
+
+    def out(mask: list[int]) -> AgentLoopOutput:
+        return AgentLoopOutput(prompt_ids=[1, 2], response_ids=[5, image, 6], response_mask=mask,
+                               metrics=AgentLoopMetrics())
+
+    assert check_trajectories(out([1, 0, 1]), 8, 8, placeholders)  # a tool's reply holding a picture's span
+    assert check_trajectories(out([1, 1, 1]), 8, 8)  # a text model: nothing to refuse
+    with pytest.raises(InvalidTrajectory, match=rf"sampled its image placeholder token \(id {image}\) at response "
+                                                r"position 1"):
+        check_trajectories(out([1, 1, 1]), 8, 8, placeholders)
 
 
 def _pid(out: Path, module: str) -> int | None:

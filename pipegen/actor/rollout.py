@@ -17,6 +17,7 @@ line is a FailureRecord), or open a file (it appends to the shards the worker op
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +87,21 @@ def register_agent_loops(config_path: str | None) -> None:
         agent_loop_registry()[loop_cfg.name] = loop_cfg
 
 
-def check_trajectories(result: Any, prompt_length: int, response_length: int) -> list:
-    """What an agent loop returned, as a non-empty list of AgentLoopOutput that verl's padding accepts."""
+def vision_placeholders(processor: Any) -> dict[int, str]:
+    """{token id: name} of a vision-language processor's picture and video placeholders ({} without one)."""
+    from verl.utils.tokenizer import get_processor_token_id
+
+    ids = {kind: get_processor_token_id(processor, kind) for kind in ("image", "video")}
+    return {int(i): f"its {kind} placeholder" for kind, i in ids.items() if i is not None}
+
+
+def check_trajectories(result: Any, prompt_length: int, response_length: int,
+                       placeholders: Mapping[int, str] | None = None) -> list:
+    """What an agent loop returned, as a non-empty list of AgentLoopOutput that verl's padding accepts.
+    placeholders (`vision_placeholders`): token ids the model must not sample. verl's postprocessing takes every
+    such id in prompt and response for a picture's (or video's) span and wants a grid for it; a sampled one has
+    none, so verl's `get_rope_index` raises on the row, in pipegen's writer as in verl's own trainer. The unit
+    fails here instead, named in the failures stream, and the writer never sees the row."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
     outputs = result if isinstance(result, (list, tuple)) else [result]
@@ -115,6 +129,13 @@ def check_trajectories(result: Any, prompt_length: int, response_length: int) ->
         if out.response_logprobs is not None and len(out.response_logprobs) != len(out.response_ids):
             raise InvalidTrajectory(f"{where}: {len(out.response_logprobs)} logprobs for "
                                     f"{len(out.response_ids)} response tokens")
+        if placeholders and not placeholders.keys().isdisjoint(out.response_ids):
+            # mask-0 tokens (a tool's reply rendered by the processor) may hold a picture's span with its grid
+            for pos, (token, sampled) in enumerate(zip(out.response_ids, out.response_mask)):
+                if sampled and token in placeholders:
+                    raise InvalidTrajectory(
+                        f"{where}: the model sampled {placeholders[token]} token (id {token}) at response position "
+                        f"{pos}: verl cannot compute M-RoPE position ids for a placeholder with no picture behind it")
         checked.append(out)
     return checked
 
@@ -191,6 +212,7 @@ class UnitRunner:
         self.response_length = int(rollout.response_length)
         self.tokenizer = load_tokenizer(cfg)
         self.processor = load_processor(cfg)  # a vision-language model's; None for a text model
+        self.placeholders = vision_placeholders(self.processor)
         self.dataset = load_dataset(cfg, self.tokenizer, self.processor)
         self.indices = run.read_manifest()
         if dataset_indices(self.dataset) != self.indices:
@@ -294,7 +316,7 @@ class UnitRunner:
         agent = self.loops.build(agent_name, UnitServerManager(pool, sticky_key=index, sampling_seed=seed, slot=slot,
                                                                gateway=self.gateway))
         result = await agent.run(dict(self.sampling_params), **kwargs)
-        outputs = check_trajectories(result, self.prompt_length, self.response_length)
+        outputs = check_trajectories(result, self.prompt_length, self.response_length, self.placeholders)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
         if self.scorer is not None and outputs[-1].reward_score is None and self.scorer.applies(row):
             # inline when proven cheap, else off the event loop (scoring.py); a failed reward fails the unit

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipegen.inputs.models import build_folder_once, models_dir, quiet_progress_bars
 
 TINY_VLM_FOLDER = "tiny-qwen2-vl"
-TINY_VLM_RECIPE = "tiny-qwen2-vl/v2"  # bump when the produced bytes change
+TINY_VLM_RECIPE = "tiny-qwen2-vl/v3"  # bump when the produced bytes change
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 # Qwen2-VL-Instruct's published chat template, verbatim.
@@ -78,6 +78,9 @@ def _build_into(out: Path) -> None:
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True, bos_token_id=pad_id, eos_token_id=eos_id, pad_token_id=pad_id,
     )
+    # the published Qwen2-VL config.json files carry the vision tower's channels under both names, and SGLang
+    # 0.5.12 reads `in_chans` (transformers writes only `in_channels`): without it SGLang cannot load the model
+    cfg.vision_config.in_chans = cfg.vision_config.in_channels
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(cfg).to(torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=pad_id, eos_token_id=[eos_id, pad_id],
