@@ -102,7 +102,8 @@ setup() {
     else
       # torch with the torchvision built against it (verl reads pictures through torchvision: pyproject.toml).
       # PyPI's builds of both are CUDA builds, which run on the CPU; a CPU-only torch has no torchvision on PyPI
-      # that imports beside it. PIPEGEN_TORCH replaces the pair (e.g. a CPU-only torch for text-only runs).
+      # that imports beside it. PIPEGEN_TORCH replaces the pair with another matching one (e.g. on aarch64,
+      # PyPI's CPU builds "torch==2.9.1 torchvision==0.24.1"); pyproject.toml needs torchvision either way.
       log "no NVIDIA GPU: installing torch and torchvision (${PIPEGEN_TORCH:-torch==2.14.1 torchvision==0.29.1})"
       pip_install "$venv/bin/python" ${PIPEGEN_TORCH:-torch==2.14.1 torchvision==0.29.1}
     fi
