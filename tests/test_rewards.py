@@ -216,3 +216,53 @@ def test_a_result_that_is_not_a_score_is_a_failure_never_a_number():
     for bad in (None, "1.0", float("nan"), {"pred": "4"}, {"error": "timeout"}):
         with pytest.raises(RewardFailure):
             parse_result(bad, "f")
+
+
+SLOW_REWARD_FILE = '''
+import signal
+import time
+
+
+def slow_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    """10 ms a sample (so it is scored in the process pool), except on the inputs a test makes it hang on."""
+    if solution_str == "hang":
+        time.sleep(5)
+    elif solution_str == "hang in C":  # a C call that never lets the interval timer's signal in
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        time.sleep(3600)
+    time.sleep(0.01)
+    return 1.0
+'''
+
+
+def test_a_reward_that_hangs_fails_its_sample_at_the_limit_and_scoring_goes_on(tmp_path):
+    """reward.timeout_s, in each place a local function runs: a worker thread (its first samples), the process
+    pool (the interval timer in the pool process), and C code that blocks the timer (pebble kills the process).
+    The limit is what is under test, so it is set to 1 s."""
+    from pipegen.rewards.local import INLINE_AFTER, FunctionReward, FunctionSpec
+    from pipegen.rewards.protocol import RewardFailure, ScoreRequest
+
+    path = tmp_path / "slow_reward.py"
+    path.write_text(SLOW_REWARD_FILE)
+    reward = FunctionReward(FunctionSpec(str(path), "slow_score"), processes=1, timeout_s=1.0)
+
+    def sample(text: str) -> ScoreRequest:
+        return ScoreRequest(data_source="slow", solution_str=text, ground_truth="x")
+
+    async def scenario() -> None:
+        try:
+            with pytest.raises(RewardFailure, match=r"took longer than reward\.timeout_s=1 "):
+                await reward.score(sample("hang"))  # a worker thread: given up on at the limit
+            for _ in range(INLINE_AFTER):
+                assert await reward.score(sample("ok")) == 1.0
+            assert reward.placement("slow") == "pool"
+            with pytest.raises(RewardFailure, match=r"took longer than reward\.timeout_s=1 "):
+                await reward.score(sample("hang"))  # in the pool process: its interval timer (else 1.0 after 5 s)
+            assert await reward.score(sample("ok")) == 1.0  # the same process goes on scoring
+            with pytest.raises(RewardFailure, match="its process was stopped"):
+                await reward.score(sample("hang in C"))  # the timer blocked: pebble kills the process
+            assert await reward.score(sample("ok")) == 1.0  # a new process took its place
+        finally:
+            await reward.close()
+
+    asyncio.run(scenario())

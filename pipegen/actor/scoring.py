@@ -25,10 +25,10 @@ from pipegen.rewards.verifier import VerifierReward, VerifierSpec
 log = logging.getLogger("pipegen.actor")
 
 
-def build_reward(settings: RewardSettings, processes: int):
+def build_reward(settings: RewardSettings, processes: int, timeout_s: float):
     if isinstance(settings, VerifierSpec):
         return VerifierReward(settings)
-    return FunctionReward(settings, processes)
+    return FunctionReward(settings, processes, timeout_s)
 
 
 class Scorer:
@@ -38,12 +38,12 @@ class Scorer:
         from pipegen.actor.detokenize import response_decoder
 
         self.decode = response_decoder(tokenizer)  # = tokenizer.decode(ids, skip_special_tokens=True), faster
-        processes = int(cfg.reward.processes)
+        processes, timeout_s = int(cfg.reward.processes), float(cfg.reward.timeout_s)
         whole_run = run_reward(cfg)
-        self.everything = build_reward(whole_run, processes) if whole_run is not None else None
+        self.everything = build_reward(whole_run, processes, timeout_s) if whole_run is not None else None
         self.by_source: dict[str, Any] = {}  # a task's rows: data_source -> its task's reward
         self.default = None  # verl's default_compute_score, built on first use
-        self._processes = processes
+        self._local = (processes, timeout_s)
         if self.everything is None and cfg.get("tasks"):
             from pipegen.tasks.materialize import task_rewards
 
@@ -53,7 +53,7 @@ class Scorer:
                 settings = task_reward(cfg, spec)
                 if settings is not None:
                     if repr(settings) not in built:  # tasks sharing one reward share its pool
-                        built[repr(settings)] = build_reward(settings, processes)
+                        built[repr(settings)] = build_reward(settings, processes, timeout_s)
                     self.by_source[source] = built[repr(settings)]
         self._warned: set[str] = set()
 
@@ -74,7 +74,7 @@ class Scorer:
                 log.warning("not scoring data_source=%s: verl would execute the generated code on this machine", source)
             return None
         if self.default is None:
-            self.default = FunctionReward(FunctionSpec(), self._processes)
+            self.default = FunctionReward(FunctionSpec(), *self._local)
         return self.default
 
     def applies(self, row: dict[str, Any]) -> bool:

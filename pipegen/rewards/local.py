@@ -9,6 +9,14 @@ gsm8k's takes tens of microseconds: any hop would cost more), and any other in a
 they would stall the actor's event loop). Samples go to the pool in batches (batching.py). A coroutine
 function (verl allows `async def compute_score`) is awaited on the actor's loop, as verl's reward loop does.
 
+Time limit (`reward.timeout_s`, per sample): a sample that takes longer fails its unit with a RewardFailure
+naming the limit (the failures stream; the next launch retries it), so one input on which a function hangs
+cannot stall the run unseen. In the pool each sample runs under an interval timer (SIGALRM in the pool
+process, whose main thread runs it), and a batch that still overruns, in C code that never lets the signal in,
+has its process killed and replaced by pebble's pool, failing that batch's samples. A function in a worker
+thread or a coroutine is given up on at the limit (a thread cannot be stopped: it runs on, and the unit
+fails). An inline function, proven under INLINE_BUDGET_S on average, has no limit.
+
 Owns: loading the function, the process pool and where each sample is scored.
 Must never: catch a function's error without raising RewardFailure (the unit is then recorded as
 failed), or execute model-written code unasked (verl's default scorer runs the generated program for code
@@ -21,11 +29,13 @@ import asyncio
 import inspect
 import logging
 import multiprocessing
+import signal
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from pebble import ProcessExpired, ProcessPool  # a per-task time limit that kills and replaces a stuck process
 
 from pipegen.rewards.batching import MicroBatcher
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
@@ -35,6 +45,7 @@ log = logging.getLogger("pipegen.actor")
 INLINE_BUDGET_S = 0.0005  # a data source scored faster than this on average is scored on the event loop
 INLINE_AFTER = 16  # samples timed in a worker thread before a data source is placed
 POOL_BATCH = 32  # samples per trip to the process pool
+POOL_GRACE_S = 10.0  # a pool batch gets its samples' limits plus this before its process is killed
 
 
 @dataclass(frozen=True)
@@ -70,39 +81,60 @@ def is_async(fn: Callable[..., Any]) -> bool:
 
 
 # ---- the pool worker's side: each pool process loads the function once (its own state, set by its
-# initializer) and scores whole batches
+# initializer) and scores whole batches, each sample under the interval timer
 
 _worker_fn: Callable[..., Any] | None = None
+_worker_limit_s: float = 0.0
 
 
-def _init_worker(spec: FunctionSpec) -> None:
-    global _worker_fn
+class _OverLimit(Exception):
+    """Raised in a pool process by its interval timer when a sample overruns reward.timeout_s."""
+
+
+def _over_limit(signum: int, frame: Any) -> None:
+    raise _OverLimit()
+
+
+def _init_worker(spec: FunctionSpec, limit_s: float) -> None:
+    global _worker_fn, _worker_limit_s
     _worker_fn = load_function(spec)
+    _worker_limit_s = limit_s
+    signal.signal(signal.SIGALRM, _over_limit)
 
 
 def _score_batch(requests: list[dict[str, Any]]) -> list[tuple[bool, Any, float]]:
-    """(ok, result or the error's text, seconds) per request."""
+    """(ok, result or what went wrong as "raised <error>" / "took longer ...", seconds) per request."""
     out = []
     for kwargs in requests:
         started = time.perf_counter()
+        signal.setitimer(signal.ITIMER_REAL, _worker_limit_s)
         try:
             result = _worker_fn(**kwargs)
             out.append((True, result, time.perf_counter() - started))
+        except _OverLimit:
+            out.append((False, over_limit(_worker_limit_s), time.perf_counter() - started))
         except Exception as e:  # reported back per sample; the actor raises it as that sample's RewardFailure
-            out.append((False, f"{type(e).__name__}: {e}", time.perf_counter() - started))
+            out.append((False, f"raised {type(e).__name__}: {e}", time.perf_counter() - started))
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
     return out
+
+
+def over_limit(limit_s: float) -> str:
+    return f"took longer than reward.timeout_s={limit_s:g} on this sample (raise it if your function needs longer)"
 
 
 class FunctionReward:
     """One reward function in the actor: placed per data source (inline, thread, or process pool)."""
 
-    def __init__(self, spec: FunctionSpec, processes: int, fn: Callable[..., Any] | None = None):
+    def __init__(self, spec: FunctionSpec, processes: int, timeout_s: float, fn: Callable[..., Any] | None = None):
         self.spec = spec
         self.fn = fn if fn is not None else load_function(spec)
         self.coroutine = is_async(self.fn)
         self.processes = processes
+        self.timeout_s = timeout_s
         self._cost: dict[Any, tuple[int, float]] = {}  # data_source -> (samples timed, seconds)
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: ProcessPool | None = None
         self._batcher = MicroBatcher(self._send_to_pool, POOL_BATCH, max_inflight=2 * processes)
 
     def describe(self) -> str:
@@ -130,44 +162,51 @@ class FunctionReward:
         data source); any other error is a RewardFailure."""
         try:
             if self.coroutine:
-                return await self.fn(**request.kwargs())
+                return await asyncio.wait_for(self.fn(**request.kwargs()), self.timeout_s)
             where = self.placement(request.data_source)
             if where == "inline":
                 return self._timed(request)
             if where == "thread":
-                return await asyncio.get_running_loop().run_in_executor(None, self._timed, request)
+                return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, self._timed, request),
+                                              self.timeout_s)
             return await self._batcher.submit(request)
         except (NotImplementedError, RewardFailure):
             raise
+        except asyncio.TimeoutError:
+            raise RewardFailure(f"reward {self.describe()} {over_limit(self.timeout_s)}") from None
         except Exception as e:
             raise RewardFailure(f"reward {self.describe()} raised {type(e).__name__}: {e}") from e
 
     async def _send_to_pool(self, batch: list[ScoreRequest]) -> list[Any]:
         if self._pool is None:
             # spawn: the actor holds threads (aiohttp's resolver, torch's pools) that a fork would copy mid-state
-            self._pool = ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_init_worker, initargs=(self.spec,))
+            self._pool = ProcessPool(self.processes, initializer=_init_worker, initargs=(self.spec, self.timeout_s),
+                                     context=multiprocessing.get_context("spawn"))
             log.info("reward %s: scoring in %d process(es) (samples of %s took over %.1f ms)", self.describe(),
                      self.processes, batch[0].data_source, INLINE_BUDGET_S * 1e3)
+        limit = self.timeout_s * len(batch) + POOL_GRACE_S
+        future = self._pool.schedule(_score_batch, args=([r.kwargs() for r in batch],), timeout=limit)
         try:
-            answers = await asyncio.wrap_future(self._pool.submit(_score_batch, [r.kwargs() for r in batch]))
-        except BrokenProcessPool as e:  # a worker died (killed, out of memory): these samples fail, a new pool follows
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+            answers = await asyncio.wrap_future(future)
+        except FutureTimeout:  # pebble killed the process (C code that never let the timer in); a new one follows
+            raise RewardFailure(f"reward {self.describe()}: a batch of {len(batch)} samples ran past {limit:g} s "
+                                f"(reward.timeout_s={self.timeout_s:g} each); its process was stopped") from None
+        except ProcessExpired as e:  # a worker died (killed, out of memory): these samples fail, a new one follows
             raise RewardFailure(f"reward {self.describe()}: a scoring process died ({e})") from e
         outcomes: list[Any] = []
         for request, (ok, value, seconds) in zip(batch, answers):
             self._note(request.data_source, seconds)
             if ok:
                 outcomes.append(value)
-            elif value.startswith("NotImplementedError"):
-                outcomes.append(NotImplementedError(value))
+            elif value.startswith("raised NotImplementedError"):
+                outcomes.append(NotImplementedError(value.removeprefix("raised ")))
             else:
-                outcomes.append(RewardFailure(f"reward {self.describe()} raised {value}"))
+                outcomes.append(RewardFailure(f"reward {self.describe()} {value}"))
         return outcomes
 
     async def close(self) -> None:
         await self._batcher.close()
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.stop()  # what is still scoring belongs to units that are being given up
+            self._pool.join()
             self._pool = None

@@ -23,6 +23,7 @@ import orjson
 
 from pipegen.rewards.local import FunctionReward, FunctionSpec
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
+from pipegen.run.schema import Reward
 
 log = logging.getLogger("pipegen.rewards.serve")
 ROUTE = "/score"
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one; see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--processes", type=int, default=1, help="processes for a function slower than 0.5 ms a sample")
+    p.add_argument("--timeout-s", type=float, default=Reward().timeout_s,
+                   help="seconds a sample may take; then it is answered {\"error\": ...} (default: %(default)s, as "
+                        "reward.timeout_s; keep reward.verifier_timeout_s above a batch's worth)")
     return p.parse_args(argv)
 
 
@@ -55,7 +59,7 @@ async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     spec = FunctionSpec(args.path, args.name, orjson.loads(args.reward_kwargs))
-    reward = FunctionReward(spec, args.processes)
+    reward = FunctionReward(spec, args.processes, args.timeout_s)
 
     async def score(request: web.Request) -> web.Response:
         try:

@@ -173,6 +173,8 @@ class Reward:
     verifier_concurrency: int = key(16, "verifier requests in flight per actor", at_least=1)
     processes: int = key(1, "processes per actor for a reward function slower than 0.5 ms a sample (faster ones "
                             "run in the actor)", at_least=1)
+    timeout_s: float = key(300.0, "a reward function run by the actor may take this long on one sample; then its unit "
+                                  "fails, named in the failures stream, and the next launch retries it", above=0)
 
 
 @dataclass
