@@ -56,6 +56,9 @@ def parse_metrics(text: str) -> tuple[int, int]:
     return int(totals[RUNNING_METRIC]), int(totals[WAITING_METRIC])
 
 
+# vLLM 0.32 can take pictures beside token ids on its other route (`/inference/v1/generate` with `content_parts`,
+# behind --enable-scale-out); pipegen does not speak it: no vLLM that pipegen could run beside torchvision (which
+# vLLM's Qwen2-VL needs) was at hand to check it against, and an unchecked route would be worse than a refusal.
 NO_IMAGES = ("vLLM's /v1/completions takes token ids without images: this prompt's images cannot be sent; serve "
              "the model with SGLang (llm.protocol=sglang) or drop the dataset's image column")
 
