@@ -131,7 +131,7 @@ def test_a_sampled_picture_placeholder_fails_its_unit_by_name_and_the_run_goes_o
     script.write_text('["<|video_pad|>"]')  # every reply: that one token, then EOS
     out = tmp_path / "run"
     result = launch(out, f"model_path={tiny_vlm}", f"train_files={vision_parquet}", *RUN, FAKE_ENGINE,
-                    f"llm.engine_args=[--script,{script}]", "generation.max_attempts=1")
+                    f"llm.engine_args=[--script,{script}]")  # generation.max_attempts (HTTP retries) never applies
     assert result.returncode == 1, result.stderr[-3000:]
     assert "writer crashed" not in result.stderr and "rerun the same command" in result.stderr
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
