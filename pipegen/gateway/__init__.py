@@ -10,8 +10,8 @@ It runs inside each actor process, on loopback, and only for runs that use the `
   routes, retries answered from the first reply;
 - `session.py`: one unit's conversations as trajectories (continue, branch), generation through the unit's
   server manager (the actor's pool and admission: every engine works);
-- `dialects.py`: OpenAI chat completions, OpenAI responses and Anthropic messages, to and from one
-  `ChatRequest` / `Reply` (server-sent events included).
+- `dialects/`: OpenAI chat completions, OpenAI responses and Anthropic messages, one module each, to and from
+  one `ChatRequest` / `Reply` (`dialects/shapes.py`; server-sent events included).
 
 Must never: re-tokenize what a model sampled, reach an engine for a caller without the session's key, listen
 beyond loopback unless told, or write a file of the run (the unit's record is rollout.py's).

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import orjson
 from aiohttp import web
 
-from pipegen.gateway.dialects import DIALECTS, BadRequest, error_body
+from pipegen.gateway.dialects import DIALECTS, BadRequest
 from pipegen.gateway.session import Session, SessionClosed
 
 log = logging.getLogger("pipegen.gateway")
@@ -114,7 +114,8 @@ class Gateway:
                                                               "owned_by": "pipegen"}]}, dumps=_dumps)
 
     def _handler(self, dialect: str):
-        parse, whole, stream = DIALECTS[dialect]
+        speaks = DIALECTS[dialect]
+        parse, whole, stream = speaks.read, speaks.whole, speaks.stream
 
         async def handle(request: web.Request) -> web.StreamResponse:
             session = self._session(request, dialect)
@@ -156,4 +157,4 @@ def _dumps(obj: Any) -> str:
 
 
 def _error(dialect: str, status: int, message: str) -> web.Response:
-    return web.json_response(error_body(dialect, status, message), status=status, dumps=_dumps)
+    return web.json_response(DIALECTS[dialect].error(status, message), status=status, dumps=_dumps)

@@ -27,11 +27,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import orjson
 
-from pipegen.gateway.dialects import BadRequest, ChatRequest, Choice, Reply, ToolCall, reply_message
+from pipegen.gateway.dialects.shapes import BadRequest, ChatRequest, Choice, Reply, ToolCall, reply_message
+from pipegen.gateway.seam import SessionGenerate
 
 log = logging.getLogger("pipegen.gateway")
 
@@ -132,7 +133,7 @@ class Session:
     server manager: the actor's pool, its admission, its retries."""
 
     def __init__(self, sid: str, key: str, renderer: Renderer,
-                 generate: Callable[[list[int], dict[str, Any], int | None], Awaitable[Any]],
+                 generate: SessionGenerate,
                  sampling: dict[str, Any], seed: int | None, prompt_length: int, response_length: int):
         self.sid = sid
         self.key = key
