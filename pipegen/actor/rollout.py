@@ -30,7 +30,7 @@ from pipegen.actor.detokenize import response_decoder
 from pipegen.actor.scoring import Scorer
 from pipegen.run.config import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
-from pipegen.run.media import encode_multi_modal_data, has_media, load_pictures, strip_media
+from pipegen.run.pictures import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry
 from pipegen.run.stream import (FailureRecord, RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, prompt_uid,
                                 unit_seed)
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from pipegen.actor.admission import UnitSlot
     from pipegen.actor.client import ServerPool
-    from pipegen.gateway.server import Gateway
+    from pipegen.gateway.http_server import Gateway
 
 
 # The response text a line carries up front: with the head, the reward and the finish it fits the 200 characters
@@ -163,7 +163,7 @@ def trajectory_json(output) -> dict[str, Any]:
         data = {k: lists[k] if k in lists else rest[k] for k in type(output).model_fields}
     else:  # anything unusual (arrays, tensors) goes through pydantic's conversion
         data = output.model_dump(mode="json")
-    if media:  # the pictures as lossless PNG (run/media.py): the writer rebuilds multi_modal_inputs from them
+    if media:  # the pictures as lossless PNG (run/pictures.py): the writer rebuilds multi_modal_inputs from them
         data[TrajectoryKeys.MULTI_MODAL_DATA] = encode_multi_modal_data(media)
     if data.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
@@ -253,7 +253,7 @@ class UnitRunner:
         # verl adds YAML-registered loops only inside AgentLoopWorker.__init__; do the same here.
         register_agent_loops(rollout.agent.agent_loop_config_path)
         import pipegen.gateway.loop  # noqa: F401  (registers the `external` agent loop, as verl's own register)
-        from pipegen.gateway.server import Gateway
+        from pipegen.gateway.http_server import Gateway
 
         self.gateway = Gateway(cfg.external.host)  # started by the first `external` unit
         self.registry = agent_loop_registry()
@@ -293,7 +293,7 @@ class UnitRunner:
 
     def record_row(self, pos: int) -> dict[str, Any]:
         """The row as its line keeps it: a multimodal prompt's pictures reduced to their places
-        (run/media.py's strip_media; the pictures travel once, in the trajectory's multi_modal_data)."""
+        (run/pictures.py's strip_media; the pictures travel once, in the trajectory's multi_modal_data)."""
         stripped = self._stripped.get(pos)
         if stripped is None:  # verl's dataset puts the pictures into `raw_prompt` and the prompt column alike
             row = self.row(pos)

@@ -6,7 +6,7 @@ It runs inside each actor process, on loopback, and only for runs that use the `
   trajectories);
 - `harness.py`: running the user's harness (`external.harness=module:function` or `external.command=...`),
   its time limit, its result, its failure reasons;
-- `server.py`: the aiohttp server (`/s/<session>/v1/...`), who gets in (session id + key), the three dialects'
+- `http_server.py`: the aiohttp server (`/s/<session>/v1/...`), who gets in (session id + key), the three dialects'
   routes, retries answered from the first reply;
 - `session.py`: one unit's conversations as trajectories (continue, branch), generation through the unit's
   server manager (the actor's pool and admission: every engine works);

@@ -2,7 +2,7 @@
 
 Selected like any verl loop: per row through `agent_name: external`, or for every row with
 `actor_rollout_ref.rollout.agent.default_agent_loop=external`; configured by `external.*`. Per unit it opens
-a session on the actor's gateway (server.py), runs the harness with the session's URL and key (harness.py),
+a session on the actor's gateway (http_server.py), runs the harness with the session's URL and key (harness.py),
 closes the session (later calls are refused), and returns the session's trajectories as verl's
 `AgentLoopOutput`s, the most recently extended last (the one a task's reward scores; rollout.py copies the
 reward to the others). The unit's record is then one shard line, written by rollout.py like any unit's: a unit

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Awaitable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from pipegen.gateway.server import Gateway
+    from pipegen.gateway.http_server import Gateway
 
 
 class Generated(Protocol):

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from pipegen.gateway.dialects import DIALECTS, BadRequest
 from pipegen.gateway.session import Session, SessionClosed
+from pipegen.run.schema import External
 
 log = logging.getLogger("pipegen.gateway")
 
@@ -37,7 +38,7 @@ FINISHED_KEPT = 100_000  # finished session ids remembered (their calls are told
 class Gateway:
     """The actor's gateway server and its open sessions."""
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, host: str = External.host):
         self.host = host
         self.port: int | None = None
         self.sessions: dict[str, Session] = {}
