@@ -23,7 +23,11 @@ TARGET = "≥ 0.9"
 
 async def _measure(url: str, model: str, prompts: int, concurrency: int, reps: int) -> dict[str, list[float]]:
     import aiohttp
-    from openai import AsyncOpenAI
+    try:
+        from openai import AsyncOpenAI
+    except ModuleNotFoundError:
+        raise SystemExit("bench gateway: needs the openai SDK, which is not installed: "
+                         "pip install 'pipegen[examples]'") from None
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.tool_parser import ToolParser
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
