@@ -25,8 +25,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.experimental.agent_loop.tool_parser import ToolParser
 
 from pipegen.gateway.harness import Harness, HarnessFailed
-from pipegen.gateway.seam import Generated, UnitServer
-from pipegen.gateway.session import Renderer, Session, Trajectory
+from pipegen.gateway.seam import UnitServer
+from pipegen.gateway.session import Generated, Renderer, Session, Trajectory
 
 GATEWAY_FIELD = "gateway"  # extra_fields key: how the trajectory came to be (branch reason, calls, ...)
 RESULT_FIELD = "harness_result"  # extra_fields key: the harness's result fields besides its reward

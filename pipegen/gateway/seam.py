@@ -1,32 +1,18 @@
 """The actor <-> gateway seam, typed (as datatrove's pipeline/inference/types.py types the seam between its
 pipeline and its inference servers): what the `external` loop needs of the server manager verl hands it
-(`UnitServer`, which the actor's UnitServerManager satisfies), what one session call generates through
-(`SessionGenerate`), and what it gets back (`Generated`).
+(`UnitServer`, which the actor's UnitServerManager satisfies). What one session call generates through and gets
+back (`SessionGenerate`, `Generated`) is session.py's, the one module that calls it.
 
-Owns: these three shapes. Must never: hold state, or import the actor (it satisfies them structurally: the
-roles import the gateway, never the other way).
+Owns: the shape of the seam. Must never: hold state, or import the actor (it satisfies the Protocol
+structurally: the roles import the gateway, never the other way).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Awaitable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from pipegen.gateway.http_server import Gateway
-
-
-class Generated(Protocol):
-    """One engine answer as verl's server manager returns it (verl's TokenOutput)."""
-
-    token_ids: list[int]
-    log_probs: list[float] | None
-
-
-class SessionGenerate(Protocol):
-    """A session's one way to the engines: the unit's server manager, with the seed of this call."""
-
-    def __call__(self, prompt_ids: list[int], sampling_params: dict[str, Any],
-                 seed: int | None) -> Awaitable[Generated]: ...
+from pipegen.gateway.http_server import Gateway
+from pipegen.gateway.session import Generated
 
 
 @runtime_checkable

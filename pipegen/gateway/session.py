@@ -27,16 +27,30 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import orjson
 
 from pipegen.gateway.dialects.shapes import BadRequest, ChatRequest, Choice, Reply, ToolCall, reply_message
-from pipegen.gateway.seam import SessionGenerate
 
 log = logging.getLogger("pipegen.gateway")
 
 RETRY_BOOK_SIZE = 256  # replies kept per session for retries (a harness retries its last calls, not old ones)
+
+
+class Generated(Protocol):
+    """One engine answer as verl's server manager returns it (verl's TokenOutput)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+
+
+class SessionGenerate(Protocol):
+    """A session's one way to the engines: the unit's server manager (gateway/seam.py's UnitServer), with the
+    seed of this call."""
+
+    def __call__(self, prompt_ids: list[int], sampling_params: dict[str, Any],
+                 seed: int | None) -> Awaitable[Generated]: ...
 
 
 class SessionClosed(Exception):
