@@ -7,9 +7,10 @@ It runs inside each actor process, on loopback, and only for runs that use the `
 - `harness.py`: running the user's harness (`external.harness=module:function` or `external.command=...`),
   its time limit, its result, its failure reasons;
 - `http_server.py`: the aiohttp server (`/s/<session>/v1/...`), who gets in (session id + key), the three dialects'
-  routes, retries answered from the first reply;
-- `session.py`: one unit's conversations as trajectories (continue, branch), generation through the unit's
-  server manager (the actor's pool and admission: every engine works);
+  routes, a retry's headers handed to its session;
+- `session.py`: one unit's conversations as trajectories (continue, fork, branch), retries answered from the
+  first reply, generation through the unit's server manager (the actor's pool and admission: every engine works);
+- `seam.py`: what the loop needs of that server manager (`UnitServer`, a Protocol the actor satisfies);
 - `dialects/`: OpenAI chat completions, OpenAI responses and Anthropic messages, one module each, to and from
   one `ChatRequest` / `Reply` (`dialects/shapes.py`; server-sent events included).
 
