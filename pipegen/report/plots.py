@@ -1,0 +1,91 @@
+"""The report's plots: matplotlib figures (Agg backend, no display) as base64 PNG, for embedding in the page.
+
+- rewards: a histogram of the rows' rewards per data source;
+- lengths: the response lengths per data source, with the response limit marked;
+- pass@k: pass@k against k per data source;
+- throughput: units/s (and output tokens/s on the right axis) over the run, and units in flight.
+
+Owns: drawing. Must never: compute a statistic the report's numbers do not hold (it draws rows and numbers it
+is given), or touch a display or the network.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections import defaultdict
+from typing import Any
+
+from pipegen.report.numbers import ALL_SOURCES, RowFacts
+
+SIZE = (5.6, 3.0)
+DPI = 90
+
+
+def _png(fig: Any) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=DPI)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def draw(numbers: dict[str, Any], rows: list[RowFacts], line: list[dict[str, float]]) -> dict[str, str]:
+    """name -> base64 PNG, for the plots there is data for."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    by_source: dict[str, list[RowFacts]] = defaultdict(list)
+    for r in rows:
+        by_source[r.source].append(r)
+    out: dict[str, str] = {}
+    rewards = {s: [r.reward for r in rs if r.reward is not None] for s, rs in sorted(by_source.items())}
+    if any(rewards.values()):
+        fig, ax = plt.subplots(figsize=SIZE)
+        ax.hist([v for v in rewards.values()], bins=20, label=list(rewards), stacked=True)
+        ax.set_xlabel("reward")
+        ax.set_ylabel("rows")
+        ax.set_title("reward per row")
+        ax.legend(fontsize=7)
+        out["rewards"] = _png(fig)
+    if rows:
+        fig, ax = plt.subplots(figsize=SIZE)
+        ax.hist([[r.response_length for r in rs] for rs in by_source.values()], bins=30, label=list(by_source),
+                stacked=True)
+        limit = numbers["response_limit"]
+        ax.axvline(limit, color="red", linestyle="--", label=f"limit {limit}")
+        ax.set_xlabel("response tokens")
+        ax.set_ylabel("rows")
+        ax.set_title("response length")
+        ax.legend(fontsize=7)
+        out["lengths"] = _png(fig)
+    curves = {s: v["pass_at_k"] for s, v in numbers["sources"].items() if v["pass_at_k"] and s != ALL_SOURCES}
+    if curves:
+        fig, ax = plt.subplots(figsize=SIZE)
+        for source, ks in curves.items():
+            ax.plot([int(k) for k in ks], [p["value"] for p in ks.values()], marker="o", label=source)
+        ax.set_xlabel("k")
+        ax.set_ylabel("pass@k")
+        ax.set_ylim(0, 1.02)
+        ax.set_title("pass@k (unbiased estimator)")
+        ax.legend(fontsize=7)
+        out["pass_at_k"] = _png(fig)
+    if line:
+        fig, ax = plt.subplots(figsize=SIZE)
+        t = [p["t_s"] for p in line]
+        ax.plot(t, [p["units_per_s"] for p in line], color="tab:blue", label="units/s")
+        ax.plot(t, [p["in_flight"] for p in line], color="tab:orange", label="units in flight")
+        ax.set_xlabel("seconds since the first actor started")
+        ax.set_title("throughput and units in flight")
+        right = ax.twinx()
+        right.plot(t, [p["output_tokens_per_s"] for p in line], color="tab:green", alpha=0.6,
+                   label="output tokens/s")
+        right.set_ylabel("output tokens/s")
+        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, fontsize=7, loc="upper right")
+        out["throughput"] = _png(fig)
+    return out
