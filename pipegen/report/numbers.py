@@ -21,6 +21,7 @@ has one reader, and this module calls it).
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections import defaultdict
@@ -228,7 +229,7 @@ def report_numbers(run: RunDir) -> tuple[dict[str, Any], list[RowFacts], list[di
 
     started = time.monotonic()
     cfg = load_run_config(run)
-    st = gather(run)
+    st = gather(run, ignore_pid=os.getpid())  # the launcher writes the report as its last step: it has ended
     n = int(cfg.actor_rollout_ref.rollout.n)
     limit = int(cfg.actor_rollout_ref.rollout.response_length)
     found = committed_rows(run)
