@@ -16,6 +16,7 @@ def test_launch_produces_verl_trajectories(tmp_path, tiny_model):
     result = launch(out, f"model_path={tiny_model}", *FAST)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trajectories" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == f"  report:       {out / 'report.html'}"  # the summary's last line
 
     data = load_trajectories(out / "trajectories.pkl")
     assert len(data) == 6 * 2  # one row per (prompt, sample)
