@@ -40,21 +40,13 @@ import numpy as np
 import orjson
 from omegaconf import DictConfig
 
+from pipegen.export.card import pipegen_version
 from pipegen.export.writers import ROW_GROUP_ROWS, plain
 from pipegen.run.batchfile import BatchColumns
 from pipegen.run.rows import SortedRows
 
 SCHEMA_VERSION = "ATIF-v1.8"
 GATEWAY_FIELD = "gateway"  # the external loop's per-trajectory record (pipegen/gateway/loop.py)
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pipegen")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def _text(content: Any) -> str:
@@ -187,7 +179,7 @@ def document(row: dict[str, Any], tokens: RowTokens, decode: Any, model: str, ag
              "data_source": row.get("data_source"), "reward": row.get("reward")}
     doc = {"schema_version": SCHEMA_VERSION, "session_id": f"{row.get(BatchColumns.UID)}:{sample}",
            "trajectory_id": f"{index}-{sample}-{trajectory}",
-           "agent": {"name": "pipegen", "version": _version(), "model_name": model, "extra": {"agent_loop": agent_loop}},
+           "agent": {"name": "pipegen", "version": pipegen_version(), "model_name": model, "extra": {"agent_loop": agent_loop}},
            "steps": steps,
            "final_metrics": {"total_prompt_tokens": sum(s["metrics"]["prompt_tokens"] for s in agent),
                              "total_completion_tokens": sum(s["metrics"]["completion_tokens"] for s in agent),
