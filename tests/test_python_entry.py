@@ -139,6 +139,13 @@ def test_an_interrupted_generate_resumes_with_the_next_call(tmp_path: Path, tiny
     assert caller.wait(timeout=120) != 0
     assert "KeyboardInterrupt" in caller.stderr.read()
     assert not (out / "trajectories.pkl").exists()
+    # the report of a run cut short: what is committed so far, and the state status gives it
+    from pipegen.report import main as report_main
+
+    assert not (out / "report.json").exists() and report_main([str(out)]) == 0
+    numbers = orjson.loads((out / "report.json").read_bytes())
+    assert numbers["state"] == "stopped before completion" and not numbers["progress"]["complete"]
+    assert numbers["progress"]["rows_read"] == numbers["progress"]["committed"] < 12
 
     result = pipegen.generate(out, model_path=tiny_model, llm={"engine": engine}, quiet=True, **keys)
     assert_verified(out)
