@@ -90,7 +90,8 @@ def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
     for fact in (f"pipegen version: {version('pipegen')}", f"model: `{tiny_model}`", "revision: not known",
                  "temperature 1.0", "n 2 samples per prompt", "responses up to 24 tokens",
                  f"config fingerprint (run key): `{run.run_key()}`", "12 rows, 12 of 12 units committed, 0 failed",
-                 f"| {source} | 12 | 6 | {stats['mean_reward']} | [{stats['reward_ci95'][0]}, {stats['reward_ci95'][1]}] |",
+                 f"| {source} | 12 | 6 | {stats['mean_reward']} | "
+                 f"[{stats['reward_ci95'][0]}, {stats['reward_ci95'][1]}] |",
                  f"{stats['at_length_limit']} ({stats['at_length_limit_share']})",
                  "hf upload USER/NAME", "huggingface-cli upload USER/NAME"):
         assert fact in card, fact

@@ -179,7 +179,8 @@ def document(row: dict[str, Any], tokens: RowTokens, decode: Any, model: str, ag
              "data_source": row.get("data_source"), "reward": row.get("reward")}
     doc = {"schema_version": SCHEMA_VERSION, "session_id": f"{row.get(BatchColumns.UID)}:{sample}",
            "trajectory_id": f"{index}-{sample}-{trajectory}",
-           "agent": {"name": "pipegen", "version": pipegen_version(), "model_name": model, "extra": {"agent_loop": agent_loop}},
+           "agent": {"name": "pipegen", "version": pipegen_version(), "model_name": model,
+                     "extra": {"agent_loop": agent_loop}},
            "steps": steps,
            "final_metrics": {"total_prompt_tokens": sum(s["metrics"]["prompt_tokens"] for s in agent),
                              "total_completion_tokens": sum(s["metrics"]["completion_tokens"] for s in agent),

@@ -100,6 +100,7 @@ def render(numbers: dict[str, Any], plots: dict[str, str]) -> str:
     parts.append("<h2>Engine and settings</h2>")
     parts.append(f"<pre>{html.escape(orjson.dumps(numbers['engine'], option=orjson.OPT_INDENT_2).decode())}</pre>")
     parts.append(f"<p class='note'>Numbers: report.json beside this page. Computed in "
-                 f"{shown(numbers['report_seconds'])} s.</p></body></html>")
+                 f"{shown(numbers['report_seconds'])} s ({shown(numbers.get('report_cpu_seconds'))} s of CPU)."
+                 f"</p></body></html>")
     return "\n".join(parts)
 
