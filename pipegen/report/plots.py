@@ -71,6 +71,7 @@ def draw(numbers: dict[str, Any], rows: list[RowFacts], line: list[dict[str, flo
         fig, ax = _figure()
         for source, ks in curves.items():
             ax.plot([int(k) for k in ks], [p["value"] for p in ks.values()], marker="o", label=source)
+        ax.set_xticks(sorted({int(k) for ks in curves.values() for k in ks}))
         ax.set_xlabel("k")
         ax.set_ylabel("pass@k")
         ax.set_ylim(0, 1.02)
