@@ -2,8 +2,8 @@
 
 prepare (launch/prepare.py: every check and write before a process starts) → place (the run's placement
 starts its servers and actors, the writer starts here, and the unit manifest is read meanwhile) → supervise
-(wait for the run's end while the console shows it) → report (observe/console.py), whose last line names the run report (pipegen/report/). It exits 0 when
-DIR/trajectories.pkl is complete.
+(wait for the run's end while the console shows it) → report (observe/console.py; its last line names the run
+report, pipegen/report/). It exits 0 when DIR/trajectories.pkl is complete.
 
 Owns: the life of every child process of a launch. Must never: generate, write streams or batches itself,
 or leave a child running when it exits.
