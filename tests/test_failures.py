@@ -11,12 +11,12 @@ import orjson
 
 from pipegen.run.layout import RunDir
 
-from conftest import FAKE_ENGINE, FAST, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, FAST_REPORTED, launch, load_trajectories
 
 
 def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_path, tiny_model):
     out = tmp_path / "run"
-    base = [f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.max_attempts=1"]
+    base = [f"model_path={tiny_model}", *FAST_REPORTED, FAKE_ENGINE, "generation.max_attempts=1"]
     first = launch(out, *base, "llm.engine_args=[--fail-rate,0.5]")
     assert first.returncode == 1, first.stderr[-3000:]
     assert "failed" in first.stderr and "rerun the same command" in first.stderr

@@ -10,7 +10,7 @@ import pytest
 import orjson
 import torch
 
-from conftest import FAKE_ENGINE, FAST, launch
+from conftest import FAKE_ENGINE, FAST, FAST_REPORTED, launch
 from test_verl_parity import _plain
 
 
@@ -39,7 +39,7 @@ def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
     from pipegen.writer.merge import load_shards
 
     out = tmp_path / "run"
-    result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.merge_output=sharded",
+    result = launch(out, f"model_path={tiny_model}", *FAST_REPORTED, FAKE_ENGINE, "generation.merge_output=sharded",
                     "generation.merge_shard_rows=5", "generation.export_format=parquet")
     assert result.returncode == 0, result.stderr[-3000:]
     run = RunDir(out)

@@ -15,13 +15,13 @@ import orjson
 import pytest
 
 import pipegen
-from conftest import FAKE_ENGINE, FAST, assert_verified
+from conftest import FAKE_ENGINE, FAST, FAST_REPORTED, assert_verified
 from pipegen.api import to_overrides
 from pipegen.report.page import shown
 
 
 def test_the_demo_runs_through_generate_and_a_second_call_resumes_it(tmp_path: Path, tiny_model: str) -> None:
-    keys = dict(o.split("=", 1) for o in FAST)
+    keys = dict(o.split("=", 1) for o in FAST_REPORTED)
     engine = FAKE_ENGINE.split("=", 1)[1]
     out = tmp_path / "demo"
     started = time.monotonic()
