@@ -110,6 +110,9 @@ class Generation:
     merge_shard_rows: int = key(65536, "rows per part when merge_output=sharded", at_least=1)
     export_format: Optional[str] = key(None, "also write trajectories.parquet / .jsonl after the merge",
                                        choices=(None, "parquet", "jsonl"))
+    report: bool = key(True, "write DIR/report.html and report.json at the end of every run (statistics per data "
+                             "source, plots, throughput, failures; python -m pipegen.report DIR writes them any time)",
+                       choices=(True, False))
     show_progress: bool = key(True, "tqdm progress bar on the launcher", choices=(True, False))
     tracking_interval_s: float = key(10.0, "seconds between metric logs (trainer.logger backends and "
                                            "streams/stats/launch.jsonl)", above=0)
