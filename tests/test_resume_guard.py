@@ -19,17 +19,10 @@ FAKE = [*FAST, FAKE_ENGINE]
 
 
 def composed(out: Path, *overrides: str):
-    """The config exactly as the launcher resolves it."""
-    from omegaconf import open_dict
+    """The config exactly as the launcher resolves it (launch/job.py)."""
+    from pipegen.launch.job import resolve_job
 
-    from pipegen.run.config import compose, resolved
-    from pipegen.launch.manifest import resolve_inputs
-
-    cfg = compose([f"output_dir={out}", *overrides])
-    with open_dict(cfg):
-        cfg.output_dir = str(out)
-    resolve_inputs(cfg)
-    return resolved(cfg)
+    return resolve_job([f"output_dir={out}", *overrides]).cfg
 
 
 def fingerprint(out: Path, *overrides: str) -> dict:

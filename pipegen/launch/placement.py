@@ -46,7 +46,7 @@ class Placement(Protocol):
         """Stop every process it started; nothing of it is left running."""
 
 
-# cluster.kind -> its placement (run/schema.py's CLUSTER_KINDS names the kinds and their keys)
+# cluster.kind -> its placement (config/schema.py's CLUSTER_KINDS names the kinds and their keys)
 PLACEMENTS: dict[str, type] = {"local": LocalPlacement, "ray": RayPlacement}
 
 

@@ -23,7 +23,7 @@ import orjson
 
 from pipegen.rewards.local import FunctionReward, FunctionSpec
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
-from pipegen.run.schema import Reward
+from pipegen.config.schema import Reward
 
 log = logging.getLogger("pipegen.rewards.serve")
 ROUTE = "/score"
