@@ -153,3 +153,16 @@ def directory_bytes(root: Path) -> dict[str, str]:
 
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
             for p in sorted(root.rglob("*")) if p.name != ".launcher.lock"}
+
+
+def test_task_files_are_written_only_after_the_lock_and_the_resume_guard():
+    """What `grep` shows: one place writes task files (materialize.write_task_files), one place calls it,
+    prepare(), after it took the launcher lock and the resume guard passed."""
+    package = REPO / "pipegen"
+    callers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "write_task_files(" in p.read_text())
+    assert callers == ["launch/prepare.py", "tasks/materialize.py"]
+    prepare = (package / "launch" / "prepare.py").read_text()
+    body = prepare[prepare.index("def prepare("):]
+    assert body.index("lock.acquire()") < body.index("guard_resume(") < body.index("write_task_files(")
+    materialize = (package / "tasks" / "materialize.py").read_text()
+    assert materialize.count("atomic_write_bytes(") == 1  # inside write_task_files
