@@ -39,7 +39,7 @@ from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.tasks.materialize import write_task_files
 
 USAGE = """\
-usage: python -m pipegen.launch output_dir=DIR [key=value ...]     (or ./launch.sh output_dir=DIR ...)
+usage: python -m pipegen.launch output_dir=DIR [key=value ...]   (or: pipegen run ...; ./launch.sh output_dir=DIR ...)
 
 Generates trajectories for every (prompt, sample) of a verl-format parquet dataset and writes
 DIR/trajectories.pkl (a verl DataProto). Re-running the same command resumes an interrupted run.
