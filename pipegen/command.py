@@ -29,9 +29,9 @@ class Subcommand:
 COMMANDS: dict[str, Subcommand] = {
     "run": Subcommand("pipegen.launch.launcher", "generate trajectories into output_dir=DIR (resumes a run)",
                       "python -m pipegen.launch"),
-    "status": Subcommand("pipegen.observe.status", "a snapshot of any run: progress, rates, liveness, failures",
+    "status": Subcommand("pipegen.observe.run_status", "a snapshot of any run: progress, rates, liveness, failures",
                          "python -m pipegen.status"),
-    "verify": Subcommand("pipegen.observe.status", "check a run directory: every unit exactly once (exit 1 if not)",
+    "verify": Subcommand("pipegen.observe.run_status", "check a run directory: every unit exactly once (exit 1 if not)",
                          "python -m pipegen.status DIR --verify", ("--verify",)),
     "export": Subcommand("pipegen.export", "a run's trajectories as Parquet or JSON lines",
                          "python -m pipegen.export"),

@@ -52,3 +52,23 @@ def test_a_planted_import_from_config_into_run_breaks_the_suite(tmp_path):
     assert result.returncode != 0, result.stdout
     config_contract = next(n for n in contract_names() if n.startswith("the job's config is the ground floor"))
     assert f"{config_contract} BROKEN" in said and "pipegen.config.schema -> pipegen.run.layout" in said, said
+
+
+def test_placement_is_chosen_by_dotted_path_and_imports_neither_implementation():
+    """launch/placement.py names each placement by "module:class" (PLACEMENTS): every cluster kind the schema
+    knows resolves to a class with the interface's methods, and importing placement.py loads neither."""
+    from pipegen.launch.placement import PLACEMENTS, Placement, placement_class
+    from pipegen.config.schema import CLUSTER_KINDS
+
+    assert set(PLACEMENTS) == set(CLUSTER_KINDS)
+    methods = [m for m in vars(Placement) if not m.startswith("_")]
+    assert methods == ["plan", "place", "begin", "check", "done", "stop"]
+    for kind in PLACEMENTS:
+        cls = placement_class(kind)
+        assert all(callable(getattr(cls, m, None)) for m in methods), kind
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, pipegen.launch.placement; "
+                               "print(sorted(m for m in sys.modules if m.endswith('_placement')))"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]"

@@ -130,7 +130,7 @@ def _framed_pickle(batch) -> bytes:
 def test_a_run_in_the_old_pickle_format_is_refused_until_converted(committed_run, old_format, capsys):
     from pipegen.export.__main__ import main as export_main
     from pipegen.launch.resume import guard_resume as prepare_run
-    from pipegen.observe.status import gather
+    from pipegen.observe.run_status import gather
     from pipegen.writer.batches import from_storage, load_batch
 
     cfg, run, batch = committed_run

@@ -190,7 +190,7 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     lost = [name for name, node in final["nodes"].items() if node["leases_lost"]]
     assert lost, final["nodes"]
     assert not [pid for pid in records[lost[0]].server_pgids if running(pid)]  # the lost runner left no server
-    from pipegen.observe.status import gather, render
+    from pipegen.observe.run_status import gather, render
 
     shown = render(gather(RunDir(out)))  # what `python -m pipegen.status DIR` prints
     assert "all leased again" in shown, shown

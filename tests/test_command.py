@@ -36,7 +36,7 @@ def test_help_lists_every_subcommand_and_imports_none_of_them() -> None:
 
 def test_each_subcommand_runs_its_modules_own_main() -> None:
     from pipegen.launch.launcher import main as launch_main
-    from pipegen.observe.status import main as status_main
+    from pipegen.observe.run_status import main as status_main
 
     assert entry("run") is launch_main  # `pipegen run` is `python -m pipegen.launch`: the same function
     assert entry("status") is status_main and entry("verify") is status_main

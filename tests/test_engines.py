@@ -11,7 +11,7 @@ import pytest
 from fake_servers import FakeServer
 from pipegen.engines import UnknownEngine, detect_protocol, engine
 from pipegen.engines.vllm import parse_metrics
-from pipegen.actor.protocol import ClientLimits
+from pipegen.actor.limits import ClientLimits
 from pipegen.engines.request import RequestRejected
 from pipegen.launch.servers import vllm_server_command
 from pipegen.launch.world import plan_world

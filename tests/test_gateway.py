@@ -229,3 +229,18 @@ def test_framework_example_calls_its_tool_through_the_gateway(tiny_model, script
     response = tokenizer.decode(traj["response_ids"])
     assert response.count("<tool_response>\n5\n</tool_response>") == 2  # the framework ran the tool: 2 + 3, 20 // 4
     assert "calculator" in tokenizer.decode(traj["prompt_ids"])  # the tool's schema, rendered by the template
+
+
+def test_a_harness_whose_sdk_is_missing_fails_in_one_line_naming_the_extra(monkeypatch):
+    """The SDKs are the `examples` extra, not pipegen's dependencies: without one, the example harness that imports
+    it fails its unit in one line saying how to install it (a module missing for another reason stays itself)."""
+    from pipegen.gateway.harness import Harness, HarnessFailed
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if the openai SDK were not installed
+    monkeypatch.delitem(sys.modules, "pipegen.examples.answer_check_retry", raising=False)
+    with pytest.raises(HarnessFailed) as failed:
+        Harness("pipegen.examples.answer_check_retry:harness", None, 10.0).callable()
+    assert str(failed.value) == ("external.harness=pipegen.examples.answer_check_retry:harness: needs the openai SDK, "
+                                 "which is not installed: pip install 'pipegen[examples]'")
+    with pytest.raises(ModuleNotFoundError):
+        Harness("pipegen_no_such_module:harness", None, 10.0).callable()

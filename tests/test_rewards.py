@@ -152,7 +152,8 @@ def test_verifier_client_retries_then_scores_and_fails_after_its_tries():
     from aiohttp import web
 
     from pipegen.rewards.protocol import RewardFailure, parse_result
-    from pipegen.rewards.verifier import VerifierReward, VerifierSpec
+    from pipegen.rewards.verifier import VerifierReward
+    from pipegen.config.schema import Reward, RewardSpec
 
     async def scenario():
         seen = {"flaky": 0, "down": 0, "slow": 0}
@@ -177,25 +178,27 @@ def test_verifier_client_retries_then_scores_and_fails_after_its_tries():
         servers = [await _serve(h) for h in (flaky, down, slow)]
         try:
             (_, flaky_url), (_, down_url), (_, slow_url) = servers
-            client = VerifierReward(VerifierSpec(flaky_url, timeout_s=10, attempts=3, batch=8, concurrency=1))
+            client = VerifierReward(RewardSpec(url=flaky_url), Reward(verifier_timeout_s=10, verifier_attempts=3,
+                                                                      verifier_batch=8, verifier_concurrency=1))
             results = await asyncio.gather(*(client.score(_request(i)) for i in range(5)))
             assert [parse_result(r, "v") for r in results] == [(float(i), {"score": float(i), "ok": True})
                                                                for i in range(5)]
             await client.close()
 
-            client = VerifierReward(VerifierSpec(down_url, timeout_s=10, attempts=3))
+            client = VerifierReward(RewardSpec(url=down_url), Reward(verifier_timeout_s=10, verifier_attempts=3))
             with pytest.raises(RewardFailure, match="failed 3 tries, the last: HTTP 500: boom"):
                 await client.score(_request(1))
             assert seen["down"] == 3
             await client.close()
 
-            client = VerifierReward(VerifierSpec(slow_url, timeout_s=0.3, attempts=2))
+            client = VerifierReward(RewardSpec(url=slow_url), Reward(verifier_timeout_s=0.3, verifier_attempts=2))
             with pytest.raises(RewardFailure, match="no answer within reward.verifier_timeout_s=0.3"):
                 await client.score(_request(1))
             assert seen["slow"] == 2
             await client.close()
 
-            client = VerifierReward(VerifierSpec("http://127.0.0.1:9/score", timeout_s=5, attempts=2))
+            client = VerifierReward(RewardSpec(url="http://127.0.0.1:9/score"),
+                                    Reward(verifier_timeout_s=5, verifier_attempts=2))
             with pytest.raises(RewardFailure, match="failed 2 tries"):  # nothing listens there
                 await client.score(_request(1))
             await client.close()
@@ -239,12 +242,13 @@ def test_a_reward_that_hangs_fails_its_sample_at_the_limit_and_scoring_goes_on(t
     """reward.timeout_s, in each place a local function runs: a worker thread (its first samples), the process
     pool (the interval timer in the pool process), and C code that blocks the timer (pebble kills the process).
     The limit is what is under test, so it is set to 1 s."""
-    from pipegen.rewards.local import INLINE_AFTER, FunctionReward, FunctionSpec
+    from pipegen.rewards.local import INLINE_AFTER, FunctionReward
+    from pipegen.config.schema import Reward, RewardSpec
     from pipegen.rewards.protocol import RewardFailure, ScoreRequest
 
     path = tmp_path / "slow_reward.py"
     path.write_text(SLOW_REWARD_FILE)
-    reward = FunctionReward(FunctionSpec(str(path), "slow_score"), processes=1, timeout_s=1.0)
+    reward = FunctionReward(RewardSpec(str(path), "slow_score"), Reward(processes=1, timeout_s=1.0))
 
     def sample(text: str) -> ScoreRequest:
         return ScoreRequest(data_source="slow", solution_str=text, ground_truth="x")
@@ -264,5 +268,49 @@ def test_a_reward_that_hangs_fails_its_sample_at_the_limit_and_scoring_goes_on(t
             assert await reward.score(sample("ok")) == 1.0  # a new process took its place
         finally:
             await reward.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_reward_order_is_the_whole_run_then_a_task_by_data_source_then_verls_default(reward_file):
+    """rewards/spec.py's RewardOrder, the one place the order lives: a run-wide reward scores every row; without
+    one a task's row gets its task's reward by data_source; else verl's default where the row has a ground truth
+    (never for a code data source, and never for a row without a ground truth)."""
+    from omegaconf import OmegaConf
+
+    from pipegen.rewards.local import FunctionReward
+    from pipegen.rewards.spec import RewardOrder
+    from pipegen.rewards.verifier import VerifierReward
+    from pipegen.config.schema import Reward, RewardSpec
+
+    def cfg(verifier_url=None, path=None):
+        return OmegaConf.create({"reward": {"verifier_url": verifier_url},
+                                 "custom_reward_function": {"path": path, "name": "my_score", "reward_kwargs": {}}})
+
+    mine = RewardSpec(str(reward_file), "my_score")
+    routes = {"task_a": mine, "task_b": RewardSpec(url="http://127.0.0.1:9/score"), "task_c": None}
+    row = lambda source, truth=True: {"data_source": source, **({"reward_model": {"ground_truth": "1"}} if truth else {})}
+
+    async def scenario():
+        run_wide = RewardOrder(cfg(verifier_url="http://127.0.0.1:9/score"), routes)
+        assert all(run_wide.reward_for(row(s)) is run_wide.everything for s in ("task_a", "gsm8k", "apps"))
+        assert isinstance(run_wide.everything, VerifierReward) and not run_wide.by_source
+        await run_wide.close()
+
+        order = RewardOrder(cfg(), routes)
+        assert order.everything is None
+        a, b = order.reward_for(row("task_a", truth=False)), order.reward_for(row("task_b"))
+        assert isinstance(a, FunctionReward) and a.spec == mine and isinstance(b, VerifierReward)
+        default = order.reward_for(row("task_c"))  # a task without its own reward: verl's default, by data_source
+        assert isinstance(default, FunctionReward) and default.spec == RewardSpec()
+        assert order.reward_for(row("gsm8k")) is default
+        assert order.reward_for(row("gsm8k", truth=False)) is None
+        assert order.reward_for(row("apps")) is None  # verl would run the generated program
+        await order.close()
+
+        function = RewardOrder(cfg(path=str(reward_file)), routes)
+        assert function.everything.spec == mine and function.reward_for(row("task_b")) is function.everything
+        assert function.settings == Reward()
+        await function.close()
 
     asyncio.run(scenario())

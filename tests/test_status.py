@@ -18,7 +18,7 @@ from fake_servers import pids_where
 
 from pipegen.run.layout import RunDir
 from pipegen.observe.progress import LogWatcher
-from pipegen.observe.status import gather, render
+from pipegen.observe.run_status import gather, render
 
 # A run slow enough to watch: 12 prompts x 2 samples, ~2.4 s per unit on the fake engine, 8 at a time.
 SLOW = [o for o in FAST if not o.startswith(("max_samples=",))] + [
@@ -57,7 +57,7 @@ def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None
 
 def try_gather(run: RunDir):
     """gather(), or None while the launcher has not written the run's config yet."""
-    from pipegen.observe.status import NotARun
+    from pipegen.observe.run_status import NotARun
 
     try:
         return gather(run)
@@ -324,7 +324,7 @@ def test_stats_lines_of_an_older_run_read_the_same_and_keep_their_keys(tmp_path)
 def test_status_names_an_actor_that_is_cpu_bound_and_the_fix():
     """An actor whose event loop is near 100% of its core is the run's limit: status says so and names
     the key; a busy-but-keeping-up actor, or one that finished, gets no note."""
-    from pipegen.observe.status import LockStatus, RoleStatus, RunStatus
+    from pipegen.observe.run_status import LockStatus, RoleStatus, RunStatus
 
     def text(busy: float, final: bool = False) -> str:
         actor = RoleStatus("actor_0", pid=1, alive=True, stats_age_s=1.0, final=final, cpu_busy=busy)

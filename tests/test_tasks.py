@@ -1,4 +1,4 @@
-"""Tasks (seed 000's task system): `tasks=[...]` resolves names to data and a reward through manifests,
+"""Tasks: `tasks=[...]` resolves names to data and a reward through manifests,
 offline; a user's manifest file adds a task (its own generator and reward); rows of several tasks keep
 their data_source and each is scored by its own task's reward; `python -m pipegen.tasks` lists them."""
 

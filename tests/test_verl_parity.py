@@ -30,7 +30,7 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
 
     from pipegen.actor.client import ClientLimits, ServerPool
     from pipegen.inputs.dataset import load_dataset, load_processor, load_tokenizer
-    from pipegen.run.media import load_pictures
+    from pipegen.run.pictures import load_pictures
 
     processor = load_processor(cfg)  # a vision model's processor too
     dataset = load_dataset(cfg, load_tokenizer(cfg), processor)

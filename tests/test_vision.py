@@ -233,7 +233,7 @@ def test_images_with_vllm_are_refused_at_launch(tmp_path, vision_parquet):
 
 
 def test_vllm_engine_never_drops_images():
-    from pipegen.actor.protocol import ClientLimits
+    from pipegen.actor.limits import ClientLimits
     from pipegen.engines.vllm import NO_IMAGES, VLLM
 
     with pytest.raises(ValueError, match="cannot be sent") as refused:
@@ -278,7 +278,7 @@ def test_batch_file_carries_multi_modal_inputs_without_pickle(tmp_path):
 def test_line_images_round_trip_to_the_same_pixels():
     from PIL import Image
 
-    from pipegen.run.media import decode_multi_modal_data, encode_multi_modal_data, strip_media
+    from pipegen.run.pictures import decode_multi_modal_data, encode_multi_modal_data, strip_media
 
     pixels = np.random.default_rng(0).integers(0, 256, (28, 42, 3), dtype=np.uint8)
     image = Image.fromarray(pixels, "RGB")

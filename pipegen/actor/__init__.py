@@ -4,7 +4,7 @@
 from), `admission` (how many units run at once and how long each request may take: slots, the controller,
 the hold, stall deadlines, hedging), `rollout` (one unit: dataset row -> verl agent loop -> RolloutRecord),
 `client` (the engine's /generate over HTTP, as verl's server manager: routing, retries, aborts),
-`protocol` (the client's limits), `startup` (the start-up clock, the wait for the first server),
+`limits` (the client's limits), `readiness` (the start-up clock, the wait for the first server),
 `scoring` (the row's reward, as verl's reward loop calls it: pipegen/rewards/), `loop_cache` (the verl agent
 loop, built once per actor), `detokenize` (a response's text).
 `python -m pipegen.actor output_dir=DIR rank=K` runs one actor.

@@ -34,10 +34,10 @@ from typing import Any, Callable
 import aiohttp
 import orjson
 
-from pipegen.run.media import image_data_url
+from pipegen.run.pictures import image_data_url
 from pipegen.engines import AUTO, Engine, EngineRequest, engine, is_ready
 from pipegen.actor.admission import Admission, TokenClock, WatchdogLimits
-from pipegen.actor.protocol import ClientLimits
+from pipegen.actor.limits import ClientLimits
 from pipegen.engines.request import RequestRejected
 
 __all__ = ["ClientLimits", "RequestRejected", "RetriesExhausted", "ServerPool"]
@@ -83,7 +83,7 @@ class ServerPool:
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         self.limits = limits
         self.session = session
-        # the servers' engine (llm.protocol); with `auto`, None until startup.py recognised the first server
+        # the servers' engine (llm.protocol); with `auto`, None until readiness.py recognised the first server
         self.engine: Engine | None = None if protocol == AUTO else engine(protocol)
         self._sticky: OrderedDict[Any, ServerState] = OrderedDict()
         self._recovered = asyncio.Event()
@@ -214,7 +214,7 @@ class ServerPool:
         image_data: list[Any] | None = None,
         **_: Any,
     ):
-        if image_data:  # verl's loops hand PIL images; the engines take PNG data URLs (run/media.py)
+        if image_data:  # verl's loops hand PIL images; the engines take PNG data URLs (run/pictures.py)
             image_data = [i if isinstance(i, str) else image_data_url(i) for i in image_data]
         request = self.engine.build(prompt_ids, sampling_params, self.limits, sampling_seed, image_data)
         key = sticky_key if sticky_key is not None else request_id

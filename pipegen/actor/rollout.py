@@ -17,9 +17,9 @@ line is a FailureRecord), or open a file (it appends to the shards the worker op
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -30,10 +30,17 @@ from pipegen.actor.detokenize import response_decoder
 from pipegen.actor.scoring import Scorer
 from pipegen.config.compose import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
-from pipegen.run.media import encode_multi_modal_data, has_media, load_pictures, strip_media
+from pipegen.run.pictures import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry
 from pipegen.run.stream import (FailureRecord, RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, prompt_uid,
                                 unit_seed)
+
+if TYPE_CHECKING:
+    from verl.workers.rollout.replica import TokenOutput
+
+    from pipegen.actor.admission import UnitSlot
+    from pipegen.actor.client import ServerPool
+    from pipegen.gateway.http_server import Gateway
 
 
 # The response text a line carries up front: with the head, the reward and the finish it fits the 200 characters
@@ -156,7 +163,7 @@ def trajectory_json(output) -> dict[str, Any]:
         data = {k: lists[k] if k in lists else rest[k] for k in type(output).model_fields}
     else:  # anything unusual (arrays, tensors) goes through pydantic's conversion
         data = output.model_dump(mode="json")
-    if media:  # the pictures as lossless PNG (run/media.py): the writer rebuilds multi_modal_inputs from them
+    if media:  # the pictures as lossless PNG (run/pictures.py): the writer rebuilds multi_modal_inputs from them
         data[TrajectoryKeys.MULTI_MODAL_DATA] = encode_multi_modal_data(media)
     if data.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None:
         # float32 shortest repr: half the bytes, and bit-identical after verl's float32 conversion
@@ -168,7 +175,8 @@ class UnitServerManager:
     """The object handed to one verl agent loop: pins the unit's prompt to one server and its seed, and
     tells the unit's slot (admission.UnitSlot) when it asks a server and when it was answered."""
 
-    def __init__(self, pool: Any, sticky_key: Any, sampling_seed: int | None, slot: Any, gateway: Any = None):
+    def __init__(self, pool: ServerPool, sticky_key: Hashable, sampling_seed: int | None, slot: UnitSlot,
+                 gateway: Gateway):
         self.pool = pool
         self.sticky_key = sticky_key
         self.sampling_seed = sampling_seed
@@ -177,17 +185,22 @@ class UnitServerManager:
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: list | None = None, video_data: list | None = None,
-                       audio_data: list | None = None, **kw: Any):
-        """verl's generate call. image_data (PIL images) travels to the engine (client.py); videos and audio,
-        which no engine pipegen speaks takes, fail the unit in one line (refused at launch already). Not sent:
-        `priority` (admission.py orders the units) and `mm_processor_kwargs`/`mm_processor_output` (the pictures
-        are already at the processor's size; verl's SGLang server sends neither for images either)."""
+                       audio_data: list | None = None, **_verl_only: Any) -> TokenOutput:
+        """verl's generate call, with the unit's seed. image_data (PIL images) travels to the engine (client.py);
+        videos and audio, which no engine pipegen speaks takes, fail the unit in one line (refused at launch
+        already). Not sent: `priority` (admission.py orders the units) and `mm_processor_kwargs`/
+        `mm_processor_output` (the pictures are already at the processor's size; verl's SGLang server sends
+        neither for images either)."""
         if video_data or audio_data:
             raise ValueError("this prompt holds videos or audio, which no engine pipegen speaks takes; drop the "
                              "dataset's video/audio column")
+        return await self.generate_seeded(request_id, prompt_ids, sampling_params, self.sampling_seed, image_data)
+
+    async def generate_seeded(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
+                              seed: int | None, image_data: list | None = None) -> TokenOutput:
+        """One request with this seed: verl's calls take the unit's, a gateway session's calls their own
+        (pipegen/gateway/seam.py's UnitServer)."""
         self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
-        # a gateway session asks with its own seed per call (the unit's seed for its first)
-        seed = kw["sampling_seed"] if "sampling_seed" in kw else self.sampling_seed
         output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
                                           sticky_key=self.sticky_key, sampling_seed=seed,
                                           image_data=image_data)
@@ -240,7 +253,7 @@ class UnitRunner:
         # verl adds YAML-registered loops only inside AgentLoopWorker.__init__; do the same here.
         register_agent_loops(rollout.agent.agent_loop_config_path)
         import pipegen.gateway.loop  # noqa: F401  (registers the `external` agent loop, as verl's own register)
-        from pipegen.gateway.server import Gateway
+        from pipegen.gateway.http_server import Gateway
 
         self.gateway = Gateway(cfg.external.host)  # started by the first `external` unit
         self.registry = agent_loop_registry()
@@ -280,7 +293,7 @@ class UnitRunner:
 
     def record_row(self, pos: int) -> dict[str, Any]:
         """The row as its line keeps it: a multimodal prompt's pictures reduced to their places
-        (run/media.py's strip_media; the pictures travel once, in the trajectory's multi_modal_data)."""
+        (run/pictures.py's strip_media; the pictures travel once, in the trajectory's multi_modal_data)."""
         stripped = self._stripped.get(pos)
         if stripped is None:  # verl's dataset puts the pictures into `raw_prompt` and the prompt column alike
             row = self.row(pos)

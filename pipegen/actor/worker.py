@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from pipegen.actor.rollout import UnitRunner
-from pipegen.actor.startup import ACTOR_IMPORTS, StartupClock, wait_for_first_server
+from pipegen.actor.readiness import ACTOR_IMPORTS, StartupClock, wait_for_first_server
 from pipegen.actor.units import FixedUnits, LeasedUnits, pending_units
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile

@@ -104,7 +104,7 @@ def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
     """The bodies the actor sent for the units in its shard (SGLang's /generate, or another engine's), built
     by the same function from the prompt ids and seeds it recorded (a fresh request id each)."""
     from pipegen.engines import engine
-    from pipegen.actor.protocol import ClientLimits
+    from pipegen.actor.limits import ClientLimits
     from pipegen.run.config import load_run_config
     from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 

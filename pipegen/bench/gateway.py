@@ -23,13 +23,17 @@ TARGET = "≥ 0.9"
 
 async def _measure(url: str, model: str, prompts: int, concurrency: int, reps: int) -> dict[str, list[float]]:
     import aiohttp
-    from openai import AsyncOpenAI
+    try:
+        from openai import AsyncOpenAI
+    except ModuleNotFoundError:
+        raise SystemExit("bench gateway: needs the openai SDK, which is not installed: "
+                         "pip install 'pipegen[examples]'") from None
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.tool_parser import ToolParser
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
     from pipegen.actor.client import ClientLimits, ServerPool
-    from pipegen.gateway.server import Gateway
+    from pipegen.gateway.http_server import Gateway
     from pipegen.gateway.session import Renderer, Session
 
     tokenizer = AutoTokenizer.from_pretrained(model)

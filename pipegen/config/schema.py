@@ -144,15 +144,38 @@ class External:
                     non_empty=True)
 
 
+@dataclass(frozen=True)
+class RewardSpec:
+    """Which reward scores a row, the one shape every part shares: a function the verl way (`path`, `name`,
+    `reward_kwargs`; no path and no url = verl's default_compute_score by data_source) or an HTTP verifier
+    (`url`). The run's comes from custom_reward_function.* or reward.verifier_url (rewards/spec.py), a task
+    manifest's `reward:` is one (tasks/manifest.py), and rewards/ builds a function's pool or a verifier's
+    client from one. Not a config group: the keys it is read from are the two groups below."""
+
+    path: Optional[str] = None
+    name: str = "compute_score"
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    url: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None and self.url is not None:
+            raise ValueError("a reward is a function (path:) or a verifier (url:), not both")
+
+    def describe(self) -> str:
+        if self.url is not None:
+            return f"verifier {self.url}"
+        return f"{self.path}:{self.name}" if self.path else "verl's default_compute_score"
+
+
 @dataclass
 class CustomRewardFunction:
-    """custom_reward_function.*: a reward function the verl way, read as verl's trainer reads it
+    """custom_reward_function.*: the run's RewardSpec when it is a function, read as verl's trainer reads it
     (verl.trainer.ppo.reward.get_custom_reward_fn); verl's config has these keys, pipegen composes no verl
     group holding them, so they are declared here."""
 
-    path: Optional[str] = key(None, "a .py file (or pkg://module) holding your reward function; null = verl's "
-                                    "default_compute_score by data_source")
-    name: str = key("compute_score", "the function: compute_score(data_source, solution_str, ground_truth, "
+    path: Optional[str] = key(RewardSpec.path, "a .py file (or pkg://module) holding your reward function; null = "
+                                               "verl's default_compute_score by data_source")
+    name: str = key(RewardSpec.name, "the function: compute_score(data_source, solution_str, ground_truth, "
                                      "extra_info, **reward_kwargs) -> float | {'score': float, ...}",
                     non_empty=True)
     reward_kwargs: Any = key({}, "extra keyword arguments for every call (verl merges them in)")
@@ -160,7 +183,8 @@ class CustomRewardFunction:
 
 @dataclass
 class Reward:
-    """reward.*: where rewards are computed, beside the function (pipegen/rewards/)."""
+    """reward.*: how the run's rewards are computed (pipegen/rewards/), whichever RewardSpec a row gets: the
+    verifier's limits, the function's processes and time limit."""
 
     verifier_url: Optional[str] = key(None, "an HTTP verifier that scores samples (POST, JSON; python -m "
                                             "pipegen.rewards.serve serves any reward function); replaces the "

@@ -20,14 +20,14 @@ from pipegen.cpu_server.model_backend import load_backend_class
 from pipegen.cpu_server.lifecycle import serve
 from pipegen.cpu_server.server import CRASH_EXIT_CODE
 from pipegen.observe.logs import watch_parent
-from pipegen.config.schema import CpuServers
+from pipegen.config.schema import HF_BACKEND, CpuServers
 
 PROG = "python -m pipegen.cpu_server"
 
 
 def _engine_name(argv: Optional[list[str]]) -> str:
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--engine", default="hf")
+    pre.add_argument("--engine", default=HF_BACKEND)
     return pre.parse_known_args(argv)[0].engine
 
 
@@ -40,16 +40,16 @@ def build_parser(engine: str) -> argparse.ArgumentParser:
                    help="local Hugging Face folder (or a pipegen short name such as smollm2-135m); required by "
                         "backends that load weights (hf), else optional (vocab/eos/context then default to "
                         "32000/2/4096)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--host", default=CpuServers.host, help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=30000, help="0 = any free port (see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once listening (atomic)")
-    p.add_argument("--engine", default="hf", metavar="hf|package.module:ClassName",
+    p.add_argument("--engine", default=HF_BACKEND, metavar="hf|package.module:ClassName",
                    help="hf = transformers on CPU (default); or the import path of a ModelBackend subclass")
     p.add_argument("--context-length", type=int, default=None, help="default: from config.json")
     p.add_argument("--seed", type=int, default=0, help="server seed (the backend draws without a sampling_seed, "
                                                        "fault draws)")
     p.add_argument("--threads", type=int, default=CpuServers.threads, help="torch intra-op threads (1 is best on small boxes)")
-    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=CpuServers.dtype,
                    help="auto = bfloat16 where the CPU has avx512_bf16/amx_bf16, else float32")
     p.add_argument("--max-batch", type=int, default=CpuServers.max_batch, help="max requests running together")
     p.add_argument("--served-model-name", default=None)

@@ -37,6 +37,7 @@ from pipegen.cpu_server.model_backend import (HEALTH_CHECK_PREFIX, BackendReques
                                               ModelFacts)
 from pipegen.cpu_server.hf_sampling import prompt_logprobs, row_seed, sample
 from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
+from pipegen.config.schema import HF_BACKEND, CpuServers
 
 log = logging.getLogger("pipegen.hf_backend")
 
@@ -75,7 +76,7 @@ class _Row:
 class HFBackend(ModelBackend):
     """Transformers on CPU behind the CPU server (see the module docstring)."""
 
-    name = "hf"
+    name = HF_BACKEND
     requires_model_path = True
 
     @classmethod
@@ -88,7 +89,8 @@ class HFBackend(ModelBackend):
         return cls(facts, dtype=args.dtype, threads=args.threads, max_batch=args.max_batch,
                    batch_wait_ms=args.batch_wait_ms, seed=args.seed, context_length=args.context_length)
 
-    def __init__(self, facts: ModelFacts, *, dtype: str = "auto", threads: int = 1, max_batch: int = 8,
+    def __init__(self, facts: ModelFacts, *, dtype: str = CpuServers.dtype, threads: int = CpuServers.threads,
+                 max_batch: int = CpuServers.max_batch,
                  batch_wait_ms: float = 5.0, seed: int = 0, context_length: Optional[int] = None) -> None:
         self.model_path = facts.model_path
         self.vocab_size = facts.vocab_size

@@ -1,7 +1,7 @@
 """The inference engines pipegen speaks, one module per protocol, behind one small interface.
 
-`Engine` is what client.py, admission.py and startup.py (and the launcher's readiness wait) ask of a
-server: build the body for one generation (token ids in, a per-unit seed, stop ids, the request's own
+`Engine` is what the actor's client.py, admission.py and readiness.py (and the launcher's readiness wait) ask
+of a server: build the body for one generation (token ids in, a per-unit seed, stop ids, the request's own
 id), read the answer back as verl's `TokenOutput` (ids and one log-prob per id, never re-tokenized) with
 its finish reason as `stop` / `length` / `abort`, abort a stalled request, report readiness, the
 engine's own limit on running requests and its load (running, waiting). Everything after the answer

@@ -27,7 +27,7 @@ class EngineRequest:
 
 
 class Engine(Protocol):
-    """What client.py, admission.py and startup.py ask of a server (the package's docstring tells it)."""
+    """What the actor's client.py, admission.py and readiness.py ask of a server (the package's docstring tells it)."""
 
     name: str
     generate_path: str  # POST the body here
@@ -35,7 +35,7 @@ class Engine(Protocol):
 
     def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "TokenBudget",
               sampling_seed: int | None, image_data: list[str] | None = None) -> EngineRequest:
-        """image_data: the prompt's pictures as PNG data URLs (run/media.py); an engine that cannot send them
+        """image_data: the prompt's pictures as PNG data URLs (run/pictures.py); an engine that cannot send them
         raises ValueError, never drops them."""
         ...
 

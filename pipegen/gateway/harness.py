@@ -6,7 +6,9 @@
   `ANTHROPIC_BASE_URL` (the same session without /v1, as Anthropic's SDK expects), `ANTHROPIC_API_KEY` and
   `PIPEGEN_ROW` (a JSON file holding the row) set, in its own process group. Its result is the JSON value on its
   last stdout line, if that line is one.
-A result is a number (the reward), an object with `reward` and other fields, or nothing.
+A result is a number (the reward), an object with `reward` and other fields, or nothing. A harness module that
+imports an SDK pipegen's examples extra installs (openai, anthropic, openai-agents) when it is missing fails its
+unit with one line naming the extra.
 `external.timeout_s` bounds each unit; a command past it is killed with its whole process group. A callable
 run in a thread cannot be killed: past its limit the unit fails and its session closes, so its later calls are
 refused.
@@ -30,6 +32,9 @@ from typing import Any, Callable
 import orjson
 
 STDERR_TAIL_CHARS = 2000  # what of a failed command's stderr goes into its failure reason
+# the SDKs pipegen's examples extra installs (pyproject.toml): import name -> package
+EXAMPLE_SDKS = {"openai": "openai", "anthropic": "anthropic", "agents": "openai-agents"}
+EXAMPLES_EXTRA = "pip install 'pipegen[examples]'"
 
 
 class HarnessFailed(RuntimeError):
@@ -62,7 +67,15 @@ class Harness:
         module, _, name = str(self.target).partition(":")
         if not module or not name:
             raise ValueError(f"external.harness={self.target!r}: use module:function")
-        fn = getattr(importlib.import_module(module), name, None)
+        try:
+            loaded = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            sdk = EXAMPLE_SDKS.get((e.name or "").partition(".")[0])
+            if sdk is None:
+                raise
+            raise HarnessFailed(f"external.harness={self.target}: needs the {sdk} SDK, which is not installed: "
+                                f"{EXAMPLES_EXTRA}") from None
+        fn = getattr(loaded, name, None)
         if not callable(fn):
             raise ValueError(f"external.harness={self.target!r}: {module} has no callable {name}")
         return fn

@@ -2,7 +2,7 @@
 
 Selected like any verl loop: per row through `agent_name: external`, or for every row with
 `actor_rollout_ref.rollout.agent.default_agent_loop=external`; configured by `external.*`. Per unit it opens
-a session on the actor's gateway (server.py), runs the harness with the session's URL and key (harness.py),
+a session on the actor's gateway (http_server.py), runs the harness with the session's URL and key (harness.py),
 closes the session (later calls are refused), and returns the session's trajectories as verl's
 `AgentLoopOutput`s, the most recently extended last (the one a task's reward scores; rollout.py copies the
 reward to the others). The unit's record is then one shard line, written by rollout.py like any unit's: a unit
@@ -13,7 +13,7 @@ the gateway raises `HarnessFailed`: the unit goes to the failures stream with th
 
 Owns: a unit's session from open to close, its trajectories as AgentLoopOutputs, the harness's reward.
 Must never: write a trajectory the session did not record, or run without pipegen's server manager (the
-session generates through it: the actor's engines, admission and retries).
+session generates through it: the actor's engines, admission and retries; seam.py's `UnitServer`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetr
 from verl.experimental.agent_loop.tool_parser import ToolParser
 
 from pipegen.gateway.harness import Harness, HarnessFailed
-from pipegen.gateway.session import Renderer, Session, Trajectory
+from pipegen.gateway.seam import UnitServer
+from pipegen.gateway.session import Generated, Renderer, Session, Trajectory
 
 GATEWAY_FIELD = "gateway"  # extra_fields key: how the trajectory came to be (branch reason, calls, ...)
 RESULT_FIELD = "harness_result"  # extra_fields key: the harness's result fields besides its reward
@@ -42,15 +43,14 @@ class ExternalAgentLoop(AgentLoopBase):
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> list[AgentLoopOutput]:
         manager = self.server_manager
-        gateway = getattr(manager, "gateway", None)
-        if gateway is None:
+        if not isinstance(manager, UnitServer):
             raise RuntimeError("the external agent loop runs inside pipegen's actors (it needs their gateway)")
+        gateway = manager.gateway
         await gateway.start()
         renderer = Renderer(self.continuous_token_builder, self.tool_parser, self.tokenizer)
 
-        async def generate(prompt_ids: list[int], params: dict[str, Any], seed: int | None):
-            return await manager.generate(f"gw{id(params):x}", prompt_ids=prompt_ids, sampling_params=params,
-                                          sampling_seed=seed)
+        async def generate(prompt_ids: list[int], params: dict[str, Any], seed: int | None) -> Generated:
+            return await manager.generate_seeded(f"gw{id(params):x}", prompt_ids, params, seed)
 
         session = gateway.open(lambda sid, key: Session(
             sid, key, renderer, generate, dict(sampling_params), manager.sampling_seed,

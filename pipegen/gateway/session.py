@@ -27,15 +27,30 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import orjson
 
-from pipegen.gateway.dialects import BadRequest, ChatRequest, Choice, Reply, ToolCall, reply_message
+from pipegen.gateway.dialects.shapes import BadRequest, ChatRequest, Choice, Reply, ToolCall, reply_message
 
 log = logging.getLogger("pipegen.gateway")
 
 RETRY_BOOK_SIZE = 256  # replies kept per session for retries (a harness retries its last calls, not old ones)
+
+
+class Generated(Protocol):
+    """One engine answer as verl's server manager returns it (verl's TokenOutput)."""
+
+    token_ids: list[int]
+    log_probs: list[float] | None
+
+
+class SessionGenerate(Protocol):
+    """A session's one way to the engines: the unit's server manager (gateway/seam.py's UnitServer), with the
+    seed of this call."""
+
+    def __call__(self, prompt_ids: list[int], sampling_params: dict[str, Any],
+                 seed: int | None) -> Awaitable[Generated]: ...
 
 
 class SessionClosed(Exception):
@@ -132,7 +147,7 @@ class Session:
     server manager: the actor's pool, its admission, its retries."""
 
     def __init__(self, sid: str, key: str, renderer: Renderer,
-                 generate: Callable[[list[int], dict[str, Any], int | None], Awaitable[Any]],
+                 generate: SessionGenerate,
                  sampling: dict[str, Any], seed: int | None, prompt_length: int, response_length: int):
         self.sid = sid
         self.key = key

@@ -5,21 +5,22 @@ says how they are doing; the launcher asks nothing else of it, in this order:
 `plan` (before any process starts: what the launch record lists), `place` (start generating), `begin` (the
 unit manifest is written: hand out work), then `check` and `done` while the run goes, and `stop`.
 `local_placement.py` runs on this node alone; `ray_placement.py` places a node runner on every node of a
-Ray cluster. Another scheme (Slurm, Kubernetes) is one more file and one more row in PLACEMENTS.
+Ray cluster. Each is named in PLACEMENTS by its dotted path and imported only when its kind is chosen, so
+this module imports neither. Another scheme (Slurm, Kubernetes) is one more file and one more row there.
 
 Owns: the choice of placement by `cluster.kind`.
-Must never: import Ray at module level (the Ray placement imports it when it connects), or start the writer
-(the launcher does, beside every placement).
+Must never: import an implementation at module level (the local placement's run needs nothing of Ray's, and
+the Ray placement imports Ray only when it connects), or start the writer (the launcher does, beside every
+placement).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+from typing import Callable, Protocol
 
 from omegaconf import DictConfig
 
-from pipegen.launch.local_placement import LocalPlacement
-from pipegen.launch.ray_placement import RayPlacement
 from pipegen.launch.world import WorldPlan
 from pipegen.run.layout import RunDir
 
@@ -46,11 +47,20 @@ class Placement(Protocol):
         """Stop every process it started; nothing of it is left running."""
 
 
-# cluster.kind -> its placement (config/schema.py's CLUSTER_KINDS names the kinds and their keys)
-PLACEMENTS: dict[str, type] = {"local": LocalPlacement, "ray": RayPlacement}
+# cluster.kind -> its placement as "module:class" (config/schema.py's CLUSTER_KINDS names the kinds and their keys)
+PLACEMENTS: dict[str, str] = {
+    "local": "pipegen.launch.local_placement:LocalPlacement",
+    "ray": "pipegen.launch.ray_placement:RayPlacement",
+}
+
+
+def placement_class(kind: str) -> Callable[[DictConfig, RunDir], Placement]:
+    """The class PLACEMENTS names for this kind, imported now."""
+    module, _, name = PLACEMENTS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def placement_for(cfg: DictConfig, run: RunDir) -> Placement:
     """The placement `cluster.kind` names. Its constructor writes nothing and starts nothing; one that cannot
     run here says so (PlanError, one line)."""
-    return PLACEMENTS[str(cfg.cluster.kind)](cfg, run)
+    return placement_class(str(cfg.cluster.kind))(cfg, run)

@@ -2,7 +2,7 @@
 warnings and errors of every role's log.
 
 - `snapshot(run, n)`: checkpoint.json + the unit manifest + the latest stats line of each role, in
-  one summary (also read by `pipegen.observe.status` and `pipegen.observe.tracking`).
+  one summary (also read by `pipegen.observe.run_status` and `pipegen.observe.tracking`).
 - `ProgressBar`: tqdm with done/total, rate, ETA and `Saved: B batches | Pending: P | In-flight: F |
   Failed: X` (plus output tokens/s when the actors report them).
 - `LogWatcher`: follows DIR/logs/<role>.log from each role's latest start banner and hands back the

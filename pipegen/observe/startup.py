@@ -3,7 +3,7 @@ first answered its engine's health route, when the first request went out and wh
 shard.
 
 Each actor writes its wall-clock phase times into its stats line (`startup/<phase>`, pipegen/actor/
-startup.py); this module turns the latest lines of one launch into seconds since the launch started,
+readiness.py); this module turns the latest lines of one launch into seconds since the launch started,
 for the launcher's log and `python -m pipegen.status`.
 
 Owns: the summary of the phases (their names are the stats-line contract's, pipegen/run/stats_line.py).

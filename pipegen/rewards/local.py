@@ -32,13 +32,13 @@ import multiprocessing
 import signal
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from pebble import ProcessExpired, ProcessPool  # a per-task time limit that kills and replaces a stuck process
 
 from pipegen.rewards.batching import MicroBatcher
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
+from pipegen.config.schema import Reward, RewardSpec
 
 log = logging.getLogger("pipegen.actor")
 
@@ -48,19 +48,7 @@ POOL_BATCH = 32  # samples per trip to the process pool
 POOL_GRACE_S = 10.0  # a pool batch gets its samples' limits plus this before its process is killed
 
 
-@dataclass(frozen=True)
-class FunctionSpec:
-    """A reward function as verl's config names it: `path` None = verl's default_compute_score."""
-
-    path: str | None = None
-    name: str = "compute_score"
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        return f"{self.path}:{self.name}" if self.path else "verl's default_compute_score"
-
-
-def load_function(spec: FunctionSpec) -> Callable[..., Any]:
+def load_function(spec: RewardSpec) -> Callable[..., Any]:
     """The callable verl's trainer would use: `get_custom_reward_fn` (reward_kwargs merged into every
     call), or default_compute_score."""
     if not spec.path:
@@ -95,7 +83,7 @@ def _over_limit(signum: int, frame: Any) -> None:
     raise _OverLimit()
 
 
-def _init_worker(spec: FunctionSpec, limit_s: float) -> None:
+def _init_worker(spec: RewardSpec, limit_s: float) -> None:
     global _worker_fn, _worker_limit_s
     _worker_fn = load_function(spec)
     _worker_limit_s = limit_s
@@ -127,15 +115,17 @@ def over_limit(limit_s: float) -> str:
 class FunctionReward:
     """One reward function in the actor: placed per data source (inline, thread, or process pool)."""
 
-    def __init__(self, spec: FunctionSpec, processes: int, timeout_s: float, fn: Callable[..., Any] | None = None):
+    def __init__(self, spec: RewardSpec, settings: Reward, fn: Callable[..., Any] | None = None):
+        """`spec`: a function's RewardSpec (no path: verl's default); `settings`: reward.processes and
+        reward.timeout_s."""
         self.spec = spec
         self.fn = fn if fn is not None else load_function(spec)
         self.coroutine = is_async(self.fn)
-        self.processes = processes
-        self.timeout_s = timeout_s
+        self.processes = int(settings.processes)
+        self.timeout_s = float(settings.timeout_s)
         self._cost: dict[Any, tuple[int, float]] = {}  # data_source -> (samples timed, seconds)
         self._pool: ProcessPool | None = None
-        self._batcher = MicroBatcher(self._send_to_pool, POOL_BATCH, max_inflight=2 * processes)
+        self._batcher = MicroBatcher(self._send_to_pool, POOL_BATCH, max_inflight=2 * self.processes)
 
     def describe(self) -> str:
         return self.spec.describe()

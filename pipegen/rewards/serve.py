@@ -21,9 +21,9 @@ from pathlib import Path
 
 import orjson
 
-from pipegen.rewards.local import FunctionReward, FunctionSpec
+from pipegen.rewards.local import FunctionReward
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
-from pipegen.config.schema import Reward
+from pipegen.config.schema import Reward, RewardSpec
 
 log = logging.getLogger("pipegen.rewards.serve")
 ROUTE = "/score"
@@ -34,12 +34,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description="serve a verl reward function as pipegen's HTTP verifier")
     p.add_argument("--path", default=None, help="the .py file (or pkg://module) with the function; default: "
                                                 "verl's default_compute_score")
-    p.add_argument("--name", default="compute_score", help="the function's name (default: %(default)s)")
+    p.add_argument("--name", default=RewardSpec.name, help="the function's name (default: %(default)s)")
     p.add_argument("--reward-kwargs", default="{}", help="JSON object of extra keyword arguments for every call")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one; see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
-    p.add_argument("--processes", type=int, default=1, help="processes for a function slower than 0.5 ms a sample")
+    p.add_argument("--processes", type=int, default=Reward().processes,
+                   help="processes for a function slower than 0.5 ms a sample (default: %(default)s, as reward.processes)")
     p.add_argument("--timeout-s", type=float, default=Reward().timeout_s,
                    help="seconds a sample may take; then it is answered {\"error\": ...} (default: %(default)s, as "
                         "reward.timeout_s; keep reward.verifier_timeout_s above a batch's worth)")
@@ -58,8 +59,8 @@ async def answer(reward: FunctionReward, item: dict) -> object:
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
-    spec = FunctionSpec(args.path, args.name, orjson.loads(args.reward_kwargs))
-    reward = FunctionReward(spec, args.processes, args.timeout_s)
+    spec = RewardSpec(args.path, args.name, orjson.loads(args.reward_kwargs))
+    reward = FunctionReward(spec, Reward(processes=args.processes, timeout_s=args.timeout_s))
 
     async def score(request: web.Request) -> web.Response:
         try:

@@ -16,29 +16,17 @@ Must never: give a sample a score the verifier did not send.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from pipegen.rewards.batching import MicroBatcher
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
+from pipegen.config.schema import Reward, RewardSpec
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 BACKOFF_S = 0.5
 BACKOFF_MAX_S = 8.0
-
-
-@dataclass(frozen=True)
-class VerifierSpec:
-    url: str
-    timeout_s: float = 60.0
-    attempts: int = 3
-    batch: int = 64
-    concurrency: int = 16
-
-    def describe(self) -> str:
-        return f"verifier {self.url}"
 
 
 class _Retry(Exception):
@@ -46,10 +34,18 @@ class _Retry(Exception):
 
 
 class VerifierReward:
-    def __init__(self, spec: VerifierSpec):
+    def __init__(self, spec: RewardSpec, settings: Reward):
+        """`spec`: a verifier's RewardSpec (its url); `settings`: the reward.verifier_* limits."""
+        if spec.url is None:
+            raise ValueError(f"{spec.describe()} is not a verifier")
         self.spec = spec
+        self.url = spec.url
+        self.timeout_s = float(settings.verifier_timeout_s)
+        self.attempts = int(settings.verifier_attempts)
+        self.batch = int(settings.verifier_batch)
+        self.concurrency = int(settings.verifier_concurrency)
         self._session = None
-        self._batcher = MicroBatcher(self._send, spec.batch, spec.concurrency)
+        self._batcher = MicroBatcher(self._send, self.batch, self.concurrency)
 
     def describe(self) -> str:
         return self.spec.describe()
@@ -57,7 +53,7 @@ class VerifierReward:
     @property
     def capacity(self) -> int:
         """Samples the verifier checks at once: its requests in flight times their batch."""
-        return self.spec.batch * self.spec.concurrency
+        return self.batch * self.concurrency
 
     async def score(self, request: ScoreRequest) -> Any:
         """The verifier's raw result for this sample (protocol.parse_result reads it)."""
@@ -68,7 +64,7 @@ class VerifierReward:
 
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                  timeout=aiohttp.ClientTimeout(total=self.spec.timeout_s))
+                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self._session
 
     async def _send(self, batch: list[ScoreRequest]) -> list[Any]:
@@ -76,7 +72,7 @@ class VerifierReward:
 
         body = orjson.dumps({"requests": [r.kwargs() for r in batch]}, option=orjson.OPT_SERIALIZE_NUMPY)
         last = ""
-        for attempt in range(self.spec.attempts):
+        for attempt in range(self.attempts):
             if attempt:
                 await asyncio.sleep(min(BACKOFF_MAX_S, BACKOFF_S * 2 ** (attempt - 1)))
             try:
@@ -84,13 +80,13 @@ class VerifierReward:
             except _Retry as e:
                 last = str(e)
             except asyncio.TimeoutError:
-                last = f"no answer within reward.verifier_timeout_s={self.spec.timeout_s:g}"
+                last = f"no answer within reward.verifier_timeout_s={self.timeout_s:g}"
             except aiohttp.ClientError as e:
                 last = f"{type(e).__name__}: {e}"
-        raise RewardFailure(f"{self.describe()} failed {self.spec.attempts} tries, the last: {last}")
+        raise RewardFailure(f"{self.describe()} failed {self.attempts} tries, the last: {last}")
 
     async def _post(self, body: bytes, expected: int) -> list[Any]:
-        async with self._open().post(self.spec.url, data=body,
+        async with self._open().post(self.url, data=body,
                                      headers={"Content-Type": "application/json"}) as response:
             text = await response.read()
             if response.status in RETRY_STATUSES:

@@ -2,7 +2,7 @@
 
 `layout` (every path, launch.json, units.json, the run key), `config` (DIR/conf/config.yaml: the resolved
 config saved and read back), `fingerprint` (the resume guard), `stream` (the line on disk: what a stream line
-is, the unit key, appending and tailing shards), `media` (a picture in a stream line, to an engine and in a batch file),
+is, the unit key, appending and tailing shards), `pictures` (a picture in a stream line, to an engine and in a batch file),
 `checkpoint` (the writer's commit record), `batchfile` (the batch on disk: Arrow, never a pickle), `rows` (a
 run's rows read back in the output's order), `stats_line` (each role's stats line), `atomic` (crash-safe
 replacement), `ownership` and `handshake` (locks, pids, exit codes, the manifest wait), `integrity` and

@@ -8,7 +8,7 @@ batch with a row per trajectory row of the batch:
   column/<key>   each non-tensor column of a plain numpy dtype (sample, trajectory, priority, ...) as
                  Arrow's own type, and a row key of Python ints (index) as int64
   tensors/<key>  a column of dicts of tensors per row (verl's multi_modal_inputs: pixel_values, image_grid_thw,
-                 ...): each tensor's name, dtype, shape and raw bytes (run/media.py), read back as numpy
+                 ...): each tensor's name, dtype, shape and raw bytes (run/pictures.py), read back as numpy
   rows/json      every other non-tensor column (the dataset row's fields, uid, ...): one JSON array
                  per row, the columns in the metadata's order
   lengths/prompt, lengths/response, reward/last_token   what the dropped tensors are rebuilt from
@@ -55,7 +55,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from pipegen.run.media import is_tensor_dict_column, read_tensor_dict_column, tensor_dict_column
+from pipegen.run.pictures import is_tensor_dict_column, read_tensor_dict_column, tensor_dict_column
 
 
 class BatchColumns:
@@ -93,7 +93,7 @@ ROW_KEYS = (BatchColumns.INDEX, BatchColumns.SAMPLE, BatchColumns.TRAJECTORY)  #
 CONVERT_FLAG = "--convert-pickle-batches"
 _INT32 = np.dtype(np.int32).str
 _JSON, _INT = "json", "int"  # kinds of object columns: JSON values, or Python ints stored as int64
-_TENSORS = "tensors"  # an object column of dicts of tensors (multi_modal_inputs): run/media.py's Arrow encoding
+_TENSORS = "tensors"  # an object column of dicts of tensors (multi_modal_inputs): run/pictures.py's Arrow encoding
 _JSON_ROWS = "rows/json"  # per row: the JSON-kind columns' values as one JSON array, in the metadata's order
 _TENSOR, _COLUMN, _TENSOR_DICT = "tensor/", "column/", "tensors/"
 _PROMPT_LENS, _RESPONSE_LENS, _LAST_TOKEN_REWARD = "lengths/prompt", "lengths/response", "reward/last_token"

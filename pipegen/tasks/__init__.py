@@ -1,5 +1,4 @@
-"""Tasks: `tasks=[name, ...]` resolves each name to data and a reward through a manifest (seed 000's task
-system), offline.
+"""Tasks: `tasks=[name, ...]` resolves each name to data and a reward through a manifest, offline.
 
 `manifest` (what a manifest holds, the built-in ones in `builtin/*.yaml`, a user's manifest file, and a
 task's defaults for pipegen's keys), `materialize` (a task's rows as a verl-layout parquet file in the run

@@ -15,8 +15,7 @@ def describe(task: TaskManifest) -> str:
     data = task.data
     source = f"{data.generator}:{data.dataset}" if data.generator else f"{len(data.files or [])} parquet file(s)"
     size = f"{data.size} rows, seed {data.seed}" if data.generator else "rows of the files"
-    reward = ("verl's default_compute_score" if task.reward is None else task.reward.url
-              or f"{task.reward.path}:{task.reward.name}")
+    reward = "verl's default_compute_score" if task.reward is None else task.reward.describe()
     defaults = " ".join(f"{k}={v}" for k, v in task.defaults.items()) or "-"
     return (f"  {task.name:<18} {task.description}\n"
             f"  {'':<18} data {source} ({size}); reward {reward}; defaults {defaults}; from {task.source}")

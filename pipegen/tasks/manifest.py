@@ -38,6 +38,8 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from pipegen.config.schema import RewardSpec  # a manifest's reward: is the run's one reward shape
+
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 MANIFEST_SUFFIXES = (".yaml", ".yml")
 # pipegen's keys a task may give a default for (its data's natural settings); the command line wins
@@ -75,21 +77,6 @@ class PromptSpec(_Strict):
     template: str = "{question}"
 
 
-class RewardSpec(_Strict):
-    """verl's custom_reward_function keys (path, name, reward_kwargs), or an HTTP verifier (url)."""
-
-    path: Optional[str] = None
-    name: str = "compute_score"
-    reward_kwargs: dict[str, Any] = {}
-    url: Optional[str] = None
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> "RewardSpec":
-        if (self.path is None) == (self.url is None):
-            raise ValueError("reward needs either path: (a verl reward function) or url: (a verifier)")
-        return self
-
-
 class TaskManifest(_Strict):
     name: str
     description: str = ""
@@ -106,6 +93,13 @@ class TaskManifest(_Strict):
         unknown = sorted(set(value) - set(DEFAULT_KEYS))
         if unknown:
             raise ValueError(f"defaults: {unknown} are not task defaults; allowed: {list(DEFAULT_KEYS)}")
+        return value
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_named(cls, value: Optional[RewardSpec]) -> Optional[RewardSpec]:
+        if value is not None and value.path is None and value.url is None:
+            raise ValueError("reward needs either path: (a verl reward function) or url: (a verifier)")
         return value
 
     @model_validator(mode="after")

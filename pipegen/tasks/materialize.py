@@ -31,7 +31,8 @@ import orjson
 
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.layout import RunDir
-from pipegen.tasks.manifest import RewardSpec, TaskError, TaskManifest, find_tasks
+from pipegen.config.schema import RewardSpec
+from pipegen.tasks.manifest import TaskError, TaskManifest, find_tasks
 
 DATA_SOURCE = "data_source"
 

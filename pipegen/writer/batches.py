@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 
 from pipegen.run.batchfile import (INT_TENSORS, BatchColumns, StoredBatch, attention_mask_of, encode_batch_file,
                                    object_array, position_ids_of, read_batch)
-from pipegen.run.media import MULTI_MODAL_INPUTS, decode_multi_modal_data
+from pipegen.run.pictures import MULTI_MODAL_INPUTS, decode_multi_modal_data
 from pipegen.run.stream import RolloutRecord, TrajectoryKeys
 from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 

@@ -26,8 +26,9 @@ from typing import Any, Callable
 import orjson
 from aiohttp import web
 
-from pipegen.gateway.dialects import DIALECTS, BadRequest, error_body
+from pipegen.gateway.dialects import DIALECTS, BadRequest
 from pipegen.gateway.session import Session, SessionClosed
+from pipegen.config.schema import External
 
 log = logging.getLogger("pipegen.gateway")
 
@@ -37,7 +38,7 @@ FINISHED_KEPT = 100_000  # finished session ids remembered (their calls are told
 class Gateway:
     """The actor's gateway server and its open sessions."""
 
-    def __init__(self, host: str = "127.0.0.1"):
+    def __init__(self, host: str = External.host):
         self.host = host
         self.port: int | None = None
         self.sessions: dict[str, Session] = {}
@@ -114,7 +115,8 @@ class Gateway:
                                                               "owned_by": "pipegen"}]}, dumps=_dumps)
 
     def _handler(self, dialect: str):
-        parse, whole, stream = DIALECTS[dialect]
+        speaks = DIALECTS[dialect]
+        parse, whole, stream = speaks.read, speaks.whole, speaks.stream
 
         async def handle(request: web.Request) -> web.StreamResponse:
             session = self._session(request, dialect)
@@ -156,4 +158,4 @@ def _dumps(obj: Any) -> str:
 
 
 def _error(dialect: str, status: int, message: str) -> web.Response:
-    return web.json_response(error_body(dialect, status, message), status=status, dumps=_dumps)
+    return web.json_response(DIALECTS[dialect].error(status, message), status=status, dumps=_dumps)
