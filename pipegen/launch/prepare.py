@@ -30,7 +30,7 @@ from pipegen.launch.placement import Placement, placement_for
 from pipegen.launch.resume import check_run_files, guard_resume
 from pipegen.launch.servers import ServerNotReady, check_reachable
 from pipegen.observe.console import refuse
-from pipegen.observe.job import print_plan
+from pipegen.observe.summary import print_plan
 from pipegen.observe.logs import setup_logging
 from pipegen.rewards.spec import resolve_reward_settings
 from pipegen.run.checkpoint import load_checkpoint
