@@ -48,14 +48,17 @@ def test_each_subcommand_runs_its_modules_own_main() -> None:
     assert "from pipegen.launch.launcher import main" in launch_entry
 
 
-def test_pipegen_run_help_is_the_launchers_help() -> None:
+def test_pipegen_run_help_is_the_launchers_help_composed_as_a_launch() -> None:
+    """--help lists the config a launch would run (launch/job.py's compose_job): verl's own key for the samples
+    per prompt is translated into pipegen's `n` there too."""
     env = {**os.environ, "COLUMNS": "200"}
-    run = subprocess.run([sys.executable, "-m", "pipegen", "run", "--help", "n=3"], capture_output=True, text=True,
-                         timeout=120, env=env)
-    launch = subprocess.run([sys.executable, "-m", "pipegen.launch", "--help", "n=3"], capture_output=True,
-                            text=True, timeout=120, env=env)
+    argv = ["--help", "actor_rollout_ref.rollout.n=3"]
+    run = subprocess.run([sys.executable, "-m", "pipegen", "run", *argv], capture_output=True, text=True, timeout=120,
+                         env=env)
+    launch = subprocess.run([sys.executable, "-m", "pipegen.launch", *argv], capture_output=True, text=True,
+                            timeout=120, env=env)
     assert run.returncode == launch.returncode == 0, run.stderr + launch.stderr
-    assert run.stdout == launch.stdout and "\n  n=3\n" in run.stdout
+    assert run.stdout == launch.stdout and "\n  n=3\n" in run.stdout, run.stdout[-3000:]
 
 
 def test_a_wheel_install_runs_a_job_from_its_own_package(tmp_path: Path, tiny_model: str) -> None:
