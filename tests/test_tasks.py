@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories, response_texts
+from conftest import FAKE_ENGINE, FAST, REPO, directory_bytes, launch, load_trajectories, response_texts
 
 GENERATOR = '''
 def make(size, seed, offset=8):
@@ -144,15 +144,6 @@ def test_builtin_and_user_tasks_run_offline_each_row_scored_by_its_own_task(tmp_
     error = refused.stderr.strip().splitlines()[-1]
     assert error.startswith("pipegen: error:") and "data_files" in error, error
     assert directory_bytes(out) == before
-
-
-def directory_bytes(root: Path) -> dict[str, str]:
-    """Every file and folder under `root`: a file by the digest of its bytes. The launcher lock is left out:
-    whoever takes it writes its pid and host there by design (pipegen/run/ownership.py), refused or not."""
-    import hashlib
-
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
-            for p in sorted(root.rglob("*")) if p.name != ".launcher.lock"}
 
 
 def test_task_files_are_written_only_after_the_lock_and_the_resume_guard():
