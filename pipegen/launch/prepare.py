@@ -21,6 +21,7 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass
+
 from omegaconf import DictConfig
 
 from pipegen.config.compose import describe_config_error, help_text
@@ -30,8 +31,8 @@ from pipegen.launch.placement import Placement, placement_for
 from pipegen.launch.resume import check_run_files, guard_resume
 from pipegen.launch.servers import ServerNotReady, check_reachable
 from pipegen.observe.console import refuse
-from pipegen.observe.summary import print_plan
 from pipegen.observe.logs import setup_logging
+from pipegen.observe.summary import print_plan
 from pipegen.rewards.spec import resolve_reward_settings
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import LaunchRecord, RunDir
