@@ -117,7 +117,7 @@ setup() {
   fi
   if [[ $gpu == 1 ]]; then
     setup_sglang
-    # llm.python's default (pipegen/run/schema.py): the launcher starts SGLang servers with this interpreter.
+    # llm.python's default (pipegen/config/schema.py): the launcher starts SGLang servers with this interpreter.
     export PIPEGEN_SGLANG_PYTHON="$sglang_venv/bin/python"
   fi
   if (( SECONDS - t0 > 1 )); then log "setup done in $((SECONDS - t0)) s"; fi

@@ -118,36 +118,50 @@ def test_keys_become_the_command_lines_overrides() -> None:
 
 def test_an_interrupted_generate_resumes_with_the_next_call(tmp_path: Path, tiny_model: str) -> None:
     """Ctrl-C in the caller stops the launcher and every process of the run; calling again finishes it with
-    every unit exactly once."""
+    every unit exactly once. The caller's SIGINT comes while the run cannot finish: the server it runs against
+    (the test's own) is paused once the first unit is in a shard, with units still to generate."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    keys = dict(o.split("=", 1) for o in FAST)
-    engine = FAKE_ENGINE.split("=", 1)[1]
-    out = tmp_path / "demo"
-    call = (f"import pipegen; pipegen.generate({str(out)!r}, model_path={tiny_model!r}, quiet=True, "
-            f"llm={{'engine': {engine!r}, 'engine_args': ['--token-latency', '0.2']}}, **{keys!r})")
-    caller = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE, text=True)
-    shards = out / "streams" / "rollouts"
-    deadline = time.monotonic() + 240
-    while not any(p.stat().st_size for p in shards.glob("actor_*/*.jsonl")) and time.monotonic() < deadline:
-        assert caller.poll() is None, caller.stderr.read()[-2000:]
-        time.sleep(0.2)
-    os.kill(caller.pid, signal.SIGINT)
-    assert caller.wait(timeout=120) != 0
-    assert "KeyboardInterrupt" in caller.stderr.read()
-    assert not (out / "trajectories.pkl").exists()
-    # the report of a run cut short: what is committed so far, and the state status gives it
-    from pipegen.report import main as report_main
+    from fake_servers import FakeServer
 
-    assert not (out / "report.json").exists() and report_main([str(out)]) == 0
-    numbers = orjson.loads((out / "report.json").read_bytes())
-    assert numbers["state"] == "stopped before completion" and not numbers["progress"]["complete"]
-    assert numbers["progress"]["rows_read"] == numbers["progress"]["committed"] < 12
+    keys = dict(o.split("=", 1) for o in FAST if not o.startswith("llm."))  # the server's own: its flags
+    # two requests at a time, 24 tokens each at 30 ms a token: the first lines land well before the last units
+    server = FakeServer("server", tmp_path, tiny_model, "--slots", "2", "--token-latency", "0.03", "--eos-prob", "0")
+    try:
+        server.wait_ready()
+        llm = {"kind": "external", "urls": [server.url]}
+        out = tmp_path / "demo"
+        call = f"import pipegen; pipegen.generate({str(out)!r}, model_path={tiny_model!r}, quiet=True, llm={llm!r}, **{keys!r})"
+        caller = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE, text=True)
+        shards = out / "streams" / "rollouts"
+        deadline = time.monotonic() + 240
+        while not any(p.stat().st_size for p in shards.glob("actor_*/*.jsonl")) and time.monotonic() < deadline:
+            assert caller.poll() is None, caller.stderr.read()[-2000:]
+            time.sleep(0.05)
+        os.kill(server.proc.pid, signal.SIGSTOP)  # no unit finishes from here on: the run cannot end by itself
+        try:
+            done = sum(p.read_bytes().count(b"\n") for p in shards.glob("actor_*/*.jsonl"))
+            assert 0 < done < 12 and caller.poll() is None, done
+            os.kill(caller.pid, signal.SIGINT)
+            assert caller.wait(timeout=120) != 0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert "KeyboardInterrupt" in caller.stderr.read()
+        assert not (out / "trajectories.pkl").exists()
+        # the report of a run cut short: what is committed so far, and the state status gives it
+        from pipegen.report import main as report_main
 
-    result = pipegen.generate(out, model_path=tiny_model, llm={"engine": engine}, quiet=True, **keys)
-    assert_verified(out)
-    assert (result.summary.complete, result.summary.samples, result.summary.failed) == (True, 12, {})
+        assert not (out / "report.json").exists() and report_main([str(out)]) == 0
+        numbers = orjson.loads((out / "report.json").read_bytes())
+        assert numbers["state"] == "stopped before completion" and not numbers["progress"]["complete"]
+        assert numbers["progress"]["rows_read"] == numbers["progress"]["committed"] < 12
+
+        result = pipegen.generate(out, model_path=tiny_model, llm=llm, quiet=True, **keys)
+        assert_verified(out)
+        assert (result.summary.complete, result.summary.samples, result.summary.failed) == (True, 12, {})
+    finally:
+        server.stop()

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 
-from pipegen.launch.manifest import build_manifest
+from pipegen.launch.unit_manifest import build_manifest
 from pipegen.launch.placement import Placement
 from pipegen.launch.prepare import prepare
 from pipegen.launch.run_writer import RunWriter

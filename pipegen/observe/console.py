@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipegen.observe.job import job_lines
+from pipegen.observe.summary import job_lines
 from pipegen.observe.outcomes import unit_outcomes
 from pipegen.observe.progress import LogWatcher, ProgressBar, snapshot
 from pipegen.observe.startup import startup_phases
