@@ -11,7 +11,8 @@ the actor's shard (or a `FailureRecord` to its failures shard).
 Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky
 server, seed, concurrency slot), checking the agent loops' output before it reaches a shard.
 Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record (its
-line is a FailureRecord), or open a file (it appends to the shards the worker opened for it).
+line is a FailureRecord), or open a file (it appends to the shards the worker opened for it; a unit's
+progress file is actor/progress.py's).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipegen.inputs.dataset import dataset_indices, load_dataset, load_processor, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.detokenize import response_decoder
+from pipegen.actor.progress import UnitProgress
 from pipegen.actor.scoring import Scorer
 from pipegen.config.compose import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
@@ -176,8 +178,9 @@ class UnitServerManager:
     tells the unit's slot (admission.UnitSlot) when it asks a server and when it was answered."""
 
     def __init__(self, pool: ServerPool, sticky_key: Hashable, sampling_seed: int | None, slot: UnitSlot,
-                 gateway: Gateway):
+                 gateway: Gateway, progress: UnitProgress):
         self.pool = pool
+        self.progress = progress  # the unit's record: chunks of long answers, calls a rerun answers from it
         self.sticky_key = sticky_key
         self.sampling_seed = sampling_seed
         self.slot = slot
@@ -201,9 +204,13 @@ class UnitServerManager:
         """One request with this seed: verl's calls take the unit's, a gateway session's calls their own
         (pipegen/gateway/seam.py's UnitServer)."""
         self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
-        output = await self.pool.generate(request_id, prompt_ids=prompt_ids, sampling_params=sampling_params,
-                                          sticky_key=self.sticky_key, sampling_seed=seed,
-                                          image_data=image_data)
+
+        async def send(ids: list[int], params: dict[str, Any], chunk_seed: int | None, pictures: list | None):
+            return await self.pool.generate(request_id, prompt_ids=ids, sampling_params=params,
+                                            sticky_key=self.sticky_key, sampling_seed=chunk_seed, image_data=pictures)
+
+        # one call may be several requests (the chunks of a long answer) or none (answered from the record)
+        output = await self.progress.generate(send, prompt_ids, sampling_params, seed, image_data)
         await self.slot.answered()
         return output
 
@@ -279,6 +286,8 @@ class UnitRunner:
         self._stripped: dict[int, dict[str, Any]] = {}
         self._uids: dict[int, str] = {}
         # read once: a DictConfig lookup costs tens of microseconds, and these are read per unit
+        self.run_dir = run
+        self.chunk_tokens = int(cfg.actors.progress_chunk_tokens)
         self._base_seed = int(cfg.seed)
         self._per_unit_seed = bool(cfg.actors.per_unit_seed)
 
@@ -312,9 +321,13 @@ class UnitRunner:
             uid = self._uids[index] = prompt_uid(self.launch.run_key, index)
         return uid
 
-    async def run(self, pool, pos: int, sample: int, slot) -> RolloutRecord:
-        """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot); raises
-        on any failure of the unit."""
+    def unit_progress(self, pool, index: int, sample: int) -> UnitProgress:
+        """The unit's record of its calls (actor/progress.py), read back when a crash left one."""
+        return UnitProgress(self.run_dir.progress_file(index, sample), self.chunk_tokens, pool.limits)
+
+    async def run(self, pool, pos: int, sample: int, slot, progress: UnitProgress) -> RolloutRecord:
+        """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot; `progress`:
+        its record); raises on any failure of the unit."""
         index = self.indices[pos]
         row = self.row(pos)
         seed = self.seed(index, sample)
@@ -327,9 +340,12 @@ class UnitRunner:
             raise ValueError(f"agent loop '{agent_name}' is not registered; known: {sorted(self.registry)} "
                              "(register yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
         agent = self.loops.build(agent_name, UnitServerManager(pool, sticky_key=index, sampling_seed=seed, slot=slot,
-                                                               gateway=self.gateway))
+                                                               gateway=self.gateway, progress=progress))
         result = await agent.run(dict(self.sampling_params), **kwargs)
         outputs = check_trajectories(result, self.prompt_length, self.response_length, self.placeholders)
+        resumed = progress.row_fields()
+        for out in outputs if resumed else ():  # a user filters resumed rows by these (README: resume)
+            out.extra_fields.update(resumed)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
         if self.scorer is not None and outputs[-1].reward_score is None and self.scorer.applies(row):
             # inline when proven cheap, else off the event loop (scoring.py); a failed reward fails the unit
@@ -357,14 +373,17 @@ class UnitRunner:
         failure of the unit, a FailureRecord appended to `failures` (never a sample). Returns the record, or
         the unit's exception. A failed append (the disk) raises: that is the actor's failure, not the unit's."""
         index = self.indices[pos]
+        progress = self.unit_progress(pool, index, sample)
         try:
-            record = await self.run(pool, pos, sample, slot)
+            record = await self.run(pool, pos, sample, slot, progress)
             record.attempt = attempt
             line = record.to_line()
         except Exception as e:  # any failure of this unit is recorded, never turned into a sample
             failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
                                           seed=self.seed(index, sample), agent_name=self.agent_name(pos),
                                           reason=f"{type(e).__name__}: {e}", attempt=attempt).to_line())
+            progress.close()  # kept: a later attempt continues from it
             return e
         rollouts.append(line)
+        progress.discard()  # after the line: a crash between the two leaves a file the next start tidies
         return record

@@ -21,6 +21,7 @@ import orjson
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
+from pipegen.run.progress import tidy as tidy_progress
 from pipegen.run.stream import scan_units, UnitKeys
 
 log = logging.getLogger("pipegen.actor")
@@ -35,6 +36,8 @@ def pending_units(keys: UnitKeys, indices: list[int], run: RunDir, rank: int,
     units already in a complete shard line past its offsets - prompt-major, so n samples share a prefix."""
     ckpt = load_checkpoint(run.checkpoint)
     in_shards = scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
+    # a crash between a unit's shard line and the unlink of its progress leaves the file: gone now
+    tidy_progress(run.progress, lambda index, s: keys.key(index, s) in ckpt.committed or (index, s) in in_shards)
     todo = []
     for pos in range(rank, len(indices), num_actors):
         index = indices[pos]

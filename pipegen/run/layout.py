@@ -13,6 +13,7 @@ DIR/
   streams/rollouts/actor_<k>/<seq>.jsonl   RolloutRecord lines (stream.py), one appender per file
   streams/failures/actor_<k>/<seq>.jsonl   FailureRecord lines
   streams/stats/<role>.jsonl               periodic metrics lines, one typed record per role (stats_line.py)
+  streams/progress/<index>-<sample>.jsonl  a running unit's model calls and unfinished answer (progress.py)
   checkpoint.json         the writer's commit record (checkpoint.py)
   batch_00000.arrow ...   padded DataProto batches (batchfile.py: Arrow IPC, nothing in one executes on load)
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
@@ -38,6 +39,7 @@ import orjson
 
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.integrity import DamagedFile, read_json_file, relaunch_advice
+from pipegen.run.progress import progress_file_name
 
 SHARD_SUFFIX = ".jsonl"
 BATCH_GLOB = "batch_*.arrow"
@@ -190,6 +192,13 @@ class RunDir:
     @property
     def stats(self) -> Path:
         return self.streams / "stats"
+
+    @property
+    def progress(self) -> Path:
+        return self.streams / "progress"
+
+    def progress_file(self, index: int, sample: int) -> Path:
+        return self.progress / progress_file_name(index, sample)
 
     @property
     def checkpoint(self) -> Path:

@@ -1,0 +1,159 @@
+"""A unit's model calls, kept so that a crash costs at most one chunk per unit in flight: long answers are
+generated in chunks and continued, and a rerun of a unit answers the calls it asks as before from the record.
+
+Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
+- **chunks**: an answer whose token budget exceeds `actors.progress_chunk_tokens` is asked for in chunks of that
+  many tokens, each request the prompt plus the ids so far with `max_new_tokens` = what is left of the chunk and of
+  the answer's budget (the budget verl's rule gives the whole answer, engines/request.py). A chunk that ends before
+  its budget, or with a finish other than `length`, ends the answer, as the same stop would end an uninterrupted
+  answer; a chunk that fills its budget is written to the unit's progress file (run/progress.py) before the next
+  chunk is asked. The first chunk keeps the call's seed (an answer shorter than a chunk is today's answer); each
+  later chunk gets a seed derived from the call's and its first token's position, so a chunk does not replay the
+  previous chunk's random draws.
+- **replay**: on a unit's next start, its calls are compared in order with the record: a call whose request
+  (its digest) equals the recorded call's is answered from the record when that call was finished (no engine
+  work; the same ids and log-probs), or continued from its recorded tokens when it was not. From the first call
+  that differs (or is not recorded) every call goes to the engine, and the record beyond it is dropped.
+- **cost**: a unit with one call answered in one chunk writes nothing. A finished call is written when the unit
+  makes its next call (the last call's answer is the unit's shard line).
+
+Owns: chunking an answer, what a resumed call is answered with, and what it tells the row (`resumed`,
+`resumed_at_token`, `replayed_calls`). Must never: re-tokenize, send a chunk before the previous one is durable,
+let a whole answer exceed the budget an uninterrupted request would have had.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from pipegen.engines.request import TokenBudget, max_new_tokens_for
+from pipegen.run.progress import ProgressFile, RecordedCall, read_calls, request_digest
+
+if TYPE_CHECKING:
+    from verl.workers.rollout.replica import TokenOutput
+
+# one engine request: (prompt ids, sampling params, seed, pictures) -> verl's TokenOutput
+Send = Callable[[list[int], dict[str, Any], "int | None", "list | None"], Awaitable["TokenOutput"]]
+
+# the row's fields for a unit that continued from its record (AgentLoopOutput.extra_fields -> verl's non_tensor_batch)
+RESUMED = "resumed"
+RESUMED_AT_TOKEN = "resumed_at_token"
+REPLAYED_CALLS = "replayed_calls"
+
+
+def chunk_seed(seed: int | None, offset: int) -> int | None:
+    """The seed of the chunk starting at answer token `offset`: the call's own for the first chunk."""
+    if seed is None or offset == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def token_output(ids: list[int], logprobs: list[float] | None, stop_reason: str | None, extra: dict | None = None):
+    from verl.workers.rollout.replica import TokenOutput
+
+    return TokenOutput(token_ids=ids, log_probs=logprobs, stop_reason=stop_reason,
+                       extra_fields=extra if extra is not None else
+                       {"global_steps": None, "min_global_steps": None, "max_global_steps": None})
+
+
+class UnitProgress:
+    """One unit's calls against its record (run/progress.py's file at `path`)."""
+
+    def __init__(self, path: Path, chunk_tokens: int, limits: TokenBudget):
+        self.file = ProgressFile(path)
+        self.recorded = read_calls(path)
+        self.chunk_tokens = int(chunk_tokens)
+        self.limits = limits
+        self.calls = 0  # calls asked so far
+        self.live = not self.recorded  # True from the first call the record cannot answer
+        self.pending: tuple[int, RecordedCall] | None = None  # the last finished call, written at the next call
+        self.replayed = 0  # calls answered from the record
+        self.resumed_at: int | None = None  # the answer token a recorded unfinished call continued from
+        self.tokens_generated = 0  # tokens the engine generated for this unit (the bench's cost measure)
+
+    @property
+    def resumed(self) -> bool:
+        return self.replayed > 0 or self.resumed_at is not None
+
+    def row_fields(self) -> dict[str, Any]:
+        """What a resumed unit's trajectories carry in extra_fields ({} for a unit that started afresh)."""
+        if not self.resumed:
+            return {}
+        return {RESUMED: True, RESUMED_AT_TOKEN: self.resumed_at or 0, REPLAYED_CALLS: self.replayed}
+
+    async def generate(self, send: Send, prompt_ids: list[int], sampling_params: dict[str, Any], seed: int | None,
+                       image_data: list | None = None) -> TokenOutput:
+        """One model call of the unit: from the record, continued from it, or from the engine in chunks."""
+        call = self.calls
+        self.calls += 1
+        if self.pending is not None:  # the previous call is finished: durable before this one starts
+            self.file.append(*self.pending)
+            self.pending = None
+        recording = self.chunk_tokens > 0
+        digest = request_digest(prompt_ids, sampling_params, seed, image_data) if recording or not self.live else ""
+        ids: list[int] = []
+        logprobs: list[float] | None = None
+        if not self.live:
+            record = self.recorded[call] if call < len(self.recorded) else None
+            if record is None or record.digest != digest:
+                self.live = True
+                if call < len(self.recorded):  # the rerun asks differently: the rest of the record is not its
+                    self.file.keep_only(self.recorded[:call])
+            elif record.end is not None:
+                self.replayed += 1
+                return token_output(list(record.ids), None if record.logprobs is None else list(record.logprobs),
+                                    record.end)
+            else:  # the call the crash interrupted: continue it from its durable tokens
+                self.live = True
+                ids, logprobs = list(record.ids), record.logprobs
+                self.resumed_at = len(ids)
+        params = dict(sampling_params)
+        budget = max_new_tokens_for(params, len(prompt_ids), self.limits)  # the whole answer's, as verl's rule
+        if not ids and (not recording or budget <= self.chunk_tokens):
+            out = await send(prompt_ids, sampling_params, seed, image_data)  # today's request, unchanged
+            self.tokens_generated += len(out.token_ids)
+            if recording:
+                # copies: a loop may extend the lists it was given before the next call writes this one
+                self.pending = (call, RecordedCall(digest, list(out.token_ids),
+                                                   None if out.log_probs is None else list(out.log_probs),
+                                                   out.stop_reason))
+            return out
+        if logprobs is not None:
+            logprobs = list(logprobs)
+        durable = len(ids)
+        out = None
+        while True:
+            want = min(self.chunk_tokens, budget - len(ids))
+            if want <= 0:  # resumed exactly at the end of the budget
+                stop_reason = "length"
+                break
+            out = await send(prompt_ids + ids, {**params, "max_new_tokens": want}, chunk_seed(seed, len(ids)),
+                             image_data)
+            got = out.token_ids
+            self.tokens_generated += len(got)
+            if not ids and logprobs is None and out.log_probs is not None:
+                logprobs = []
+            ids += got
+            if logprobs is not None:
+                logprobs += out.log_probs or []
+            stop_reason = out.stop_reason
+            if stop_reason != "length" or len(got) < want or len(ids) >= budget:
+                break
+            # the answer goes on: this chunk is durable before the next one is asked
+            self.file.append(call, RecordedCall(digest, ids[durable:],
+                                                None if logprobs is None else logprobs[durable:], None))
+            durable = len(ids)
+        self.pending = (call, RecordedCall(digest, ids[durable:], None if logprobs is None else logprobs[durable:],
+                                           stop_reason))
+        return token_output(ids, logprobs, stop_reason, None if out is None else out.extra_fields)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def discard(self) -> None:
+        """The unit's line is in its shard: its record goes."""
+        self.pending = None
+        self.file.discard()

@@ -1,0 +1,156 @@
+"""Progress inside a sample (actor/progress.py, run/progress.py): long answers generated in chunks, each chunk
+durable before the next is asked; after a crash a unit continues from its last durable tokens, and a rerun of a
+multi-turn unit answers the calls it asks as before from the record.
+
+The unit-level tests drive `UnitProgress` with an engine double that answers like SGLang's /generate would (a
+deterministic token function of the request, `max_new_tokens`, an end-of-sequence id); the pipeline test SIGKILLs
+the real actor of a real run on the CPU server's fake backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipegen.engines.request import max_new_tokens_for
+from pipegen.actor.progress import RESUMED, RESUMED_AT_TOKEN, UnitProgress
+from pipegen.run.progress import progress_summary, read_calls, tidy
+
+EOS = 2
+
+
+@dataclass
+class Budget:
+    prompt_length: int = 64
+    response_length: int = 100
+    max_model_len: int = 4096
+    vocab_size: int | None = 1000
+
+
+class Engine:
+    """Answers a request as a deterministic function of (prompt ids, seed): each next token depends on the ids
+    so far, EOS where the function says, `length` at max_new_tokens."""
+
+    def __init__(self, eos_at: int | None = None):
+        self.eos_at = eos_at  # the answer ends with EOS at this answer position (counting from the first prompt)
+        self.requests: list[tuple[list[int], dict, int | None]] = []
+        self.tokens = 0
+        self.crash_after: int | None = None  # raise on the request after this many
+
+    async def __call__(self, ids, params, seed, pictures):
+        from pipegen.actor.progress import token_output
+
+        if self.crash_after is not None and len(self.requests) >= self.crash_after:
+            raise KeyboardInterrupt("crash")
+        self.requests.append((list(ids), dict(params), seed))
+        out, lps, reason = [], [], "length"
+        ctx = list(ids)
+        for _ in range(max_new_tokens_for(dict(params), len(ids), Budget())):  # the engine's budget rule
+            if self.eos_at is not None and len(ctx) - self.prompt_len == self.eos_at:
+                tok = EOS
+            else:
+                tok = 3 + int(hashlib.blake2b(repr((ctx[-3:], seed)).encode(), digest_size=2).hexdigest(), 16) % 900
+            ctx.append(tok)
+            out.append(tok)
+            lps.append(-tok / 1000)
+            if tok == EOS:
+                reason = "stop"
+                break
+        self.tokens += len(out)
+        return token_output(out, lps, reason)
+
+
+PARAMS = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
+
+
+def call(progress: UnitProgress, engine: Engine, prompt: list[int], seed: int = 7, **params):
+    engine.prompt_len = len(prompt)
+    return asyncio.run(progress.generate(engine, prompt, {**PARAMS, **params}, seed))
+
+
+def test_a_short_answer_is_todays_one_request_and_writes_nothing(tmp_path):
+    path = tmp_path / "0-0.jsonl"
+    engine = Engine(eos_at=10)  # a budget (response_length=100) within one chunk: today's request, unchanged
+    out = call(UnitProgress(path, 128, Budget()), engine, [5, 6, 7])
+    assert len(engine.requests) == 1 and engine.requests[0][1] == PARAMS and engine.requests[0][2] == 7
+    assert out.token_ids[-1] == EOS and out.stop_reason == "stop" and len(out.token_ids) == 11
+    out = call(UnitProgress(path, 32, Budget()), engine, [5, 6, 7])  # a longer budget, an answer within a chunk
+    assert len(engine.requests) == 2 and engine.requests[1][1] == {**PARAMS, "max_new_tokens": 32}
+    assert len(out.token_ids) == 11 and out.stop_reason == "stop"
+    assert not path.exists()
+
+
+def test_a_long_answer_goes_in_chunks_each_durable_and_stops_as_one_request_would(tmp_path):
+    path = tmp_path / "0-0.jsonl"
+    engine = Engine(eos_at=None)
+    out = call(UnitProgress(path, 32, Budget()), engine, [5, 6, 7])
+    # the whole answer's budget is verl's (response_length=100): 32 + 32 + 32 + 4
+    assert [r[1]["max_new_tokens"] for r in engine.requests] == [32, 32, 32, 4]
+    assert len(out.token_ids) == 100 and out.stop_reason == "length" and len(out.log_probs) == 100
+    for k, (ids, _, _) in enumerate(engine.requests):  # each chunk continues from the prompt plus the ids so far
+        assert ids == [5, 6, 7] + out.token_ids[:32 * k]
+    assert len({r[2] for r in engine.requests}) == 4 and engine.requests[0][2] == 7  # fresh draws per chunk
+    calls = read_calls(path)  # three chunks went on and are on disk; the last is the shard line's
+    assert len(calls) == 1 and calls[0].ids == out.token_ids[:96] and calls[0].end is None
+
+    eos = Engine(eos_at=40)  # EOS inside the second chunk ends the answer there, as it would end one request
+    out = call(UnitProgress(tmp_path / "1-0.jsonl", 32, Budget()), eos, [5, 6, 7])
+    assert len(out.token_ids) == 41 and out.token_ids[-1] == EOS and out.stop_reason == "stop"
+    assert len(eos.requests) == 2
+
+
+def test_a_crashed_answer_continues_from_its_last_durable_chunk(tmp_path):
+    path = tmp_path / "3-1.jsonl"
+    engine = Engine()
+    engine.crash_after = 2  # the third chunk's request never comes back
+    with pytest.raises(KeyboardInterrupt):
+        call(UnitProgress(path, 32, Budget()), engine, [5, 6, 7])
+    assert progress_summary(tmp_path) == (1, 64)
+    durable = read_calls(path)[0].ids
+
+    engine = Engine()
+    progress = UnitProgress(path, 32, Budget())
+    out = call(progress, engine, [5, 6, 7])
+    assert [len(r[0]) for r in engine.requests] == [3 + 64, 3 + 96]  # only what was not durable is generated
+    assert engine.tokens == 36 and len(out.token_ids) == 100
+    assert out.token_ids[:64] == durable
+    assert progress.row_fields() == {RESUMED: True, RESUMED_AT_TOKEN: 64, "replayed_calls": 0}
+    progress.discard()
+    assert not path.exists()
+
+
+def test_a_rerun_answers_recorded_calls_from_the_record_until_one_differs(tmp_path):
+    path = tmp_path / "0-0.jsonl"
+    engine = Engine(eos_at=5)
+    progress = UnitProgress(path, 32, Budget())
+    a = call(progress, engine, [5, 6, 7])
+    b = call(progress, engine, [5, 6, 7, *a.token_ids, 50])  # the second call writes the first
+    c = call(progress, engine, [5, 6, 7, *a.token_ids, 50, *b.token_ids, 60])  # ... and this one the second
+    assert len(read_calls(path)) == 2 and len(engine.requests) == 3
+
+    engine = Engine(eos_at=5)  # the rerun: same first two calls, a different third
+    rerun = UnitProgress(path, 32, Budget())
+    a2 = call(rerun, engine, [5, 6, 7])
+    b2 = call(rerun, engine, [5, 6, 7, *a.token_ids, 50])
+    assert (a2.token_ids, a2.log_probs, b2.token_ids, b2.log_probs) == (a.token_ids, a.log_probs, b.token_ids,
+                                                                        b.log_probs)
+    assert engine.requests == []  # no engine work for the recorded calls
+    call(rerun, engine, [5, 6, 7, *a.token_ids, 50, *b.token_ids, 61])
+    assert len(engine.requests) == 1 and rerun.replayed == 2 and rerun.row_fields()["replayed_calls"] == 2
+
+    engine = Engine(eos_at=5)  # a first call that differs drops the record and goes live from there
+    other = UnitProgress(path, 32, Budget())
+    call(other, engine, [5, 6, 8])
+    assert len(engine.requests) == 1 and not path.exists() and not other.resumed
+
+
+def test_tidy_drops_the_progress_of_done_units_only(tmp_path):
+    for name in ("1-0.jsonl", "2-1.jsonl", "notes.txt"):
+        (tmp_path / name).write_text('{"call":0,"digest":"d","ids":[1,2],"logprobs":null,"end":null}\n')
+    assert progress_summary(tmp_path) == (2, 4)
+    assert tidy(tmp_path, lambda i, s: (i, s) == (1, 0)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2-1.jsonl", "notes.txt"]
