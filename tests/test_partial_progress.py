@@ -154,3 +154,28 @@ def test_tidy_drops_the_progress_of_done_units_only(tmp_path):
     assert progress_summary(tmp_path) == (2, 4)
     assert tidy(tmp_path, lambda i, s: (i, s) == (1, 0)) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2-1.jsonl", "notes.txt"]
+
+
+# ------------------------------------------------------------------------------ a real run, its actor SIGKILLed
+
+
+@pytest.mark.slow
+def test_killed_actors_continue_long_answers_from_their_durable_chunks(tmp_path):
+    """The bench's `resume` scenario (pipegen/bench/partial_progress.py) at a cheap size: SIGKILLs while the
+    actor generates, each restart continues the units from their last chunk. `python -m pipegen.bench --only
+    resume` measures it with 5 kills and 2,000-token answers (BENCHMARKS.md)."""
+    from conftest import assert_verified, load_trajectories
+    from pipegen.bench.partial_progress import crash_run
+
+    figures = crash_run(tmp_path, units=4, answer_tokens=600, chunk_tokens=25, kills=2, token_latency=0.002, seed=1)
+    out = tmp_path / "run"
+    assert_verified(out)  # every unit exactly once; no committed unit keeps progress (status --verify)
+    data = load_trajectories(out / "trajectories.pkl")  # verl's own reader
+    units = sorted(zip(map(int, data.non_tensor_batch["index"]), map(int, data.non_tensor_batch["sample"])))
+    assert len(units) == len(set(units)) == 4
+    assert (data.batch["response_mask"].sum(-1) == 600).all()  # the whole answer, as an uninterrupted one
+    assert figures.resumed_rows >= 1
+    resumed = [r for r, at in zip(data.non_tensor_batch["resumed"], data.non_tensor_batch["resumed_at_token"]) if r]
+    assert resumed and all(0 < at < 600 for at in data.non_tensor_batch["resumed_at_token"] if at is not None)
+    assert figures.ratio <= 1.10, figures
+    assert not list((out / "streams" / "progress").glob("*.jsonl"))

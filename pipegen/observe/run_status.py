@@ -30,6 +30,7 @@ from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.ownership import LockStatus, lock_status
 from pipegen.observe.progress import snapshot
+from pipegen.run.progress import progress_summary
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive,
                                    stats_history)
@@ -165,6 +166,8 @@ def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
         "complete": snap.complete,
         "merged": snap.merged,
     }
+    # progress inside answers (run/progress.py): units a crash left mid-answer, or mid-session, and their tokens
+    progress["partial_units"], progress["partial_tokens"] = progress_summary(run.progress)
     servers: list[dict[str, Any]] = []
     for url in run.read_launch().servers[:16]:
         servers.append({"url": url, "answering": _answers(url) if state != "finished" else None})
@@ -215,6 +218,9 @@ def render(st: RunStatus) -> str:
     buffered = f" + {p['buffered']} in shards, not yet batched" if p.get("buffered") else ""
     out.append(f"  progress   {p['committed']}/{p['total']} samples committed ({pct:.1f}%) in {p['batches']} batches"
                f"{buffered} | pending {p['pending']} | in flight {p['in_flight']} | failed {p['failed']}")
+    if p.get("partial_units"):
+        out.append(f"  partial    {p['partial_units']} unit(s) hold {p['partial_tokens']} tokens of progress inside "
+                   "their answers (streams/progress/; the next launch continues them)")
     if r or "latency/p50_s" in m:
         parts = []
         if r:

@@ -9,7 +9,8 @@ The exactly-once proof a user can run on their own data. Problems (exit 1):
 - the checkpoint inconsistent with the batch files: its committed units are not exactly the units the
   batch files hold, or a file's rows and units are not what its ledger entry says;
 - a unit outside the manifest; in a run the checkpoint calls complete, a unit neither committed nor
-  failed with a reason.
+  failed with a reason;
+- a committed unit that still holds progress (streams/progress/, run/progress.py).
 Notes (exit 0): units still pending in a run that is not complete, shard lines that cannot be read or
 were torn by a crash, committed units whose shard line is gone (the batch files hold them), files set
 aside by a recovery.
@@ -31,6 +32,7 @@ from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import load_fingerprint
 from pipegen.run.integrity import DamagedFile, set_aside_files
 from pipegen.run.layout import RunDir, list_shards
+from pipegen.run.progress import progress_files
 from pipegen.run.rows import batch_rows
 from pipegen.run.stream import parse_unit_label, read_head, ShardTailer, unit_label, UnitKeys
 
@@ -134,6 +136,7 @@ def verify_run(run: RunDir) -> Verdict:
     _check_units(verdict, ckpt, keys, manifest, committed | in_batches)
     _check_merged_output(verdict, ckpt, run)
     _check_shards(verdict, run, keys, ckpt)
+    _check_progress(verdict, run, keys, committed)
     for path in set_aside_files(run.root):
         verdict.notes.append(f"{path.relative_to(run.root)} was set aside by a recovery (inspect it, then delete it)")
     return verdict
@@ -180,6 +183,20 @@ def _check_merged_output(verdict: Verdict, ckpt: Checkpoint, run: RunDir) -> Non
     if ckpt.merged and run.merged_output() is None:
         verdict.problems.append(f"checkpoint.json says merged, but neither {run.trajectories.name} nor "
                                 f"{run.output_index.relative_to(run.root)} exists")
+
+
+def _check_progress(verdict: Verdict, run: RunDir, keys: UnitKeys, committed: set[int]) -> None:
+    """A committed unit keeps no progress (streams/progress/, run/progress.py): its actor unlinks the file after
+    the unit's line, and the next actor start drops any a crash left between the two."""
+    held = progress_files(run.progress)
+    stale = {keys.key(index, sample) for index, sample in held} & committed
+    if stale:
+        verdict.problems.append(f"{len(stale)} committed unit(s) still hold progress in "
+                                f"{run.progress.relative_to(run.root)}/: {_units(keys, stale)}")
+    elif held:
+        verdict.notes.append(f"{len(held)} unit(s) hold progress inside their answer (a rerun continues them)")
+    else:
+        verdict.checked.append("no committed unit holds progress in streams/progress/")
 
 
 def _check_shards(verdict: Verdict, run: RunDir, keys: UnitKeys, ckpt: Checkpoint) -> None:

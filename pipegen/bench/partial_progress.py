@@ -1,0 +1,162 @@
+"""Scenario `resume`: what SIGKILLed actors cost with long answers, with the answers' progress kept on disk
+(`actors.progress_chunk_tokens`, actor/progress.py) and without it (0: a killed unit starts again from scratch),
+and what keeping it costs a run that is never killed.
+
+The real launcher runs against pipegen's CPU server with the fake model backend (no EOS, so every answer is the
+whole `max_response_length`; a fixed per-token latency): the actor is SIGKILLed at random moments while it
+generates, the launcher restarts it each time, and at the end the server's count of tokens it generated is
+divided by the tokens in the output. `crash_run` is also what tests/test_partial_progress.py runs at a cheap size.
+
+Owns: the kill schedule and the two figures. Must never: assert a timing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipegen.bench import common as c
+
+KEY = "resume"
+TITLE = "Long answers under SIGKILLed actors: tokens generated ÷ tokens kept, progress kept vs not"
+
+
+@dataclass
+class CrashFigures:
+    generated: int  # tokens the server generated, the killed requests' included
+    kept: int  # response tokens in trajectories.pkl
+    kills: int
+    units: int
+    wall_s: float
+    resumed_rows: int  # rows whose unit continued from its record
+
+    @property
+    def ratio(self) -> float:
+        return self.generated / max(1, self.kept)
+
+
+def actor_pids(out: Path) -> list[int]:
+    """The pids of this run's actors (matched on their exact command line, never by a broad name)."""
+    want = [b"pipegen.actor", f"output_dir={out}".encode()]
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if all(w in argv for w in want):
+            pids.append(int(entry.name))
+    return pids
+
+
+def overrides(units: int, answer_tokens: int, chunk_tokens: int, restarts: int) -> list[str]:
+    return [f"max_samples={units}", "n=1", f"max_response_length={answer_tokens}", "max_prompt_length=256",
+            f"actors.concurrency={units}", f"actors.progress_chunk_tokens={chunk_tokens}",
+            f"generation.restart_limit={restarts}", "generation.show_progress=false", "generation.report=false",
+            "generation.upload_artifact=false", "actors.stats_interval_s=0.5", "seed=5"]
+
+
+def crash_run(folder: Path, *, units: int, answer_tokens: int, chunk_tokens: int, kills: int,
+              token_latency: float, seed: int = 0, timeout_s: float = 300) -> CrashFigures:
+    """One run under `kills` SIGKILLs of its actor, each at a random moment while the server generates for it."""
+    from verl import DataProto
+
+    rng = random.Random(seed)
+    out = folder / "run"
+    args = c.fake_backend_args(slots=units, eos_prob=0.0, token_latency=token_latency)
+    with c.reference_server(folder, args) as server:
+        log = open(folder / "launch.log", "wb")
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(c.launcher_command(out, server.url, *overrides(units, answer_tokens, chunk_tokens,
+                                                                                 kills + 2)),
+                                cwd=c.REPO, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            killed: set[int] = set()
+            for _ in range(kills):
+                pid = wait_for(lambda: next((p for p in actor_pids(out) if p not in killed), None), proc, timeout_s)
+                before = c.server_stats(server.url)["engine_tokens_generated"]
+                # a random moment while it generates: once the server has started on its requests
+                wait_for(lambda: c.server_stats(server.url)["engine_tokens_generated"] > before or None, proc,
+                         timeout_s)
+                time.sleep(rng.uniform(0.2, 0.8) * answer_tokens * token_latency)
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            proc.wait(timeout_s)
+        finally:
+            c.stop_process(proc)
+            log.close()
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise RuntimeError(f"launcher exited {proc.returncode}; log {log.name}")
+        generated = int(c.server_stats(server.url)["engine_tokens_generated"])
+    data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
+    kept = int(data.batch["response_mask"].sum())
+    resumed = data.non_tensor_batch.get("resumed")
+    return CrashFigures(generated, kept, kills, len(data), wall,
+                        0 if resumed is None else sum(1 for r in resumed if r))
+
+
+def wait_for(probe, proc: subprocess.Popen, timeout_s: float):
+    """probe()'s first value that is not None, polled while the launcher runs."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = probe()
+        if value is not None:
+            return value
+        if proc.poll() is not None:
+            raise RuntimeError(f"the launcher ended (exit {proc.returncode}) before the kill")
+        time.sleep(0.02)
+    raise RuntimeError("timed out waiting for the actor")
+
+
+def clean_run(folder: Path, *, units: int, answer_tokens: int, chunk_tokens: int, token_latency: float) -> float:
+    """Wall seconds of a run nobody kills (the launcher's whole run, writer and merge included)."""
+    out = folder / "run"
+    args = c.fake_backend_args(slots=units, eos_prob=0.0, token_latency=token_latency)
+    with c.reference_server(folder, args) as server:
+        t0 = time.perf_counter()
+        done = subprocess.run(c.launcher_command(out, server.url, *overrides(units, answer_tokens, chunk_tokens, 1)),
+                              cwd=c.REPO, capture_output=True, timeout=600)
+        wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-2000:].decode(errors="replace"))
+    return wall
+
+
+def run(quick: bool) -> c.ScenarioResult:
+    res = c.ScenarioResult(KEY, TITLE)
+    units, answer, latency, kills = (8, 2000, 0.001, 5) if quick else (16, 2000, 0.002, 6)
+    chunk = 32  # waste per kill is at most a chunk per unit in flight: 5 kills x 32 / 2,000 tokens <= 8%
+    figures = {}
+    for label, tokens in (("off", 0), ("on", chunk)):
+        with c.scratch(f"resume-{label}") as tmp:
+            figures[label] = crash_run(tmp, units=units, answer_tokens=answer, chunk_tokens=tokens, kills=kills,
+                                       token_latency=latency)
+    for label, f in figures.items():
+        what = ("progress kept (actors.progress_chunk_tokens=%d)" % chunk if label == "on"
+                else "progress not kept (actors.progress_chunk_tokens=0, today's restart)")
+        res.add(c.Row(f"{what}: {f.units} units of {answer} tokens, {f.kills} actor SIGKILLs",
+                      f.ratio, "tokens generated ÷ tokens in the output", "≤ 1.10" if label == "on" else "",
+                      raw=f"{f.generated} generated, {f.kept} kept, {f.resumed_rows} rows resumed, "
+                          f"{c.fmt_s(f.wall_s)}"))
+    # the cost of keeping progress in a run nobody kills: the whole run's wall time, off ÷ on, interleaved
+    reps = 1 if quick else 3
+    walls: dict[str, list[float]] = {"off": [], "on": []}
+    for _ in range(reps):
+        for label, tokens in (("off", 0), ("on", chunk)):
+            with c.scratch(f"resume-clean-{label}") as tmp:
+                walls[label].append(clean_run(tmp, units=units, answer_tokens=answer // 2, chunk_tokens=tokens,
+                                              token_latency=latency))
+    res.add(c.Row(f"e2e, never killed: {units} units of {answer // 2} tokens, progress kept every {chunk} tokens",
+                  c.median(walls["off"]) / c.median(walls["on"]), "run rate, kept ÷ not kept", "≥ 0.97",
+                  raw=f"wall {c.fmt_s(c.median(walls['on']))} kept, {c.fmt_s(c.median(walls['off']))} not kept"))
+    res.notes.append("Kills land at a random moment 20-80% of one answer's time after the server starts on the "
+                     "actor's requests; the launcher restarts the actor each time.")
+    return res
