@@ -179,3 +179,85 @@ def test_killed_actors_continue_long_answers_from_their_durable_chunks(tmp_path)
     assert resumed and all(0 < at < 600 for at in data.non_tensor_batch["resumed_at_token"] if at is not None)
     assert figures.ratio <= 1.10, figures
     assert not list((out / "streams" / "progress").glob("*.jsonl"))
+
+
+@pytest.mark.slow
+def test_a_tool_loop_killed_mid_session_answers_its_recorded_turns_from_the_record(tmp_path, tiny_model):
+    """verl's tool loop against the scripted fake server (two calculator calls, then the answer; the script of
+    test_agent_loops.py): the actor is SIGKILLed once every unit is in its third model call, the launcher
+    restarts it, and the rerun answers each unit's first two calls from its record (the recording proxy sees
+    each of them once), then asks the engine for the third. The rows are token-exact (the sampled tokens and
+    log-probs are what the engine answered for the three calls) and verl reads them."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    from conftest import REPO, assert_verified, load_trajectories
+    from fake_servers import FakeServer, RecordingProxy, write_dataset
+    from pipegen.bench.partial_progress import actor_pids
+    from pipegen.run.stream import unit_seed
+    from test_agent_loops import QUESTIONS, SCRIPT, tool_overrides
+
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    server = FakeServer("scripted", tmp_path, tiny_model, "--script", str(script), "--slots", "16",
+                        "--token-latency", "0.08").wait_ready()
+    proxy = RecordingProxy("proxy", tmp_path, server.url).wait_ready()
+    data = write_dataset(tmp_path / "questions.parquet", [{"content": q} for q in QUESTIONS])
+    out = tmp_path / "run"
+    overrides = tool_overrides(tiny_model, data, "n=1", "seed=3", "generation.save_batch_size=1000",
+                               "generation.partial_batch_quiet_s=60", "llm=external", f"llm.urls=[{proxy.url}]")
+    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seeds = {unit_seed(3, i, 0): i for i in range(len(QUESTIONS))}
+    try:
+        deadline = time.time() + 180
+        while True:  # every unit has its first two calls answered: its third call is on its way
+            answered = [e["seed"] for e in proxy.entries() if e["status"] == 200]
+            if all(answered.count(s) >= 2 for s in seeds):
+                break
+            assert time.time() < deadline and launcher.poll() is None, "the run never reached the third calls"
+            time.sleep(0.05)
+        time.sleep(0.3)  # the calculator answers at once; the third call (8 tokens) takes ~0.6 s
+        (pid,) = actor_pids(out)
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        entries = proxy.entries()
+        proxy.stop()
+        server.stop()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert (out / "logs" / "actor_0.log").read_text().count("starting actor_0") == 2
+    assert_verified(out)
+    rows = load_trajectories(out / "trajectories.pkl")  # verl's own reader
+
+    calls: dict[int, list[dict]] = {}
+    for e in sorted(entries, key=lambda e: e["t"]):
+        if e["status"] == 200:
+            calls.setdefault(e["seed"], []).append(e)
+    nt = rows.non_tensor_batch
+    resumed = 0
+    for i, index in enumerate(map(int, nt["index"])):
+        seed = unit_seed(3, index, 0)
+        turns = sorted({len(e["input_ids"]): e for e in calls[seed]}.values(), key=lambda e: len(e["input_ids"]))
+        assert len(turns) == 3
+        # the first two calls reached the engine once, whether or not the unit was resumed
+        for turn in turns[:2]:
+            assert sum(e["input_ids"] == turn["input_ids"] for e in calls[seed]) == 1
+        if nt["resumed"][i]:
+            resumed += 1
+            assert nt["replayed_calls"][i] == 2 and nt["resumed_at_token"][i] == 0
+        mask = rows.batch["response_mask"][i].bool()
+        sampled = rows.batch["responses"][i][mask].tolist()
+        assert sampled == [t for turn in turns for t in turn["output_ids"]]
+        logprobs = torch.tensor([lp for turn in turns for lp in turn["logprobs"]], dtype=torch.float32)
+        assert torch.equal(rows.batch["rollout_log_probs"][i][mask], logprobs)
+    assert resumed >= 1
