@@ -103,6 +103,13 @@ def test_a_long_answer_goes_in_chunks_each_durable_and_stops_as_one_request_woul
     assert len(eos.requests) == 2
 
 
+def test_an_answer_with_a_penalty_over_its_own_tokens_or_stop_strings_goes_in_one_request(tmp_path):
+    for extra in ({"repetition_penalty": 1.1}, {"frequency_penalty": 0.5}, {"stop": ["###"]}):
+        engine = Engine()
+        out = call(UnitProgress(tmp_path / "0-0.jsonl", 32, Budget()), engine, [5, 6, 7], **extra)
+        assert len(engine.requests) == 1 and len(out.token_ids) == 100, extra
+
+
 def test_a_crashed_answer_continues_from_its_last_durable_chunk(tmp_path):
     path = tmp_path / "3-1.jsonl"
     engine = Engine()

@@ -14,6 +14,8 @@ Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
   (its digest) equals the recorded call's is answered from the record when that call was finished (no engine
   work; the same ids and log-probs), or continued from its recorded tokens when it was not. From the first call
   that differs (or is not recorded) every call goes to the engine, and the record beyond it is dropped.
+- **what is not chunked**: an answer asked with a penalty or minimum over its own tokens, or with stop strings
+  (`continuable`), goes in one request as before: a continuation would not see them across the boundary.
 - **cost**: a unit with one call answered in one chunk writes nothing. A finished call is written when the unit
   makes its next call (the last call's answer is the unit's shard line).
 
@@ -49,6 +51,20 @@ def chunk_seed(seed: int | None, offset: int) -> int | None:
         return seed
     digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+# what an engine applies to the answer so far only: a chunk would start them afresh, so such answers go in one request
+# (verl sends repetition_penalty=1.0 and none of the others)
+NEUTRAL = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_new_tokens": 0,
+           "min_tokens": 0}
+
+
+def continuable(params: dict[str, Any]) -> bool:
+    """Whether an answer asked with these params may be generated in chunks and continued: no penalty or minimum
+    over the answer's own tokens, no stop strings (a string may straddle two chunks); stop token ids are fine."""
+    if params.get("stop"):
+        return False
+    return all(params.get(k) in (None, v) for k, v in NEUTRAL.items())
 
 
 def token_output(ids: list[int], logprobs: list[float] | None, stop_reason: str | None, extra: dict | None = None):
@@ -112,7 +128,7 @@ class UnitProgress:
                 self.resumed_at = len(ids)
         params = dict(sampling_params)
         budget = max_new_tokens_for(params, len(prompt_ids), self.limits)  # the whole answer's, as verl's rule
-        if not ids and (not recording or budget <= self.chunk_tokens):
+        if not ids and (not recording or budget <= self.chunk_tokens or not continuable(params)):
             out = await send(prompt_ids, sampling_params, seed, image_data)  # today's request, unchanged
             self.tokens_generated += len(out.token_ids)
             if recording:

@@ -78,15 +78,20 @@ def crash_run(folder: Path, *, units: int, answer_tokens: int, chunk_tokens: int
                                                                                  kills + 2)),
                                 cwd=c.REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
-            killed: set[int] = set()
-            for _ in range(kills):
+            killed: set[int] = set()  # pids tried
+            made = 0  # kills that landed
+            while made < kills:
                 pid = wait_for(lambda: next((p for p in actor_pids(out) if p not in killed), None), proc, timeout_s)
                 before = c.server_stats(server.url)["engine_tokens_generated"]
                 # a random moment while it generates: once the server has started on its requests
                 wait_for(lambda: c.server_stats(server.url)["engine_tokens_generated"] > before or None, proc,
                          timeout_s)
                 time.sleep(rng.uniform(0.2, 0.8) * answer_tokens * token_latency)
-                os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    made += 1
+                except ProcessLookupError:  # it had ended: no kill
+                    pass
                 killed.add(pid)
             proc.wait(timeout_s)
         finally:
@@ -99,7 +104,7 @@ def crash_run(folder: Path, *, units: int, answer_tokens: int, chunk_tokens: int
     data = DataProto.load_from_disk(str(out / "trajectories.pkl"))
     kept = int(data.batch["response_mask"].sum())
     resumed = data.non_tensor_batch.get("resumed")
-    return CrashFigures(generated, kept, kills, len(data), wall,
+    return CrashFigures(generated, kept, made, len(data), wall,
                         0 if resumed is None else sum(1 for r in resumed if r))
 
 
