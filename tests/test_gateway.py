@@ -260,6 +260,16 @@ def test_actor_sigkill_mid_session_then_the_same_command_gives_every_unit_once(t
     units = sorted(int(i) for i in data.non_tensor_batch["index"])
     assert units == list(range(len(names)))  # every unit exactly once
     assert all(g["calls"] == 3 and g["branch"] == "first call" for g in data.non_tensor_batch["gateway"])
+    # the killed sessions' recorded calls were answered from their units' records (pipegen/actor/progress.py),
+    # and their rows are the rows of uninterrupted sessions of the same dialect (the script answers alike)
+    nt = data.non_tensor_batch
+    replayed = [int(r) for r in nt.get("replayed_calls", [None] * len(units)) if r]
+    assert replayed and all(1 <= r <= 2 for r in replayed)
+    responses: dict[str, set] = {}
+    for i, index in enumerate(nt["index"]):
+        n = int(data.batch["attention_mask"][i, data.batch["prompts"].shape[1]:].sum())
+        responses.setdefault(names[int(index)], set()).add(tuple(data.batch["responses"][i, :n].tolist()))
+    assert all(len(r) == 1 for r in responses.values())
 
 
 def test_framework_example_calls_its_tool_through_the_gateway(tiny_model, scripted, tmp_path, tokenizer):

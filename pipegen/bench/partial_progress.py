@@ -82,10 +82,9 @@ def crash_run(folder: Path, *, units: int, answer_tokens: int, chunk_tokens: int
             made = 0  # kills that landed
             while made < kills:
                 pid = wait_for(lambda: next((p for p in actor_pids(out) if p not in killed), None), proc, timeout_s)
-                before = c.server_stats(server.url)["engine_tokens_generated"]
-                # a random moment while it generates: once the server has started on its requests
-                wait_for(lambda: c.server_stats(server.url)["engine_tokens_generated"] > before or None, proc,
-                         timeout_s)
+                before = c.server_stats(server.url)["requests_total"]
+                # a random moment while it generates: once this actor's first requests reached the server
+                wait_for(lambda: c.server_stats(server.url)["requests_total"] > before or None, proc, timeout_s)
                 time.sleep(rng.uniform(0.2, 0.8) * answer_tokens * token_latency)
                 try:
                     os.kill(pid, signal.SIGKILL)
