@@ -260,7 +260,7 @@ def test_actor_sigkill_mid_session_then_the_same_command_gives_every_unit_once(t
     units = sorted(int(i) for i in data.non_tensor_batch["index"])
     assert units == list(range(len(names)))  # every unit exactly once
     assert all(g["calls"] == 3 and g["branch"] == "first call" for g in data.non_tensor_batch["gateway"])
-    # the killed sessions' recorded calls were answered from their units' records (pipegen/actor/progress.py),
+    # the killed sessions' recorded calls were answered from their units' records (pipegen/actor/continuation.py),
     # and their rows are the rows of uninterrupted sessions of the same dialect (the script answers alike)
     nt = data.non_tensor_batch
     replayed = [int(r) for r in nt.get("replayed_calls", [None] * len(units)) if r]

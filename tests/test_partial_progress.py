@@ -1,4 +1,4 @@
-"""Progress inside a sample (actor/progress.py, run/progress.py): long answers generated in chunks, each chunk
+"""Progress inside a sample (actor/continuation.py, run/unit_progress.py): long answers generated in chunks, each chunk
 durable before the next is asked; after a crash a unit continues from its last durable tokens, and a rerun of a
 multi-turn unit answers the calls it asks as before from the record.
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from pipegen.engines.request import max_new_tokens_for
-from pipegen.actor.progress import RESUMED, RESUMED_AT_TOKEN, UnitProgress
-from pipegen.run.progress import progress_summary, read_calls, tidy
+from pipegen.actor.continuation import RESUMED, RESUMED_AT_TOKEN, UnitProgress
+from pipegen.run.unit_progress import progress_summary, read_calls, tidy
 
 EOS = 2
 
@@ -42,7 +42,7 @@ class Engine:
         self.crash_after: int | None = None  # raise on the request after this many
 
     async def __call__(self, ids, params, seed, pictures):
-        from pipegen.actor.progress import token_output
+        from pipegen.actor.continuation import token_output
 
         if self.crash_after is not None and len(self.requests) >= self.crash_after:
             raise KeyboardInterrupt("crash")

@@ -678,7 +678,7 @@ def test_hf_logprobs_are_sglangs_temperature_scaled_ones(hf: Server, tiny_model:
 
 def test_hf_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answer(hf: Server, tiny_model: str,
                                                                                    tmp_path) -> None:
-    """Progress inside a sample (pipegen/actor/progress.py): an answer generated in chunks of 8 tokens, the actor
+    """Progress inside a sample (pipegen/actor/continuation.py): an answer generated in chunks of 8 tokens, the actor
     "crashing" after its first chunk, then resumed from the durable record by a new UnitProgress: the float32
     log-probs of the whole answer, across the resume point and the chunk boundaries, are transformers' within
     2e-3 (temperature-scaled, SGLang's convention)."""
@@ -688,7 +688,7 @@ def test_hf_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answe
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipegen.actor.progress import UnitProgress
+    from pipegen.actor.continuation import UnitProgress
     from pipegen.engines.sglang import build_request, parse_response
 
     limits = SimpleNamespace(prompt_length=64, response_length=24, max_model_len=8192, vocab_size=None)

@@ -12,7 +12,7 @@ Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit s
 server, seed, concurrency slot), checking the agent loops' output before it reaches a shard.
 Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record (its
 line is a FailureRecord), or open a file (it appends to the shards the worker opened for it; a unit's
-progress file is actor/progress.py's).
+progress file is actor/continuation.py's).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipegen.inputs.dataset import dataset_indices, load_dataset, load_processor, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.detokenize import response_decoder
-from pipegen.actor.progress import UnitProgress
+from pipegen.actor.continuation import UnitProgress
 from pipegen.actor.scoring import Scorer
 from pipegen.config.compose import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
@@ -322,7 +322,7 @@ class UnitRunner:
         return uid
 
     def unit_progress(self, pool, index: int, sample: int) -> UnitProgress:
-        """The unit's record of its calls (actor/progress.py), read back when a crash left one."""
+        """The unit's record of its calls (actor/continuation.py), read back when a crash left one."""
         return UnitProgress(self.run_dir.progress_file(index, sample), self.chunk_tokens, pool.limits)
 
     async def run(self, pool, pos: int, sample: int, slot, progress: UnitProgress) -> RolloutRecord:

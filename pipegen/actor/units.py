@@ -21,7 +21,7 @@ import orjson
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
-from pipegen.run.progress import tidy as tidy_progress
+from pipegen.run.unit_progress import tidy as tidy_progress
 from pipegen.run.stream import scan_units, UnitKeys
 
 log = logging.getLogger("pipegen.actor")

@@ -1,5 +1,5 @@
 """Scenario `resume`: what SIGKILLed actors cost with long answers, with the answers' progress kept on disk
-(`actors.progress_chunk_tokens`, actor/progress.py) and without it (0: a killed unit starts again from scratch),
+(`actors.progress_chunk_tokens`, actor/continuation.py) and without it (0: a killed unit starts again from scratch),
 and what keeping it costs a run that is never killed.
 
 The real launcher runs against pipegen's CPU server with the fake model backend (no EOS, so every answer is the

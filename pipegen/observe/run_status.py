@@ -30,7 +30,7 @@ from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.ownership import LockStatus, lock_status
 from pipegen.observe.progress import snapshot
-from pipegen.run.progress import progress_summary
+from pipegen.run.unit_progress import progress_summary
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive,
                                    stats_history)
@@ -166,7 +166,7 @@ def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
         "complete": snap.complete,
         "merged": snap.merged,
     }
-    # progress inside answers (run/progress.py): units a crash left mid-answer, or mid-session, and their tokens
+    # progress inside answers (run/unit_progress.py): units a crash left mid-answer, or mid-session, and their tokens
     progress["partial_units"], progress["partial_tokens"] = progress_summary(run.progress)
     servers: list[dict[str, Any]] = []
     for url in run.read_launch().servers[:16]:

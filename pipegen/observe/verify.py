@@ -10,7 +10,7 @@ The exactly-once proof a user can run on their own data. Problems (exit 1):
   batch files hold, or a file's rows and units are not what its ledger entry says;
 - a unit outside the manifest; in a run the checkpoint calls complete, a unit neither committed nor
   failed with a reason;
-- a committed unit that still holds progress (streams/progress/, run/progress.py).
+- a committed unit that still holds progress (streams/progress/, run/unit_progress.py).
 Notes (exit 0): units still pending in a run that is not complete, shard lines that cannot be read or
 were torn by a crash, committed units whose shard line is gone (the batch files hold them), files set
 aside by a recovery.
@@ -32,7 +32,7 @@ from pipegen.run.config import load_run_config
 from pipegen.run.fingerprint import load_fingerprint
 from pipegen.run.integrity import DamagedFile, set_aside_files
 from pipegen.run.layout import RunDir, list_shards
-from pipegen.run.progress import progress_files
+from pipegen.run.unit_progress import progress_files
 from pipegen.run.rows import batch_rows
 from pipegen.run.stream import parse_unit_label, read_head, ShardTailer, unit_label, UnitKeys
 
@@ -186,7 +186,7 @@ def _check_merged_output(verdict: Verdict, ckpt: Checkpoint, run: RunDir) -> Non
 
 
 def _check_progress(verdict: Verdict, run: RunDir, keys: UnitKeys, committed: set[int]) -> None:
-    """A committed unit keeps no progress (streams/progress/, run/progress.py): its actor unlinks the file after
+    """A committed unit keeps no progress (streams/progress/, run/unit_progress.py): its actor unlinks the file after
     the unit's line, and the next actor start drops any a crash left between the two."""
     held = progress_files(run.progress)
     stale = {keys.key(index, sample) for index, sample in held} & committed

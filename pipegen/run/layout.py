@@ -13,7 +13,7 @@ DIR/
   streams/rollouts/actor_<k>/<seq>.jsonl   RolloutRecord lines (stream.py), one appender per file
   streams/failures/actor_<k>/<seq>.jsonl   FailureRecord lines
   streams/stats/<role>.jsonl               periodic metrics lines, one typed record per role (stats_line.py)
-  streams/progress/<index>-<sample>.jsonl  a running unit's model calls and unfinished answer (progress.py)
+  streams/progress/<index>-<sample>.jsonl  a running unit's model calls and unfinished answer (unit_progress.py)
   checkpoint.json         the writer's commit record (checkpoint.py)
   batch_00000.arrow ...   padded DataProto batches (batchfile.py: Arrow IPC, nothing in one executes on load)
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
@@ -39,7 +39,7 @@ import orjson
 
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.integrity import DamagedFile, read_json_file, relaunch_advice
-from pipegen.run.progress import progress_file_name
+from pipegen.run.unit_progress import progress_file_name
 
 SHARD_SUFFIX = ".jsonl"
 BATCH_GLOB = "batch_*.arrow"

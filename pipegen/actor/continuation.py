@@ -6,7 +6,7 @@ Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
   many tokens, each request the prompt plus the ids so far with `max_new_tokens` = what is left of the chunk and of
   the answer's budget (the budget verl's rule gives the whole answer, engines/request.py). A chunk that ends before
   its budget, or with a finish other than `length`, ends the answer, as the same stop would end an uninterrupted
-  answer; a chunk that fills its budget is written to the unit's progress file (run/progress.py) before the next
+  answer; a chunk that fills its budget is written to the unit's progress file (run/unit_progress.py) before the next
   chunk is asked. The first chunk keeps the call's seed (an answer shorter than a chunk is today's answer); each
   later chunk gets a seed derived from the call's and its first token's position, so a chunk does not replay the
   previous chunk's random draws.
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from pipegen.engines.request import TokenBudget, max_new_tokens_for
-from pipegen.run.progress import ProgressFile, RecordedCall, read_calls, request_digest
+from pipegen.run.unit_progress import ProgressFile, RecordedCall, read_calls, request_digest
 
 if TYPE_CHECKING:
     from verl.workers.rollout.replica import TokenOutput
@@ -76,7 +76,7 @@ def token_output(ids: list[int], logprobs: list[float] | None, stop_reason: str 
 
 
 class UnitProgress:
-    """One unit's calls against its record (run/progress.py's file at `path`)."""
+    """One unit's calls against its record (run/unit_progress.py's file at `path`)."""
 
     def __init__(self, path: Path, chunk_tokens: int, limits: TokenBudget):
         self.file = ProgressFile(path)

@@ -11,7 +11,7 @@ sampling params, seed and pictures), so a rerun can tell whether it asks the sam
 lines' `ids` (and `logprobs`) in order; the call is complete when its last line has an `end` (the engine's finish
 reason). Only the unit's last call may be incomplete.
 
-When a line is written (actor/progress.py decides): a chunk of an answer that goes on, and a complete call once the
+When a line is written (actor/continuation.py decides): a chunk of an answer that goes on, and a complete call once the
 unit makes its next call. A unit that makes one call and answers it in one chunk writes nothing (its shard line is
 its record), so a run of short single-turn answers costs what it cost without this file.
 
