@@ -85,7 +85,8 @@ class UnitProgress:
         self.limits = limits
         self.calls = 0  # calls asked so far
         self.live = not self.recorded  # True from the first call the record cannot answer
-        self.pending: tuple[int, RecordedCall] | None = None  # the last finished call, written at the next call
+        # the last finished call, written when the next call starts: (call, its piece, how to name its request)
+        self.pending: tuple[int, RecordedCall, Callable[[], str]] | None = None
         self.replayed = 0  # calls answered from the record
         self.resumed_at: int | None = None  # the answer token a recorded unfinished call continued from
         self.tokens_generated = 0  # tokens the engine generated for this unit (the bench's cost measure)
@@ -106,10 +107,19 @@ class UnitProgress:
         call = self.calls
         self.calls += 1
         if self.pending is not None:  # the previous call is finished: durable before this one starts
-            self.file.append(*self.pending)
+            done, piece, name = self.pending
+            piece.digest = piece.digest or name()
+            self.file.append(done, piece)
             self.pending = None
         recording = self.chunk_tokens > 0
-        digest = request_digest(prompt_ids, sampling_params, seed, image_data) if recording or not self.live else ""
+        # the request's name costs ~10 us at 1k tokens: computed only where a record is read or written (a unit of
+        # one short call never needs it); a loop may extend prompt_ids in place after the call, hence its length now
+        asked = len(prompt_ids)
+
+        def name() -> str:
+            return request_digest(prompt_ids[:asked], sampling_params, seed, image_data)
+
+        digest = "" if self.live else name()
         ids: list[int] = []
         logprobs: list[float] | None = None
         if not self.live:
@@ -135,7 +145,7 @@ class UnitProgress:
                 # copies: a loop may extend the lists it was given before the next call writes this one
                 self.pending = (call, RecordedCall(digest, list(out.token_ids),
                                                    None if out.log_probs is None else list(out.log_probs),
-                                                   out.stop_reason))
+                                                   out.stop_reason), name)
             return out
         if logprobs is not None:
             logprobs = list(logprobs)
@@ -159,11 +169,12 @@ class UnitProgress:
             if stop_reason != "length" or len(got) < want or len(ids) >= budget:
                 break
             # the answer goes on: this chunk is durable before the next one is asked
+            digest = digest or name()
             self.file.append(call, RecordedCall(digest, ids[durable:],
                                                 None if logprobs is None else logprobs[durable:], None))
             durable = len(ids)
         self.pending = (call, RecordedCall(digest, ids[durable:], None if logprobs is None else logprobs[durable:],
-                                           stop_reason))
+                                           stop_reason), name)
         return token_output(ids, logprobs, stop_reason, None if out is None else out.extra_fields)
 
     def close(self) -> None:
