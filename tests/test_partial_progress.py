@@ -237,10 +237,10 @@ def test_a_tool_loop_killed_mid_session_answers_its_recorded_turns_from_the_reco
     finally:
         if launcher.poll() is None:
             launcher.kill()
-            launcher.wait()
-        entries = proxy.entries()
-        proxy.stop()
-        server.stop()
+        launcher.wait()
+        entries = proxy.entries()  # the engine's log of what it was asked and answered
+        for process in (proxy, server):
+            process.stop()
     assert launcher.returncode == 0, stderr[-3000:]
     assert (out / "logs" / "actor_0.log").read_text().count("starting actor_0") == 2
     assert_verified(out)
