@@ -7,7 +7,8 @@ Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
   the answer's budget (the budget verl's rule gives the whole answer, engines/request.py). A chunk that ends before
   its budget, or with a finish other than `length`, ends the answer, as the same stop would end an uninterrupted
   answer; a chunk that fills its budget is written to the unit's progress file (run/unit_progress.py) before the next
-  chunk is asked. The first chunk keeps the call's seed (an answer shorter than a chunk is today's answer); each
+  chunk is asked. The first chunk keeps the call's seed (an answer shorter than a
+  chunk is today's answer); each
   later chunk gets a seed derived from the call's and its first token's position, so a chunk does not replay the
   previous chunk's random draws.
 - **replay**: on a unit's next start, its calls are compared in order with the record: a call whose request
