@@ -93,7 +93,7 @@ class Actors:
                               choices=(True, False))
     stats_interval_s: float = key(2.0, "how often each actor appends a line to streams/stats/", above=0)
     progress_chunk_tokens: int = key(
-        256, "generate an answer longer than this in chunks of this many tokens, each continued from the prompt "
+        1024, "generate an answer longer than this in chunks of this many tokens, each continued from the prompt "
               "plus the tokens so far, and keep each finished chunk (ids and log-probs, one write) and each finished "
               "model call of a multi-turn unit under streams/progress/ until the unit's line is written: after a "
               "crash the next launch continues each unfinished unit from there (0: one request per answer, "
