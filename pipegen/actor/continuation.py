@@ -112,7 +112,6 @@ class UnitProgress:
             piece.digest = piece.digest or name()
             self.file.append(done, piece)
             self.pending = None
-        recording = self.chunk_tokens > 0
         # the request's name costs ~10 us at 1k tokens: computed only where a record is read or written (a unit of
         # one short call never needs it); a loop may extend prompt_ids in place after the call, hence its length now
         asked = len(prompt_ids)
@@ -139,21 +138,21 @@ class UnitProgress:
                 self.resumed_at = len(ids)
         params = dict(sampling_params)
         budget = max_new_tokens_for(params, len(prompt_ids), self.limits)  # the whole answer's, as verl's rule
-        if not ids and (not recording or budget <= self.chunk_tokens or not continuable(params)):
+        if not ids and (self.chunk_tokens <= 0 or budget <= self.chunk_tokens or not continuable(params)):
             out = await send(prompt_ids, sampling_params, seed, image_data)  # today's request, unchanged
             self.tokens_generated += len(out.token_ids)
-            if recording:
-                # copies: a loop may extend the lists it was given before the next call writes this one
-                self.pending = (call, RecordedCall(digest, list(out.token_ids),
-                                                   None if out.log_probs is None else list(out.log_probs),
-                                                   out.stop_reason), name)
+            # copies: a loop may extend the lists it was given before the next call writes this one
+            self.pending = (call, RecordedCall(digest, list(out.token_ids),
+                                               None if out.log_probs is None else list(out.log_probs),
+                                               out.stop_reason), name)
             return out
         if logprobs is not None:
             logprobs = list(logprobs)
         durable = len(ids)
         out = None
         while True:
-            want = min(self.chunk_tokens, budget - len(ids))
+            # chunking off (0) and a recorded unfinished call: the rest of the answer in one request
+            want = min(self.chunk_tokens if self.chunk_tokens > 0 else budget, budget - len(ids))
             if want <= 0:  # resumed exactly at the end of the budget
                 stop_reason = "length"
                 break
