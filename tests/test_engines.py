@@ -163,3 +163,39 @@ def test_a_launch_on_a_simulated_gpu_machine_states_sglang_and_fails_cleanly_wit
     out = proc.stdout + proc.stderr
     assert "llm=sglang: 1 NVIDIA GPU visible and SGLang set up" in out, out[-3000:]
     assert proc.returncode != 0 and "SGLang 0.5.12 is not installed for" in out, out[-3000:]
+
+
+def test_sglangs_running_limit_comes_from_its_schedulers_when_the_command_line_left_it_unset():
+    from pipegen.engines.sglang import running_limit
+
+    assert running_limit({"max_running_requests": 512, "internal_states": [{"max_running_requests": 4096}]}) == 512
+    # 0.5.12 without --max-running-requests: null at the top, each scheduler's resolved value inside
+    assert running_limit({"max_running_requests": None, "internal_states": [{"max_running_requests": 4096}]}) == 4096
+    assert running_limit({"max_running_requests": None,
+                          "internal_states": [{"max_running_requests": 2048}, {"max_running_requests": 2048}]}) == 4096
+    assert running_limit({"max_running_requests": None, "internal_states": [{"last_gen_throughput": 0.0}]}) is None
+
+
+def test_gpu_utilisation_counts_only_while_units_are_generated(tmp_path, monkeypatch):
+    """observe/gpu_busy.py against an `nvidia-smi` that reports two GPUs, 40% and 60% busy, every 50 ms."""
+    import time
+
+    from pipegen.observe.gpu_busy import GpuBusy
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nwhile true; do printf '0, 40\\n1, 60\\n'; sleep 0.05; done\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    gpu = GpuBusy.start({"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert gpu is not None and "--id=0,1" in gpu.proc.args
+    try:
+        time.sleep(0.4)
+        gpu.observe(generating=False)  # start-up: not counted
+        assert gpu.mean() is None
+        time.sleep(0.4)
+        gpu.observe(generating=True)
+        assert gpu.mean() == pytest.approx(50.0)
+    finally:
+        gpu.stop()
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert GpuBusy.start({}) is None  # no nvidia-smi: nothing sampled, nothing shown

@@ -4,7 +4,9 @@ served by pipegen's CPU reference server (with the real model or the bench's fak
 
 - abort: `POST /abort_request {rid}` (the server answers the request itself with an `abort` finish);
 - readiness: `GET /health_generate` (generates one token);
-- running limit: `/get_server_info` `max_running_requests`;
+- running limit: `/get_server_info` `max_running_requests`: the command line's value when one was given, else
+  (0.5.12 leaves the top-level key null) each scheduler's resolved value in `internal_states`, summed over
+  data-parallel ranks (a small model's is 2,048-4,096: `_resolve_max_num_reqs`);
 - load: `/get_load` (per data-parallel rank `num_reqs`, running and waiting together, and `num_waiting_reqs`);
 - images: `image_data` (PNG data URLs) beside `input_ids`, which already hold the processor's placeholder spans;
 - groups: generations that are ready together go as one batched `/generate`: lists of `input_ids`,
@@ -56,6 +58,18 @@ async def get_json(session: "aiohttp.ClientSession", url: str, timeout_s: float)
         return orjson.loads(raw)
 
 
+def running_limit(info: Any) -> int | None:
+    """SGLang's limit on running requests from its /get_server_info (see the header); None if it names none."""
+    if not isinstance(info, dict):
+        return None
+    if info.get("max_running_requests"):
+        return int(info["max_running_requests"])
+    states = info.get("internal_states")
+    values = [int(st["max_running_requests"]) for st in (states if isinstance(states, list) else [])
+              if isinstance(st, dict) and st.get("max_running_requests")]
+    return sum(values) if values else None
+
+
 def parse_load(body: Any) -> tuple[int, int]:
     """(running, waiting) from SGLang's /get_load: a list of per-DP dicts (or one dict), where `num_reqs`
     counts running and waiting requests together."""
@@ -102,9 +116,7 @@ class SGLang:
             log.info("abort of %s on %s not confirmed: %s", request.rid, url, e)
 
     async def max_running(self, session: aiohttp.ClientSession, url: str) -> int | None:
-        info = await get_json(session, f"{url}/get_server_info", 30.0)
-        mrr = info.get("max_running_requests") if isinstance(info, dict) else None
-        return int(mrr) if mrr else None
+        return running_limit(await get_json(session, f"{url}/get_server_info", 30.0))
 
     async def load(self, session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
         try:
@@ -118,8 +130,8 @@ class SGLang:
         info = await get_json(session, f"{url}/get_server_info", 30.0)
         if not isinstance(info, dict) or info.get("pipegen_reference_server"):
             return 1  # pipegen's CPU server answers a batch only when its last member is done: one by one there
-        mrr = info.get("max_running_requests")
-        return max(1, min(GROUP_MAX, int(mrr))) if mrr else GROUP_MAX
+        mrr = running_limit(info)
+        return max(1, min(GROUP_MAX, mrr)) if mrr else GROUP_MAX
 
     def group_key(self, request: EngineRequest) -> Hashable | None:
         body = request.body

@@ -21,8 +21,8 @@ The costs, modelled on SGLang's processes: the front end (SGLang's one tokenizer
 the event loop: it uses no CPU, so the model holds on a busy machine); the scheduler (SGLang's GPU process)
 runs `--max-running` members at once, each taking `--step-ms` per output token, on its own clock (the front
 end never slows it; its answers wait for the front end to be free, as SGLang's do). Answers are
-`min(max_new_tokens, --answer-tokens)` tokens long; ids and log-probs are a pure function of the prompt, the
-member's `sampling_seed` and the position.
+`min(max_new_tokens, --answer-tokens)` tokens long; ids (in `[100, --vocab - 100)`) and log-probs are a pure
+function of the prompt, the member's `sampling_seed` and the position.
 
 Owns: that protocol and that cost model. Must never: import torch, verl or pipegen's product code (it starts
 in well under a second and is a stand-in for someone else's server).
@@ -45,7 +45,7 @@ from aiohttp import web
 
 log = logging.getLogger("pipegen.fake_sglang")
 
-VOCAB = 49152
+TOKEN_LO = 100  # answer ids stay clear of the special ids at both ends of a vocabulary
 CRASH_EXIT_CODE = 86
 
 
@@ -77,6 +77,8 @@ class Stats:
     max_running_seen: int = 0
     output_tokens: int = 0
     rids: list[str] = field(default_factory=list)
+    first_item_t: float | None = None  # time.time() of the first member received, and of the last one answered
+    last_answer_t: float | None = None
 
 
 class Scheduler:
@@ -140,8 +142,8 @@ class Scheduler:
                 pass
 
 
-def token(ids: list[int], seed: int, pos: int) -> int:
-    return (ids[-1] * 131 + seed * 31 + pos * 7 + 11) % VOCAB
+def token(ids: list[int], seed: int, pos: int, vocab: int) -> int:
+    return TOKEN_LO + (ids[-1] * 131 + seed * 31 + pos * 7 + 11) % (vocab - 2 * TOKEN_LO)
 
 
 class FakeSGLang:
@@ -193,7 +195,7 @@ class FakeSGLang:
                       {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None})
         else:
             finish = {"type": "length", "length": item.max_new}
-        out = [token(item.input_ids, item.seed, i) for i in range(tokens or 0)]
+        out = [token(item.input_ids, item.seed, i, self.args.vocab) for i in range(tokens or 0)]
         meta: dict[str, Any] = {"id": item.rid, "finish_reason": finish, "prompt_tokens": len(item.input_ids),
                                 "weight_version": "default", "num_retractions": 0}
         if logprob:
@@ -218,6 +220,8 @@ class FakeSGLang:
         if not single:
             self.stats.batch_requests += 1
         self.stats.items += len(items)
+        if self.stats.first_item_t is None:
+            self.stats.first_item_t = time.time()
         now = time.monotonic()
         for item in items:
             self.stats.rids.append(item.rid)
@@ -280,6 +284,7 @@ class FakeSGLang:
             else:
                 self.stats.finished += 1
             self.stats.output_tokens += len(answer["output_ids"])
+        self.stats.last_answer_t = time.time()
 
     # ---- the other routes ----
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -351,6 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-ms", type=float, default=10.0, help="scheduler time per output token (ms)")
     p.add_argument("--max-running", type=int, default=160, help="members running at once")
     p.add_argument("--answer-tokens", type=int, default=0, help="answer length cap (0: max_new_tokens)")
+    p.add_argument("--vocab", type=int, default=49152, help="answer ids lie in [100, vocab - 100)")
     p.add_argument("--crash-on-request", type=int, default=0, help="exit hard during this /generate request (1-based)")
     p.add_argument("--crash-delay-s", type=float, default=0.2, help="...this long after it arrived")
     return p.parse_args(argv)
