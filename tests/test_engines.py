@@ -199,3 +199,36 @@ def test_gpu_utilisation_counts_only_while_units_are_generated(tmp_path, monkeyp
         gpu.stop()
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert GpuBusy.start({}) is None  # no nvidia-smi: nothing sampled, nothing shown
+
+
+# the published shapes of the three sizes the GPU bench runs (config.json keys only)
+QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+
+
+def test_sglang_gets_the_settings_for_the_models_size_unless_the_user_set_them(tmp_path):
+    import json
+
+    from pipegen.launch.servers import model_parameters, sglang_server_command
+    from pipegen.launch.world import ServerPlan
+
+    folders = {}
+    for name, shape in (("small", QWEN3_06B), ("large", QWEN3_8B)):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "config.json").write_text(json.dumps(shape))
+    assert 0.5e9 < model_parameters(str(folders["small"])) < 0.8e9
+    assert 7.5e9 < model_parameters(str(folders["large"])) < 8.5e9
+    plan = ServerPlan("server_0", "127.0.0.1", 30000, (0,))
+    llm = llm_defaults("sglang")
+    small, _ = sglang_server_command(plan, str(folders["small"]), llm, seed=0)
+    assert small[small.index("--cuda-graph-max-bs") + 1] == "1024"
+    assert small[small.index("--max-running-requests") + 1] == "4096"
+    large, _ = sglang_server_command(plan, str(folders["large"]), llm, seed=0)
+    assert "--cuda-graph-max-bs" not in large and "--max-running-requests" not in large  # SGLang's own defaults
+    mine, _ = sglang_server_command(plan, str(folders["small"]), {**llm, "max_running_requests": 512,
+                                                                   "extra_args": ["--cuda-graph-max-bs=64"]}, seed=0)
+    assert mine.count("--max-running-requests") == 1 and mine[mine.index("--max-running-requests") + 1] == "512"
+    assert "--cuda-graph-max-bs" not in mine and "--cuda-graph-max-bs=64" in mine
