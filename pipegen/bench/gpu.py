@@ -20,7 +20,8 @@ PIPEGEN_SGLANG_PYTHON); otherwise the table says why it was skipped. pipegen/ben
 script per size for a lent GPU box (15 minutes, server start included).
 
 Knobs (environment): PIPEGEN_BENCH_GPU_SIZES (default small,medium,large), PIPEGEN_BENCH_TRAIN_FILES
-(default the 96 demo prompts), PIPEGEN_BENCH_SGLANG_ARGS (extra server flags, e.g. the GPU kit's SGL_FLAGS).
+(default the 96 demo prompts), PIPEGEN_BENCH_SGLANG_ARGS (extra server flags, e.g. the GPU kit's SGL_FLAGS),
+PIPEGEN_BENCH_GPU_DIR (keep the run folders and server logs there instead of a scratch folder).
 
 Owns: the check for a GPU and SGLang, the three runs, and this scenario's rows.
 Must never: judge a timing, or run without a GPU.
@@ -222,6 +223,17 @@ def run_offline_engine(python: str, model: str, bodies: list[dict], server_flags
     return orjson.loads(out.read_bytes())
 
 
+def warmup_bodies(answer: int, count: int = 512) -> list[dict]:
+    """Short random prompts, answered at the size's length: SGLang's kernels (flashinfer's JIT, CUDA graphs up
+    to the batch sizes the arms reach) are built before the first timed window."""
+    import random
+
+    rng = random.Random(1)
+    return [{"input_ids": [rng.randrange(c.TOKEN_LO, c.TOKEN_HI) for _ in range(64)], "return_logprob": True,
+             "sampling_params": {"max_new_tokens": answer, "temperature": 1.0, "sampling_seed": i}}
+            for i in range(count)]
+
+
 def measure_size(res: c.ScenarioResult, tmp: Path, python: str, key: str, quick: bool) -> None:
     """One size: pipegen (default config), a raw loop of pipegen's own bodies with every one in flight, and
     SGLang's engine offline with log-probs; requests/s, output tok/s and GPU busy of each."""
@@ -248,8 +260,7 @@ def measure_size(res: c.ScenarioResult, tmp: Path, python: str, key: str, quick:
         server.wait_ready(1200)
         load_s = time.monotonic() - loaded
         with UtilSampler() as util:
-            warm = run_pipegen(tmp / f"warmup-{key}", server.url, model, [*overrides, "n=1", "max_samples=16"])
-            c.post_all(server.url, raw_bodies(RunDir(warm.root)), 16)  # kernels and CUDA graphs built before timing
+            c.post_all(server.url, warmup_bodies(size.answer), 64)  # kernels built before anything is timed
             pg = run_pipegen(tmp / f"pipegen-{key}", server.url, model, overrides)
             bodies = raw_bodies(RunDir(pg.root))
             raw_all, s2, e2 = run_raw(server.url, bodies, len(bodies))
@@ -302,6 +313,11 @@ def run(quick: bool) -> c.ScenarioResult:
     if problem:
         res.skipped = problem
         print(f"gpu: skipped: {problem}")
+        return res
+    keep = os.environ.get("PIPEGEN_BENCH_GPU_DIR")  # a folder to keep the servers' and arms' logs in
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        measure(res, Path(keep), python, quick)
         return res
     with c.scratch("gpu") as tmp:
         measure(res, tmp, python, quick)
