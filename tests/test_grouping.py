@@ -5,6 +5,7 @@ batched protocol, each member's chunks tagged with its `index`, per-rid abort) i
   the others are answered on the same connection;
 - a group whose server dies mid-request: each unit is retried once on the other server, none twice;
 - a group whose members finish at different times: each unit is answered when its own member ends;
+- a server that refuses groups (pipegen's CPU server: no streaming): each member alone, then no groups;
 - the whole pipeline on the fake: every unit once in the output, its requests grouped.
 """
 
@@ -157,3 +158,31 @@ def test_a_run_on_grouped_sglang_writes_every_unit_once(tmp_path, fakes):
     assert stats["items"] == 32 and stats["batch_requests"] >= 1 and stats["http_requests"] < 32
     data = load_trajectories(out / "trajectories.pkl")
     assert len(data) == 32
+
+
+def test_a_server_that_refuses_groups_gets_each_member_alone_then_no_more_groups(tmp_path, tiny_model):
+    """pipegen's CPU server refuses `stream=true` (400): a group sent to it anyway (its group limit forced
+    here; it reports none) is sent again member by member, every unit answered once; after GROUP_GIVE_UP such
+    refusals in a row the server gets one request per generation."""
+    from verl.workers.rollout.replica import TokenOutput  # noqa: F401  (its first import outlasts a deadline here)
+
+    from pipegen.actor.client import GROUP_GIVE_UP
+
+    server = FakeServer("cpu", tmp_path, tiny_model, "--token-latency", "0.001").wait_ready()
+
+    async def body(pool):
+        pool.servers[0].group_limit = 4
+        outs = []
+        for round_ in range(GROUP_GIVE_UP + 1):
+            outs += await asyncio.gather(*(gen(pool, "c", 100 * round_ + s, max_new=4) for s in range(4)))
+        return outs
+
+    try:
+        outs, pool = pool_run([server.url], body)
+        stats = server.stats()
+    finally:
+        server.stop()
+    assert len(outs) == 4 * (GROUP_GIVE_UP + 1) and all(len(o.token_ids) == 4 for o in outs)
+    assert pool.servers[0].group_limit == 1 and pool.retries == 0
+    assert pool.http_requests == GROUP_GIVE_UP * 5 + 4  # each refused group, its members alone, then singles
+    assert stats["responses_by_status"].get("400") == GROUP_GIVE_UP and stats["generations_total"] == len(outs)

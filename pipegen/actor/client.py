@@ -60,6 +60,7 @@ NO_TIMEOUT = aiohttp.ClientTimeout()  # no total, no socket timeouts (the sessio
 # how long a request waits for others to the same server to share its grouped request: the units of one
 # admission round (a prompt's n samples among them) reach here within a few event-loop turns of each other
 GROUP_WINDOW_S = 0.002
+GROUP_GIVE_UP = 3  # grouped requests to one server failing as a whole in a row: it gets one request each from then
 
 
 class RetriesExhausted(Exception):
@@ -82,6 +83,7 @@ class ServerState:
     pending: dict[Hashable, list["Member"]] = field(default_factory=dict)  # waiting for GROUP_WINDOW_S
     flush: asyncio.TimerHandle | None = None
     http_requests: int = 0  # POSTs (a grouped request counts once)
+    group_failures: int = 0  # grouped requests in a row that failed as a whole (GROUP_GIVE_UP: one by one)
 
 
 @dataclass(eq=False)
@@ -456,6 +458,7 @@ class ServerPool:
                                          headers=self._json_headers, timeout=NO_TIMEOUT) as resp:
                 if resp.status != 200:
                     raw = await resp.read()
+                    self._group_failed(server, f"HTTP {resp.status}")
                     if resp.status >= 500 or resp.status in RETRYABLE_4XX:
                         self._record_failure(server, f"http_{resp.status}")
                         _fail(members, f"HTTP {resp.status} from {server.url}: {raw[:200].decode(errors='replace')}")
@@ -478,11 +481,24 @@ class ServerPool:
             return
         except (ValueError, TypeError, KeyError, IndexError) as e:
             self._record_failure(server, "bad_response")
+            self._group_failed(server, f"an unreadable answer ({e})")
             _fail(members, f"unreadable grouped answer from {server.url}: {e}")
             return
         if not all(m.future.done() for m in members):
             self._record_failure(server, "bad_response")
+            self._group_failed(server, "an answer without every member")
             _fail(members, f"grouped answer from {server.url} ended without this member's answer")
+            return
+        server.group_failures = 0
+
+    def _group_failed(self, server: ServerState, what: str) -> None:
+        """A grouped request failed as a whole; after GROUP_GIVE_UP in a row the server (a router or another
+        server that speaks /generate but not its batched, streamed form) gets one request per generation."""
+        server.group_failures += 1
+        if server.group_failures >= GROUP_GIVE_UP and (server.group_limit or 1) > 1:
+            server.group_limit = 1
+            log.warning("%s: %d grouped requests in a row failed (last: %s): one request per generation from now",
+                        server.url, server.group_failures, what)
 
     async def _attempt(self, server: ServerState, request: EngineRequest):
         """One POST (counted by _start): the TokenOutput, or a string describing a transient failure

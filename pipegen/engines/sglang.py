@@ -181,10 +181,16 @@ def group_request(bodies: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def finished_members(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """Each member's final chunk of a streamed batch answer, as `(index, answer)`, in the order they finish.
+    """Each member's final chunk of a streamed batch answer, as `(index, answer)`, in the order they finish
+    (a server that ignores `stream` and answers the list at once: each of its items, in order).
     Intermediate chunks (no finish reason yet) are skipped; an `error` chunk (SGLang's in-stream 400, sent
     with HTTP 200) raises GroupRefused. Lines are cut by hand: a chunk of a long answer (its cumulative ids and
     log-prob triples) can exceed aiohttp's line limit."""
+    if resp.content_type == "application/json":  # a server that answers the batch at once, unstreamed
+        answers = orjson.loads(await resp.read())
+        for index, answer in enumerate(answers if isinstance(answers, list) else [answers]):
+            yield index, answer
+        return
     buffer = b""
     async for data in resp.content.iter_any():
         buffer += data
