@@ -39,6 +39,12 @@ def fakes(tmp_path_factory):
             p.stop()
 
 
+def steady(fakes):
+    """The module's steady fake SGLang and its counters before the test."""
+    fake = fakes[0]["steady"]
+    return fake, fake.stats()
+
+
 def test_the_group_body_keeps_each_members_ids_seed_and_rid():
     from pipegen.actor.protocol import ClientLimits
     from pipegen.engines import engine
@@ -61,9 +67,7 @@ def test_the_group_body_keeps_each_members_ids_seed_and_rid():
 
 
 def test_members_finish_at_different_times_and_each_is_answered_when_it_ends(fakes):
-    procs, _ = fakes
-    fake = procs["steady"]
-    before = fake.stats()
+    fake, before = steady(fakes)
 
     from verl.workers.rollout.replica import TokenOutput  # noqa: F401  (imported once, before the clock starts)
 
@@ -91,9 +95,7 @@ def test_members_finish_at_different_times_and_each_is_answered_when_it_ends(fak
 
 
 def test_a_group_partly_aborted_aborts_only_those_members_by_their_own_rids(fakes):
-    procs, _ = fakes
-    fake = procs["steady"]
-    before = fake.stats()
+    fake, before = steady(fakes)
 
     async def body(pool):
         await pool.learn_group_limits()
