@@ -218,6 +218,8 @@ class ServerPool:
         while no server is in rotation."""
         server.healthy = True
         server.consecutive_failures = 0
+        if self.group and server.url not in self._group_asks:  # its group limit was not known: ask on next use
+            server.group_limit = None
         self._recovered.set()
 
     async def _wait_for_a_server(self, sticky_key: Any, exclude: set[str]) -> ServerState:
@@ -407,8 +409,12 @@ class ServerPool:
         try:
             limit = await self.engine.group_limit(self.session, server.url)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-            log.info("%s: no grouped requests (%s): one request per generation", server.url, e)
-            limit = 1
+            # still loading, or no such route: one request each until it joins the rotation (admit asks again)
+            log.info("%s: no grouped requests for now (%s): one request per generation", server.url, e)
+            server.group_limit = 1
+            if not server.healthy:
+                self._group_asks.pop(server.url, None)
+            return 1
         server.group_limit = limit
         log.info("%s: %s", server.url, f"up to {limit} generations per grouped request" if limit > 1
                  else "one request per generation (its engine takes no grouped request)")
