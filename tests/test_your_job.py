@@ -34,7 +34,8 @@ def test_a_users_parquet_with_no_other_settings_gets_every_row_and_the_full_resp
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[0] == ("pipegen: 100 prompts of gsm8k.parquet (all its 100 rows) x 2 samples = 200 units; "
-                        "responses up to 4096 tokens, prompts up to 1024; llm=cpu"), result.stdout
+                        "responses up to 4096 tokens, prompts up to 1024; llm=cpu: no NVIDIA GPU visible, so "
+                        "pipegen's CPU server"), result.stdout
     assert "pipegen: done: 200 samples" in result.stdout
     assert ("  prompts:      100 of the 100 rows of gsm8k.parquet; skipped: 0 by max_samples, 0 as too long "
             "(data.filter_overlong_prompts)") in lines, result.stdout

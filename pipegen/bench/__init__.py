@@ -20,5 +20,6 @@ SCENARIOS = {
     "cluster": "pipegen.bench.cluster",
     "reward": "pipegen.bench.reward_verifier",
     "gateway": "pipegen.bench.gateway",
+    "grouping": "pipegen.bench.grouping",
     "resume": "pipegen.bench.partial_progress",
 }

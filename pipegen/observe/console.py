@@ -24,7 +24,7 @@ from pipegen.observe.outcomes import unit_outcomes
 from pipegen.observe.progress import LogWatcher, ProgressBar, snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import human_rate, latest_stats
-from pipegen.observe.tracking import ELAPSED_S, LAUNCH_UNITS_PER_S, RunTracker
+from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, LAUNCH_UNITS_PER_S, RunTracker
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
@@ -116,8 +116,12 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
         tokens = f", {snap.output_tokens} output tokens" if snap.output_tokens else ""
         took = ""
         if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
-            took = (f" (this launch: {metrics[ELAPSED_S]:.1f}s, "
-                    f"{human_rate(metrics[LAUNCH_UNITS_PER_S], 'samples')})")
+            rates = [human_rate(metrics[LAUNCH_UNITS_PER_S], 'samples')]
+            if metrics.get(LAUNCH_TOKENS_PER_S):
+                rates.append(human_rate(metrics[LAUNCH_TOKENS_PER_S], "output tok"))
+            if metrics.get(GPU_BUSY) is not None:  # idle GPUs show here
+                rates.append(f"GPUs {metrics[GPU_BUSY]:.0f}% busy while generating")
+            took = f" (this launch: {metrics[ELAPSED_S]:.1f}s, {', '.join(rates)})"
         print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
         outcomes = unit_outcomes(run)
         scores = outcomes.rewards if outcomes is not None else None

@@ -221,13 +221,15 @@ def render(st: RunStatus) -> str:
     if p.get("partial_units"):
         out.append(f"  partial    {p['partial_units']} unit(s) hold {p['partial_tokens']} tokens of progress inside "
                    "their answers (streams/progress/; the next launch continues them)")
-    if r or "latency/p50_s" in m:
+    if r or "latency/p50_s" in m or "gpu/busy_percent_while_generating" in m:
         parts = []
         if r:
             parts.append(f"recent {human_rate(r['recent_units_per_s'], 'units')}, "
                          f"{human_rate(r['recent_output_tokens_per_s'], 'output tok')}")
             parts.append(f"per process {human_rate(r['overall_units_per_s'], 'units')}, "
                          f"{human_rate(r['overall_output_tokens_per_s'], 'output tok')}")
+        if "gpu/busy_percent_while_generating" in m:
+            parts.append(f"GPUs {m['gpu/busy_percent_while_generating']:.0f}% busy while generating")
         if "latency/p50_s" in m:
             parts.append(f"latency p50 {m['latency/p50_s']:.2f}s p95 {m.get('latency/p95_s', 0):.2f}s")
         out.append("  rates      " + " | ".join(parts))
