@@ -74,13 +74,34 @@ def test_user_reward_file_gives_rm_scores_equal_to_what_it_returns(tmp_path, tin
 
 
 def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny_model, reward_file):
+    """Including the preflight's (launch/preflight.py): a reward of the wrong signature, one that raises and a
+    dead verifier are refused before the first unit, so 0 units are generated."""
+    wrong = tmp_path / "wrong_reward.py"
+    wrong.write_text("def compute_score(text):\n    return 1.0\n\n"
+                     "def raises(data_source, solution_str, ground_truth, extra_info=None):\n"
+                     "    return {'score': int(solution_str)}\n")
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: the verifier is down
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/score"
+    external = "actor_rollout_ref.rollout.agent.default_agent_loop=external"
     cases = [
-        (f"custom_reward_function.path={tmp_path / 'nope.py'}", "custom_reward_function.path=", "no such file"),
-        (f"custom_reward_function.path={reward_file}", "custom_reward_function.name=compute_score", "has no such function"),
-        ("reward.verifier_url=localhost:9", "reward.verifier_url=localhost:9", "is not an http(s) URL"),
+        ([f"custom_reward_function.path={tmp_path / 'nope.py'}"], "custom_reward_function.path=", "no such file"),
+        ([f"custom_reward_function.path={reward_file}"], "custom_reward_function.name=compute_score",
+         "has no such function"),
+        (["reward.verifier_url=localhost:9"], "reward.verifier_url=localhost:9", "is not an http(s) URL"),
+        ([f"custom_reward_function.path={wrong}"], "cannot take verl's reward call", "missing a required argument: 'text'"),
+        ([f"custom_reward_function.path={wrong}", "custom_reward_function.name=raises"], "raised ValueError",
+         "generation.preflight=false"),
+        ([f"reward.verifier_url={dead}"], f"reward.verifier_url={dead} does not answer", "start the verifier"),
+        ([external, "external.harness=no_such_harness_mod:run"], "external.harness=no_such_harness_mod:run",
+         "No module named 'no_such_harness_mod'"),
+        ([external, "external.command='no-such-program-xyz --go'"], "external.command",
+         "'no-such-program-xyz' is not found"),
     ]
-    for override, named, why in cases:
-        result = launch(tmp_path / "refused", f"model_path={tiny_model}", FAKE_ENGINE, *FAST, override)
+    for overrides, named, why in cases:
+        result = launch(tmp_path / "refused", f"model_path={tiny_model}", FAKE_ENGINE, *FAST, *overrides)
         assert result.returncode == 2, result.stderr[-2000:]
         lines = [ln for ln in result.stderr.splitlines() if ln.startswith("pipegen: error:")]
         assert len(lines) == 1 and named in lines[0] and why in lines[0], result.stderr[-2000:]

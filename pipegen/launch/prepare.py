@@ -2,7 +2,8 @@
 
 In order: --help; the config composed and type-checked; output_dir resolved (a file is refused); the inputs'
 short names resolved; the placement chosen (torchrun's or Slurm's node variables without cluster=ray are
-refused); the one launcher of the directory locked; the resume guard; the run's small files checked; an
+refused); the preflight (launch/preflight.py: the reward called once on the first row, the harness
+imported); the one launcher of the directory locked; the resume guard; the run's small files checked; an
 external server's reachability and the dataset's files checked; a run that is already complete found; this
 node's plan made and the launch record written. Each refusal is one line naming the fix, before anything is
 started, and a refused launch never changes a run that holds generated data.
@@ -27,6 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pipegen.inputs.dataset import check_files
 from pipegen.launch.manifest import resolve_inputs
 from pipegen.launch.placement import Placement, placement_for
+from pipegen.launch.preflight import preflight
 from pipegen.launch.resume import check_run_files, guard_resume
 from pipegen.launch.servers import ServerNotReady, check_reachable
 from pipegen.observe.console import refuse
@@ -120,11 +122,16 @@ def prepare(argv: list[str]) -> Prepared | int:
         placement = placement_for(cfg, run)  # before anything is written: node variables without cluster=ray
         resolve_inputs(cfg)
         cfg = resolved(cfg)
+        problem, checked = preflight(cfg)  # what would fail every unit, before any unit runs
+        if problem:
+            return refuse(problem)
     except (ValueError, RuntimeError) as e:
         return refuse(str(e))
     except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing value (llm.urls)
         return refuse(describe_config_error(e, argv))
     print_plan(cfg, run)  # the launch's first line: what will run
+    if checked:
+        print(checked, flush=True)
     run.root.mkdir(parents=True, exist_ok=True)
     lock = DirectoryLock(run.launcher_lock, role="launcher", name_host=True)
     try:

@@ -125,6 +125,12 @@ class Generation:
     restart_limit: int = key(5, "restarts per role before the run stops with that role's log", at_least=0)
     run_writer: bool = key(True, "false: start no writer here (run python -m pipegen.writer output_dir=DIR)",
                            choices=(True, False))
+    preflight: bool = key(True, "before any unit runs, call the run's reward once on the first row (a verifier: one "
+                                "real request) and check the external harness imports; false skips it",
+                          choices=(True, False))
+    all_or_nothing: bool = key(False, "true: a run with failed units writes no trajectories.pkl, zip or upload "
+                                      "(false: what is committed is delivered, the failed units listed beside it)",
+                               choices=(True, False))
 
 
 @dataclass
