@@ -300,8 +300,9 @@ class UnitRunner:
             stripped = self._stripped[pos] = {k: strip_media(v) if has_media(v) else v for k, v in row.items()}
         return stripped
 
-    def seed(self, index: int, sample: int) -> int | None:
-        return unit_seed(self._base_seed, index, sample) if self._per_unit_seed else None
+    def seed(self, index: int, sample: int, attempt: int = 0) -> int | None:
+        """The unit's sampling seed; a retry's has its attempt mixed in (run/stream.py's unit_seed)."""
+        return unit_seed(self._base_seed, index, sample, attempt) if self._per_unit_seed else None
 
     def agent_name(self, pos: int) -> str:
         return self.row(pos).get("agent_name") or self.default_agent
@@ -312,12 +313,12 @@ class UnitRunner:
             uid = self._uids[index] = prompt_uid(self.launch.run_key, index)
         return uid
 
-    async def run(self, pool, pos: int, sample: int, slot) -> RolloutRecord:
-        """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot); raises
-        on any failure of the unit."""
+    async def run(self, pool, pos: int, sample: int, slot, attempt: int = 0) -> RolloutRecord:
+        """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot; `attempt`:
+        its earlier failed tries, mixed into its seed); raises on any failure of the unit."""
         index = self.indices[pos]
         row = self.row(pos)
-        seed = self.seed(index, sample)
+        seed = self.seed(index, sample, attempt)
         agent_name = self.agent_name(pos)
         uid = self.uid(index)
         priority = self.keys.priority(pos, sample)
@@ -358,12 +359,12 @@ class UnitRunner:
         the unit's exception. A failed append (the disk) raises: that is the actor's failure, not the unit's."""
         index = self.indices[pos]
         try:
-            record = await self.run(pool, pos, sample, slot)
+            record = await self.run(pool, pos, sample, slot, attempt)
             record.attempt = attempt
             line = record.to_line()
         except Exception as e:  # any failure of this unit is recorded, never turned into a sample
             failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
-                                          seed=self.seed(index, sample), agent_name=self.agent_name(pos),
+                                          seed=self.seed(index, sample, attempt), agent_name=self.agent_name(pos),
                                           reason=f"{type(e).__name__}: {e}", attempt=attempt).to_line())
             return e
         rollouts.append(line)

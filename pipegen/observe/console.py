@@ -25,7 +25,7 @@ from pipegen.observe.progress import LogWatcher, ProgressBar, snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import human_rate, latest_stats
 from pipegen.observe.tracking import ELAPSED_S, LAUNCH_UNITS_PER_S, RunTracker
-from pipegen.run.checkpoint import failure_reason
+from pipegen.run.checkpoint import failure_summary
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.stats_line import LaunchStats, WriterStats
@@ -133,9 +133,16 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
         print(f"  logs:         {run.logs}/   streams: {run.streams}/")
         return 0
-    print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed. "
-          f"Reasons: {run.checkpoint} ('failed'); rerun the same command to retry them.", file=sys.stderr)
-    for unit, info in list(snap.failed_units.items())[:10]:
-        print(f"  unit {unit}: {failure_reason(info)}", file=sys.stderr)
+    if snap.merged or run.merged_output() is not None:
+        where = f"{run.merged_output() or run.trajectories} and {run.artifact}"
+        print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {snap.failed} "
+              f"unit(s) failed, listed in {run.failed_units}. Rerun the same command to retry only them (each with "
+              f"a fresh seed).", file=sys.stderr)
+    else:
+        print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed, no merged output "
+              f"(generation.all_or_nothing=true, or generation.final_merge=false: the batch files). Failed units: "
+              f"{run.failed_units}; rerun the same command to retry only them.", file=sys.stderr)
+    for line in failure_summary(snap.failed_units):
+        print(f"  {line}", file=sys.stderr)
     print(f"  logs: {run.logs}/   details: python -m pipegen.status {run.root}", file=sys.stderr)
     return 1

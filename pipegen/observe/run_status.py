@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from pipegen.run.checkpoint import failure_reason, load_checkpoint
+from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.ownership import LockStatus, lock_status
@@ -143,7 +143,9 @@ def gather(run: RunDir) -> RunStatus:
         hint = "live; rerun this command to refresh"
     elif snap.failed and snap.pending == 0:
         state = "finished with failures"
-        hint = f"{snap.failed} unit(s) failed; relaunch the same command to retry them"
+        partial = f"partial output: {run.merged_output()}; " if run.merged_output() is not None else ""
+        hint = (f"{partial}{snap.failed} unit(s) failed, listed in {run.failed_units}; relaunch the same command to "
+                "retry only them")
     elif not snap.roles and snap.committed == 0 and not run.checkpoint.exists():
         state = "not started"
         hint = "no process has reported yet; start it with: python -m pipegen.launch output_dir=" + str(run.root)
@@ -280,11 +282,9 @@ def render(st: RunStatus) -> str:
     else:
         out.append("  writer lock  free (no writer has run)")
     if st.failed_units:
-        out.append(f"  failed units ({len(st.failed_units)}, index:sample):")
-        for unit, info in list(st.failed_units.items())[:10]:
-            out.append(f"    {unit}  {failure_reason(info)[:200]}")
-        if len(st.failed_units) > 10:
-            out.append(f"    ... {len(st.failed_units) - 10} more in {RunDir(Path(st.root)).checkpoint}")
+        out.append(f"  failed units ({len(st.failed_units)}, index:sample, by reason; all in "
+                   f"{RunDir(Path(st.root)).checkpoint}):")
+        out.extend(f"    {line[:300]}" for line in failure_summary(st.failed_units))
     if st.servers:
         def answering(s: dict[str, Any]) -> str:
             return "" if s["answering"] is None else (" (answering)" if s["answering"] else " (not answering)")

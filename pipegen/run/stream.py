@@ -105,9 +105,12 @@ def parse_unit_label(label: str) -> tuple[int, int]:
     return int(index), int(sample)
 
 
-def unit_seed(base_seed: int, index: int, sample: int) -> int:
-    """A distinct, reproducible sampling seed per unit (fits SGLang's int sampling_seed)."""
-    digest = hashlib.blake2b(f"{base_seed}:{index}:{sample}".encode(), digest_size=4).digest()
+def unit_seed(base_seed: int, index: int, sample: int, attempt: int = 0) -> int:
+    """A distinct, reproducible sampling seed per unit (fits SGLang's int sampling_seed). A retry (attempt > 0)
+    mixes its attempt in, so a failure that depends on the draw is not drawn again; the first try's seed is
+    the unit's own."""
+    text = f"{base_seed}:{index}:{sample}" + (f":{attempt}" if attempt else "")
+    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 

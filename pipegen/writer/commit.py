@@ -14,13 +14,14 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  5. on start: take the lock, load the checkpoint (rebuilt from the batch files when it is missing; a
     damaged one, or a listed batch file missing, is refused with one line), adopt the batch files it
     does not list (orphans of a crash between 3 and 4: whole, since fsynced before their rename);
- 6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete.
+ 6. when every unit is committed or failed in this launch: merge, zip, upload; mark complete when none failed,
+    else list the failed units beside the partial output (generation.all_or_nothing=true: no output then).
 
 Steps 3-4's disk half (writing the encoded batch files, then the checkpoint) runs on one background
 thread, `Committer` (committer.py), while the main loop parses the next lines; this module decides
 what each commit holds and hands it over in order.
 
-Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip and the writer lock.
+Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip, failed_units.json and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
 whole run in memory before the merge (at most `MAX_QUEUED_BATCHES` encoded batches wait for the
 disk), or run twice on one directory.
@@ -34,13 +35,15 @@ import subprocess
 import sys
 import time
 
+import orjson
 from omegaconf import DictConfig
 
 from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
-from pipegen.run.atomic import remove_stale_temporaries
+from pipegen.run.atomic import atomic_write_bytes, remove_stale_temporaries
 from pipegen.run.batchfile import CONVERT_FLAG, legacy_format_message
-from pipegen.run.checkpoint import check_listed_batches, failure_reason, load_checkpoint, save_checkpoint
+from pipegen.run.checkpoint import (check_listed_batches, failure_reason, failure_summary, load_checkpoint,
+                                   save_checkpoint)
 from pipegen.run.config import load_run_config
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.fingerprint import check_fingerprint
@@ -209,11 +212,16 @@ class Writer:
         return pending <= 0
 
     def finalize(self) -> None:
+        """Every unit is settled: deliver what is committed. A complete run is merged, zipped and uploaded; so
+        is a partial one (units whose tries were spent), whose failed units are listed in failed_units.json,
+        unless generation.all_or_nothing=true keeps its output back until a launch completes it."""
         ckpt = self.ckpt
         # failure offsets may have moved since the last batch: persist them with the final state
         self._record_offsets()
         complete = ckpt.num_committed == self.total_units
-        if complete and self.gen.final_merge and ckpt.batches:
+        deliver = complete or not self.gen.get("all_or_nothing", False)
+        self._list_failed(complete)
+        if deliver and self.gen.final_merge and ckpt.batches:
             from pipegen.writer.merge import merge_run
 
             try:
@@ -222,7 +230,7 @@ class Writer:
                 self._raise_damaged_batch()
                 raise
             ckpt.merged = True
-        elif complete and ckpt.batches:  # final_merge=false: the batch files are the output
+        elif deliver and ckpt.batches:  # final_merge=false: the batch files are the output
             from pipegen.writer.merge import write_artifact
 
             write_artifact(self.cfg, self.run, ckpt)
@@ -233,9 +241,20 @@ class Writer:
 
             drop_streams_once_verified(self.run)
         if ckpt.failed:
-            log.error("%d unit(s) failed in this launch (relaunch the same command to retry them):", len(ckpt.failed))
-            for unit, info in list(ckpt.failed.items())[:20]:
-                log.error("  unit %s: %s", unit, failure_reason(info))
+            log.error("%d unit(s) failed in this launch, listed in %s (relaunch the same command to retry only "
+                      "them):", len(ckpt.failed), self.run.failed_units)
+            for line in failure_summary(ckpt.failed):
+                log.error("  %s", line)
+
+    def _list_failed(self, complete: bool) -> None:
+        """failed_units.json: each failed unit (index:sample) with its reason; removed once the run is complete."""
+        if complete or not self.ckpt.failed:
+            self.run.failed_units.unlink(missing_ok=True)
+            return
+        listing = {"committed": self.ckpt.num_committed, "total": self.total_units, "failed": len(self.ckpt.failed),
+                   "retry": "rerun the same command: it retries only these units, each with a fresh seed",
+                   "units": {unit: failure_reason(info) for unit, info in self.ckpt.failed.items()}}
+        atomic_write_bytes(self.run.failed_units, orjson.dumps(listing, option=orjson.OPT_INDENT_2))
 
     def export(self, only_if_missing: bool = False) -> None:
         """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it
