@@ -33,7 +33,7 @@ from pipegen.observe.progress import snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive,
                                    stats_history)
-from pipegen.run.stats_line import ActorStats, ClusterStats
+from pipegen.run.stats_line import ActorStats, ClusterStats, WriterStats
 
 
 @dataclass
@@ -138,6 +138,12 @@ def gather(run: RunDir) -> RunStatus:
         state = "finished"
         hint = (f"trajectories: {run.merged_output() or run.trajectories}" if snap.merged
                 else f"batches: {run.root / BATCH_GLOB} (not merged: generation.final_merge=false)")
+    elif anything_alive and not any(r.alive is not False for r in roles if r.pid is not None and r.name != WriterStats.ROLE):
+        # a writer started by hand, or left after the launcher: it commits what the shards hold, generates nothing
+        state = "writer only"
+        hint = ("only the writer is alive (no launcher, actor or server): it commits what the shards hold and "
+                f"waits for the rest; relaunch the same command to generate it (python -m pipegen.launch "
+                f"output_dir={run.root} ...)")
     elif anything_alive:
         state = "running"
         hint = "live; rerun this command to refresh"

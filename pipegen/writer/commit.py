@@ -62,6 +62,7 @@ WRITER_IMPORTS = ("transformers", "verl.protocol", "verl.utils")
 log = logging.getLogger("pipegen.writer")
 
 MAX_QUEUED_BATCHES = 4  # encoded batches waiting for the disk before the main loop waits too
+WAITING_LINE_S = 60.0  # how often a writer without new lines says what it waits for
 
 
 class Writer:
@@ -256,6 +257,14 @@ class Writer:
                    "units": {unit: failure_reason(info) for unit, info in self.ckpt.failed.items()}}
         atomic_write_bytes(self.run.failed_units, orjson.dumps(listing, option=orjson.OPT_INDENT_2))
 
+    def say_waiting(self) -> None:
+        """What a quiet writer waits for (alone, it would otherwise say nothing): the units not yet in a shard."""
+        failed = len(self.ckpt.failed)
+        pending = self.total_units - self.ckpt.num_committed - len(self.buffer) - failed
+        log.info("waiting for %d of %d unit(s) to appear in %s (the actors write them; a writer alone commits what "
+                 "is there and exits once every unit is settled; to generate them, relaunch the same command)",
+                 pending, self.total_units, self.run.rollouts)
+
     def export(self, only_if_missing: bool = False) -> None:
         """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it
         reads the run directory, nothing of the writer's). A failed export never fails the run: the
@@ -309,6 +318,7 @@ class Writer:
         idle_since = time.monotonic()
         sleep = 0.005
         last_stats = 0.0
+        said_waiting = time.monotonic() - WAITING_LINE_S + 5.0  # the first line after 5 s without new lines
         while True:
             got = await self.pull()
             self.committer.poll()
@@ -323,6 +333,9 @@ class Writer:
             if now - last_stats >= 2.0:
                 self.write_stats()
                 last_stats = now
+            if now - idle_since >= 5.0 and now - said_waiting >= WAITING_LINE_S:
+                self.say_waiting()
+                said_waiting = now
             if self.settled() and not self.buffer:
                 await self.committer.wait()
                 self.finalize()
@@ -375,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
         import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
         writer = Writer(cfg, run)
         return uvloop.run(writer.main())
+    except KeyboardInterrupt:  # Ctrl-C on a writer run by hand: one line, no traceback; nothing committed is lost
+        committed = writer.ckpt.num_committed if writer is not None else 0
+        print(f"pipegen.writer: stopped (Ctrl-C); {committed} unit(s) committed are safe; rerun python -m "
+              f"pipegen.writer output_dir={run.root} (or the launch command) to continue", file=sys.stderr)
+        return 130
     except DamagedFile as e:
         return refuse(run, e)
     except OSError as e:
