@@ -354,3 +354,32 @@ def test_a_cpu_bound_actor_warns_once_with_the_fix(caplog):
         for _ in range(4):
             actor.warn_if_cpu_bound(0.95, False)
     assert len(caplog.records) == 1 and "actors.num_actors=2" in caplog.records[0].getMessage()
+
+
+def test_follow_waits_for_the_first_shard_and_keeps_following_across_a_relaunch(tmp_path, capsys):
+    """status --follow (the README's watch recipe): started on an empty directory, it prints each unit's line as
+    it lands, including the new shard a relaunch opens, and stops (here) once the run is complete."""
+    import threading
+
+    from pipegen.observe.run_status import follow
+    from pipegen.run.checkpoint import Checkpoint, save_checkpoint
+    from pipegen.run.layout import shard_path
+    from pipegen.run.stream import encode_record, read_head
+
+    run = RunDir(tmp_path / "run")
+    done: list[int] = []
+    thread = threading.Thread(target=lambda: done.append(follow(run, stop_when_complete=True)), daemon=True)
+    thread.start()
+    time.sleep(1.0)  # nothing there yet: it waits
+    actor = run.rollouts / "actor_0"
+    actor.mkdir(parents=True)
+    shard_path(actor, 0).write_bytes(b"".join(encode_record(i, 0, {"reward": 1.0, "text": "x" * 500})
+                                              for i in range(2)))
+    time.sleep(1.0)
+    shard_path(actor, 1).write_bytes(encode_record(2, 0, {"reward": 0.0}))  # a relaunch's new shard
+    save_checkpoint(run.checkpoint, Checkpoint(complete=True))
+    thread.join(timeout=10)
+    assert done == [0]
+    lines = capsys.readouterr().out.splitlines()
+    assert [read_head(ln.encode())[0] for ln in lines] == [0, 1, 2]
+    assert all(len(ln) <= 200 for ln in lines)

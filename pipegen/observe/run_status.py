@@ -1,5 +1,6 @@
 """`python -m pipegen.status DIR [--json]`: a snapshot of any run directory, live, finished or crashed.
-(`--verify` checks it against its contract instead: observe/verify.py.)
+(`--verify` checks it against its contract instead: observe/verify.py; `--follow` prints each finished unit's
+line as it lands, across every shard, surviving a relaunch and an empty directory.)
 
 Shows: the run's state (running / finished / finished with failures / stopped before completion),
 progress (committed/total, batches, pending, in flight, failed units with their reasons), rates from
@@ -327,15 +328,41 @@ def render_cluster(line: ClusterStats) -> list[str]:
     return out
 
 
-USAGE = ("usage: python -m pipegen.status DIR [--json | --verify]   (DIR: a run's output_dir; --verify checks it "
-         "against its contract, every unit exactly once, and exits 1 on a problem)")
+USAGE = ("usage: python -m pipegen.status DIR [--json | --verify | --follow]   (DIR: a run's output_dir; --verify "
+         "checks it against its contract, every unit exactly once, and exits 1 on a problem; --follow prints each "
+         "finished unit's line as it lands, in every shard of every launch, until Ctrl-C)")
+FOLLOW_CHARS = 200  # of each line --follow prints: index, sample, reward, finish and the response's start
+FOLLOW_POLL_S = 0.5
+
+
+def follow(run: RunDir, stop_when_complete: bool = False) -> int:
+    """--follow: every rollout line's start as it lands, from the first, across shards a relaunch or a new actor
+    adds later (an empty or missing directory waits); Ctrl-C ends it with exit 0. `stop_when_complete`: return
+    once the checkpoint says complete and every line is printed (the tests' way out)."""
+    from pipegen.run.stream import ShardTailer
+
+    tailer = ShardTailer(run.rollouts)
+    try:
+        while True:
+            for _, _, line in tailer.lines():
+                sys.stdout.write(line[:FOLLOW_CHARS].decode(errors="replace").rstrip("\n") + "\n")
+            sys.stdout.flush()
+            if stop_when_complete and load_checkpoint(run.checkpoint).complete:
+                return 0
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `--follow | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     verify = "--verify" in argv
-    args = [a for a in argv if a not in ("--json", "--verify")]
+    following = "--follow" in argv
+    args = [a for a in argv if a not in ("--json", "--verify", "--follow")]
     if any(a in ("-h", "--help") for a in args):
         print(USAGE)
         return 0
@@ -344,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     arg = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
     run = RunDir(Path(arg).expanduser().resolve())
+    if following:
+        return follow(run)
     if verify:
         if not run.root.is_dir():
             print(f"pipegen.status: error: {run.root} does not exist", file=sys.stderr)
