@@ -33,18 +33,19 @@ def test_a_users_parquet_with_no_other_settings_gets_every_row_and_the_full_resp
     result = launch(out, f"model_path={tiny_model}", f"train_files={data}", FAKE_ENGINE, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert lines[0] == ("pipegen: 100 prompts of gsm8k.parquet (all its 100 rows) x 2 samples = 200 units; "
+    # n follows verl's rollout.n (1) for a user's own data
+    assert lines[0] == ("pipegen: 100 prompts of gsm8k.parquet (all its 100 rows) x 1 sample = 100 units; "
                         "responses up to 4096 tokens, prompts up to 1024; llm=cpu"), result.stdout
-    assert "pipegen: done: 200 samples" in result.stdout
+    assert "pipegen: done: 100 samples" in result.stdout
     assert ("  prompts:      100 of the 100 rows of gsm8k.parquet; skipped: 0 by max_samples, 0 as too long "
             "(data.filter_overlong_prompts)") in lines, result.stdout
     responses = next(line for line in lines if line.startswith("  responses:"))
-    assert re.fullmatch(r"  responses:    \d+ of 200 reached the response limit \(4096 tokens\).*", responses)
+    assert re.fullmatch(r"  responses:    \d+ of 100 reached the response limit \(4096 tokens\).*", responses)
 
     from verl import DataProto
 
     merged = DataProto.load_from_disk(str(out / "trajectories.pkl"))
-    assert len(merged) == 200
+    assert len(merged) == 100
     assert sorted(set(merged.non_tensor_batch["index"].tolist())) == list(range(100))
     assert merged.batch["responses"].shape[1] == 4096  # verl pads to the response limit: nothing cut below it
     assert merged.batch["prompts"].shape[1] == 1024

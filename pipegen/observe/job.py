@@ -62,8 +62,9 @@ def plan_line(cfg: DictConfig, run: RunDir) -> str:
     n = int(rollout.n)
     prompts, source = _prompts(cfg, run)
     at_most = "at most " if cfg.data.get("filter_overlong_prompts") else ""
-    what = (f"{at_most}{prompts} prompts of {source} x {n} samples = {at_most}{prompts * n} units" if prompts is not None
-            else f"every prompt of {source} x {n} samples")
+    each = f"{n} sample" if n == 1 else f"{n} samples"
+    what = (f"{at_most}{prompts} prompts of {source} x {each} = {at_most}{prompts * n} units" if prompts is not None
+            else f"every prompt of {source} x {each}")
     line = (f"pipegen: {what}; responses up to {int(rollout.response_length)} tokens, prompts up to "
             f"{int(rollout.prompt_length)}; llm={cfg.llm.kind}")
     if is_demo(_files(cfg)):
