@@ -155,3 +155,28 @@ def test_readmes_live_inspection_shows_each_units_text_reward_and_finish(tmp_pat
         escaped = orjson.dumps(shown).decode()[1:-1]
         visible = m.group(5)
         assert visible.startswith(escaped[:100]) or escaped.startswith(visible), (visible, escaped)
+
+
+def test_a_plain_string_prompt_column_is_one_user_message_and_the_plan_line_says_so(tmp_path: Path,
+                                                                                    tiny_model: str) -> None:
+    """A `prompt` column of plain strings (not chat messages): each row is one user message, through verl's own
+    dataset class, and the plan line says so (it once failed with "'str' object has no attribute 'role'")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipegen.inputs.dataset import load_dataset, load_tokenizer
+    from pipegen.observe.job import plan_line
+    from pipegen.run.config import resolved
+    from pipegen.run.layout import RunDir
+    from pipegen.tasks.manifest import compose_job
+
+    data = tmp_path / "plain.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"What is {i} + 1?", "data_source": "plain",
+                                          "reward_model": {"ground_truth": str(i + 1)}, "extra_info": {"index": i}}
+                                         for i in range(3)]), data)
+    cfg = resolved(compose_job([f"output_dir={tmp_path / 'run'}", f"train_files={data}", f"model_path={tiny_model}"]))
+    dataset = load_dataset(cfg, load_tokenizer(cfg))
+    assert len(dataset) == 3
+    assert dataset[1]["raw_prompt"] == [{"role": "user", "content": "What is 1 + 1?"}]
+    assert "the prompt column holds plain strings: each is sent as one user message" in plan_line(
+        cfg, RunDir(tmp_path / "run"))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipegen.inputs.dataset import file_rows, selected_rows
+from pipegen.inputs.dataset import file_rows, selected_rows, string_prompts
 from pipegen.observe.outcomes import Outcomes, unit_outcomes
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
@@ -67,6 +67,8 @@ def plan_line(cfg: DictConfig, run: RunDir) -> str:
             else f"every prompt of {source} x {each}")
     line = (f"pipegen: {what}; responses up to {int(rollout.response_length)} tokens, prompts up to "
             f"{int(rollout.prompt_length)}; llm={cfg.llm.kind}")
+    if string_prompts([str(f) for f in _files(cfg)], str(cfg.data.prompt_key)):
+        line += f"; the {cfg.data.prompt_key} column holds plain strings: each is sent as one user message"
     if is_demo(_files(cfg)):
         line += (f" (the demo's small settings; your own train_files get every row and "
                  f"{JOB_DEFAULTS['max_response_length']}-token responses)")
