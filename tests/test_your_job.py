@@ -35,8 +35,13 @@ def test_a_users_parquet_with_no_other_settings_gets_every_row_and_the_full_resp
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     # n follows verl's rollout.n (1) for a user's own data
+    from pipegen.run.precision import cpu_has_native_bf16
+
+    # the CPU server's precision is stated: bf16 where the CPU has it natively (its log-probs differ from float32)
+    dtype = (" in bfloat16 (this CPU has native bf16; llm.dtype=float32 for float32)" if cpu_has_native_bf16()
+             else " in float32")
     assert lines[0] == ("pipegen: 100 prompts of gsm8k.parquet (all its 100 rows) x 1 sample = 100 units; "
-                        "responses up to 4096 tokens, prompts up to 1024; llm=cpu"), result.stdout
+                        f"responses up to 4096 tokens, prompts up to 1024; llm=cpu{dtype}"), result.stdout
     assert "pipegen: done: 100 samples" in result.stdout
     assert ("  prompts:      100 of the 100 rows of gsm8k.parquet; skipped: 0 by max_samples, 0 as too long "
             "(data.filter_overlong_prompts)") in lines, result.stdout

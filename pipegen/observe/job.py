@@ -22,6 +22,7 @@ from pipegen.inputs.dataset import file_rows, selected_rows, string_prompts
 from pipegen.observe.outcomes import Outcomes, unit_outcomes
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
+from pipegen.run.precision import resolve_dtype_name
 from pipegen.run.layout import RunDir
 from pipegen.run.schema import JOB_DEFAULTS, is_demo
 
@@ -67,6 +68,10 @@ def plan_line(cfg: DictConfig, run: RunDir) -> str:
             else f"every prompt of {source} x {each}")
     line = (f"pipegen: {what}; responses up to {int(rollout.response_length)} tokens, prompts up to "
             f"{int(rollout.prompt_length)}; llm={cfg.llm.kind}")
+    if cfg.llm.kind == "cpu":  # bf16 log-probs differ from a float32 recomputation: say which one serves
+        dtype = resolve_dtype_name(str(cfg.llm.get("dtype", "auto")))
+        line += f" in {dtype}" + (" (this CPU has native bf16; llm.dtype=float32 for float32)"
+                                  if dtype == "bfloat16" and str(cfg.llm.get("dtype")) == "auto" else "")
     if string_prompts([str(f) for f in _files(cfg)], str(cfg.data.prompt_key)):
         line += f"; the {cfg.data.prompt_key} column holds plain strings: each is sent as one user message"
     if is_demo(_files(cfg)):
