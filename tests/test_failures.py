@@ -48,6 +48,15 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     # the server recovered: the same setup relaunched retries exactly the failed units
     second = launch(out, *base)
     assert second.returncode == 0, second.stderr[-3000:]
+    # the summary counts the whole run and this launch apart, and names the reward
+    assert "pipegen: done: 12 samples (12 trajectories), " in second.stdout, second.stdout
+    assert f"; this launch: {len(failed)} samples, " in second.stdout, second.stdout
+    assert "  reward:       verl's default_compute_score by data_source" in second.stdout
+    import re
+
+    tokens = re.search(r"trajectories\), (\d+) output tokens; this launch: \d+ samples, (\d+) output tokens",
+                       second.stdout)
+    assert tokens and int(tokens[1]) > int(tokens[2]) > 0, second.stdout  # the run's tokens, then this launch's
     data = load_trajectories(out / "trajectories.pkl")
     units = sorted(zip((int(i) for i in data.non_tensor_batch["index"]), (int(s) for s in data.non_tensor_batch["sample"])))
     assert units == [(i, s) for i in range(6) for s in range(2)]
