@@ -117,10 +117,23 @@ setup() {
   fi
   if [[ $gpu == 1 ]]; then
     setup_sglang
-    # llm.python's default (pipegen/run/schema.py): the launcher starts SGLang servers with this interpreter.
+    # llm.python's default (pipegen/config/schema.py): the launcher starts SGLang servers with this interpreter.
     export PIPEGEN_SGLANG_PYTHON="$sglang_venv/bin/python"
   fi
   if (( SECONDS - t0 > 1 )); then log "setup done in $((SECONDS - t0)) s"; fi
+}
+
+# The run report's rendering test (tests/test_python_entry.py) opens report.html in Debian's headless chromium.
+# Installed once where apt-get can run (root); anywhere else, or when the install fails, that test is skipped
+# and says why. Quiet and idempotent: nothing happens when /usr/bin/chromium is there.
+test_browser() {
+  [[ -x /usr/bin/chromium ]] && return 0
+  if [[ "$dry_run" == 1 ]]; then printf '+ apt-get install -y chromium   (root with apt-get only)\n'; return 0; fi
+  if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then return 0; fi
+  log "installing Debian's chromium for the report's rendering test (once)"
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium || { apt-get update -q \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }; } >/dev/null 2>&1 \
+    || log "chromium could not be installed: the report's rendering test will be skipped"
 }
 
 # A dry run prints the command it would hand over to (with the server python it would pass) and stops.
@@ -144,6 +157,7 @@ case "${1:-}" in
     [[ "$dry_run" == 1 ]] || echo "$PIPEGEN_VLLM_PYTHON" ;;
   --tests)
     shift; setup
+    test_browser
     cd "$here"
     # --durations: the slowest tests close every run's output, so what makes the suite slow is seen
     start "$venv/bin/python" -m pytest -n auto --dist loadfile --durations=25 "$@" ;;

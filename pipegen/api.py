@@ -2,7 +2,7 @@
 
 For a notebook or a script that wants a run's data without a shell: the same keys as the command line
 (pipegen's and verl's, nested dicts or dotted names), the same run directory, and back the directory and
-its summary (observe/job.py's RunSummary). The call runs `python -m pipegen.launch` as a child process: the
+its summary (observe/summary.py's RunSummary). The call runs `python -m pipegen.launch` as a child process: the
 launcher owns every process of the run and its crash guarantees (a resumable run directory, nothing lost or
 duplicated), and a failing or interrupted run cannot take the caller's interpreter, its signal handlers or
 its CUDA context down with it. Calling again with the same keys resumes, as rerunning the command does.
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
-    from pipegen.observe.job import RunSummary
+    from pipegen.observe.summary import RunSummary
 
 GROUPS = ("llm", "cluster")  # config groups: {"llm": {"kind": "vllm", ...}} chooses llm=vllm
 
@@ -110,7 +110,7 @@ def run_generation(cfg: Mapping[str, Any] | Any, *, quiet: bool = False) -> Gene
         raise ValueError("output_dir is missing: pipegen.generate('runs/NAME', ...) or run_generation({'output_dir': ...})")
     run_dir = Path(out.strip("'\"")).expanduser().resolve()
     returncode, tail = _launch(overrides, quiet)
-    from pipegen.observe.job import run_summary
+    from pipegen.observe.summary import run_summary
     from pipegen.run.layout import RunDir
 
     if returncode in (0, 1) and (run_dir / "checkpoint.json").exists():  # 1: units failed, the rest is the result

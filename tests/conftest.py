@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -34,7 +35,9 @@ FAST = [
     "generation.save_batch_size=4",
     "generation.partial_batch_quiet_s=0.3",
     "generation.show_progress=false",
+    "generation.report=false",  # about a second of CPU per launch; FAST_REPORTED keeps it, for the tests that check it
 ]
+FAST_REPORTED = [o for o in FAST if o != "generation.report=false"]  # FAST with the end-of-run report
 
 
 @pytest.fixture(scope="session")
@@ -167,3 +170,11 @@ def response_texts(data, model_path: str) -> list[tuple[str, int]]:
         length = int(data.batch["attention_mask"][i, width:].sum())
         out.append((tokenizer.decode(data.batch["responses"][i, :length].tolist(), skip_special_tokens=True), length))
     return out
+
+
+def directory_bytes(root: Path) -> dict[str, str]:
+    """Every file and folder under `root`: a file by the digest of its bytes. The launcher lock is left out:
+    whoever takes it writes its pid and host there by design (pipegen/run/ownership.py), refused or not."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+            for p in sorted(root.rglob("*")) if p.name != ".launcher.lock"}
+

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -28,7 +29,7 @@ SCRIPT = [
 ]
 # what the Qwen template puts between two assistant turns for a tool result "5" (none of it is the model's)
 TOOL_BLOCK = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-TOOLS_YAML = str(REPO / "conf" / "tools" / "calculator.yaml")
+TOOLS_YAML = str(REPO / "pipegen" / "conf" / "tools" / "calculator.yaml")
 QUESTIONS = ["What is 2 + 3?", "Tom has 20 apples and 4 friends. How many each?", "Compute five."]
 
 BASE = [
@@ -317,6 +318,24 @@ def test_multi_turn_records_are_token_exact_and_scored(tmp_path, tiny_model, scr
         assert row_scores[n - 1].item() == want and row_scores.abs().sum().item() == abs(want)
         got[(int(data_proto.non_tensor_batch["index"][i]), int(data_proto.non_tensor_batch["sample"][i]))] = want
     assert got == {(0, 0): 1.0, (0, 1): 1.0, (1, 0): 0.0, (1, 1): 0.0}  # "#### 5" is right for 5, wrong for 7
+
+    # ATIF: verl's tool loop keeps no messages, so each run of model tokens is an agent step and the tool tokens
+    # between two runs are the observation of the step before them, decoded
+    from atif import Trajectory
+
+    from pipegen.export.__main__ import main as export_main
+
+    assert export_main([str(out), "--format", "atif"]) == 0
+    for rec in records:
+        doc = orjson.loads((out / "trajectories.atif" / f"{rec['index']}-{rec['sample']}-0.json").read_bytes())
+        Trajectory.model_validate(doc)
+        (traj,) = rec["trajectories"]
+        agent = [st for st in doc["steps"] if st["source"] == "agent"]
+        assert len(agent) == 3 and doc["extra"]["reward"] == got[(rec["index"], rec["sample"])]
+        ids = [i for i, m in zip(traj["response_ids"], traj["response_mask"]) if m]
+        assert sum((st["metrics"]["completion_token_ids"] for st in agent), []) == ids
+        assert [st["observation"]["results"][0]["content"] for st in agent[:2]] == [TOOL_BLOCK] * 2
+        assert "observation" not in agent[2]
 
 
 def test_multi_trajectory_loop_registered_through_agent_loop_config_path(tmp_path, tiny_model, scripted):

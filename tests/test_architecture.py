@@ -1,10 +1,12 @@
 """ARCHITECTURE.md's "never" column, checked: the import contracts in pyproject.toml ([tool.importlinter]),
 run by import-linter's own command exactly as a developer runs `lint-imports`. A broken contract fails
-here with its name and the import chain that breaks it."""
+here with its name and the import chain that breaks it; a copy of the package with a forbidden import planted
+proves the contracts would catch one."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,11 +38,27 @@ def test_import_contracts_hold():
     assert all(f"{n} KEPT" in said for n in names), result.stdout
 
 
+def test_a_planted_import_from_config_into_run_breaks_the_suite(tmp_path):
+    """The contracts bite: a copy of the package with one import planted in config/ (config/ -> run/) fails
+    lint-imports, naming the config contract and the planted line."""
+    shutil.copytree(REPO / "pipegen", tmp_path / "pipegen", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    schema = tmp_path / "pipegen" / "config" / "schema.py"
+    schema.write_text(schema.read_text() + "\nfrom pipegen.run.layout import RunDir  # planted\n")
+    lint = Path(sys.executable).parent / "lint-imports"
+    result = subprocess.run([str(lint), "--no-cache", "--no-logo"], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "COLUMNS": "1000", "PYTHONPATH": str(tmp_path)}, timeout=120)
+    said = " ".join(result.stdout.split())
+    assert result.returncode != 0, result.stdout
+    config_contract = next(n for n in contract_names() if n.startswith("the job's config is the ground floor"))
+    assert f"{config_contract} BROKEN" in said and "pipegen.config.schema -> pipegen.run.layout" in said, said
+
+
 def test_placement_is_chosen_by_dotted_path_and_imports_neither_implementation():
     """launch/placement.py names each placement by "module:class" (PLACEMENTS): every cluster kind the schema
     knows resolves to a class with the interface's methods, and importing placement.py loads neither."""
     from pipegen.launch.placement import PLACEMENTS, Placement, placement_class
-    from pipegen.run.schema import CLUSTER_KINDS
+    from pipegen.config.schema import CLUSTER_KINDS
 
     assert set(PLACEMENTS) == set(CLUSTER_KINDS)
     methods = [m for m in vars(Placement) if not m.startswith("_")]

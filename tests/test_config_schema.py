@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pipegen.launch.launcher import main as launch_main
-from pipegen.run.schema import LLM_KINDS, KeyInfo, schema_keys
+from pipegen.config.schema import LLM_KINDS, KeyInfo, schema_keys
 
 # Keys for which every value of their type is acceptable to the schema, with where they are checked instead.
 NO_BAD_VALUE = {

@@ -69,7 +69,7 @@ def test_verl_rlhf_dataset_loads_demo_with_tiny_tokenizer(tmp_path: Path, monkey
     from transformers import AutoTokenizer
     from verl.trainer.ppo.utils import create_rl_dataset
 
-    from pipegen.run.config import verl_config_dir
+    from pipegen.config.compose import verl_config_dir
     from pipegen.bench.doubles.tiny_models import tiny_model_path
 
     # keep the HF datasets cache out of the user's home

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import torch
 
-from conftest import FAST, launch, load_trajectories
+from conftest import FAST, FAST_REPORTED, launch, load_trajectories
 
 VERL_TENSORS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                 "rollout_log_probs"]
@@ -13,9 +13,10 @@ VERL_TENSORS = ["prompts", "responses", "response_mask", "input_ids", "attention
 
 def test_launch_produces_verl_trajectories(tmp_path, tiny_model):
     out = tmp_path / "run"
-    result = launch(out, f"model_path={tiny_model}", *FAST)
+    result = launch(out, f"model_path={tiny_model}", *FAST_REPORTED)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trajectories" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == f"  report:       {out / 'report.html'}"  # the summary's last line
 
     data = load_trajectories(out / "trajectories.pkl")
     assert len(data) == 6 * 2  # one row per (prompt, sample)

@@ -15,7 +15,7 @@ from pipegen.actor.limits import ClientLimits
 from pipegen.engines.request import RequestRejected
 from pipegen.launch.servers import vllm_server_command
 from pipegen.launch.world import plan_world
-from pipegen.run.schema import llm_defaults
+from pipegen.config.schema import llm_defaults
 
 LIMITS = ClientLimits(prompt_length=64, response_length=16, max_model_len=128, vocab_size=1000)
 PARAMS = dict(temperature=0.7, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)

@@ -1,17 +1,22 @@
-"""Units that fail after their retries are reported, never written as samples, and retried on relaunch."""
+"""Units that fail after their retries are reported, never written as samples, and retried on relaunch; the run
+report of each launch agrees with `status` and the summary."""
 
 from __future__ import annotations
+
+import re
+import subprocess
+import sys
 
 import orjson
 
 from pipegen.run.layout import RunDir
 
-from conftest import FAKE_ENGINE, FAST, assert_verified, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, FAST_REPORTED, assert_verified, launch, load_trajectories
 
 
 def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_path, tiny_model):
     out = tmp_path / "run"
-    base = [f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.max_attempts=1"]
+    base = [f"model_path={tiny_model}", *FAST_REPORTED, FAKE_ENGINE, "generation.max_attempts=1"]
     first = launch(out, *base, "llm.engine_args=[--fail-rate,0.5]")
     assert first.returncode == 1, first.stderr[-3000:]
     assert "failed" in first.stderr and "Rerun the same command to retry only them" in first.stderr
@@ -45,6 +50,8 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
         in_batches |= {f"{i}:{s}" for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"])}
     assert not in_batches & failed and len(in_batches) == ckpt["num_committed"]
 
+    assert_report_matches_status(out, first.stderr)
+
     # the server recovered: the same setup relaunched retries exactly the failed units
     second = launch(out, *base)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -52,8 +59,6 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     assert "pipegen: done: 12 samples (12 trajectories), " in second.stdout, second.stdout
     assert f"; this launch: {len(failed)} samples, " in second.stdout, second.stdout
     assert "  reward:       verl's default_compute_score by data_source" in second.stdout
-    import re
-
     tokens = re.search(r"trajectories\), (\d+) output tokens; this launch: \d+ samples, (\d+) output tokens",
                        second.stdout)
     assert tokens and int(tokens[1]) > int(tokens[2]) > 0, second.stdout  # the run's tokens, then this launch's
@@ -72,6 +77,34 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     retried = {f"{r['index']}:{r['sample']}": r["seed"] for r in records if r["attempt"] == 1}
     assert all(retried[u] != first_seeds[u] for u in failed)
     assert not (out / "failed_units.json").exists()
+    numbers = assert_report_matches_status(out, second.stdout)
+    (source,) = numbers["sources"].values()
+    summary = re.search(r"rewards: +mean ([0-9.]+) over (\d+) samples; pass@2 ([0-9.]+) \((\d+) of (\d+) prompts",
+                        second.stdout)
+    assert summary, second.stdout
+    assert f"{source['mean_reward']:.3f}" == summary[1] and source["scored_rows"] == int(summary[2]) == 12
+    assert f"{source['pass_at_k']['2']['value']:.2f}" == summary[3]
+    assert (source["prompts_with_a_pass"], source["prompts"]) == (int(summary[4]), int(summary[5]))
+    cut = re.search(r"responses: +(\d+) of (\d+) reached", second.stdout)
+    assert (source["at_length_limit"], source["rows"]) == (int(cut[1]), int(cut[2]))
+
+
+def assert_report_matches_status(out, output: str) -> dict:
+    """The launch's summary ends with the line naming the report, whose progress, state and failures (grouped by
+    reason) are those `python -m pipegen.status --json` shows."""
+    assert output.strip().splitlines()[-1] == f"  report:       {out / 'report.html'}", output[-2000:]
+    numbers = orjson.loads((out / "report.json").read_bytes())
+    status = orjson.loads(subprocess.run([sys.executable, "-m", "pipegen.status", str(out), "--json"],
+                                         capture_output=True, check=True).stdout)
+    assert numbers["state"] == status["state"]
+    progress = status["progress"]
+    assert [numbers["progress"][k] for k in ("units", "committed", "failed", "pending", "complete")] == \
+        [progress[k] for k in ("total", "committed", "failed", "pending", "complete")]
+    assert numbers["progress"]["rows_read"] == progress["committed"]  # one row per unit here
+    assert sum(g["units"] for g in numbers["failures"]) == len(status["failed_units"])
+    assert {u for g in numbers["failures"] for u in g["examples"]} <= set(status["failed_units"])
+    assert all("503" in g["reason"] for g in numbers["failures"])
+    return numbers
 
 
 def test_final_merge_false_keeps_batches_only(tmp_path, tiny_model):

@@ -140,6 +140,53 @@ def test_other_sessions_wrong_keys_and_finished_units_are_refused(scenarios):
     assert all(any(e["input_ids"][:len(p)] == p for p in prompts) for e in entries)
 
 
+def test_atif_export_holds_each_rows_steps_token_ids_and_log_probs(scenarios):
+    """`python -m pipegen.export DIR --format atif` on the scenarios' run: every document passes the `atif`
+    package's models, its agent steps' completion ids and log-probs are the row's model tokens in
+    trajectories.pkl, the openai SDK's tool rounds are three agent steps with their calls and results, and an
+    edited history's earlier reply is copied context."""
+    from atif import Trajectory
+
+    from pipegen.export.__main__ import main as export_main
+
+    records, _, out = scenarios
+    assert export_main([str(out), "--format", "atif"]) == 0
+    data = load_trajectories(out / "trajectories.pkl")
+    b, nt = data.batch, data.non_tensor_batch
+    width = b["prompts"].shape[1]
+    docs = {}
+    for i in range(len(data)):
+        key = "-".join(str(int(nt[k][i])) for k in ("index", "sample", "trajectory"))
+        doc = json.loads((out / "trajectories.atif" / f"{key}.json").read_text())
+        Trajectory.model_validate(doc)
+        attn = b["attention_mask"][i].bool()
+        response, mask = b["responses"][i][attn[width:]], b["response_mask"][i][attn[width:]].bool()
+        sampled = [st["metrics"] for st in doc["steps"] if "metrics" in st]
+        assert all(st["source"] == "agent" for st in doc["steps"] if "metrics" in st)
+        assert sum((m["completion_token_ids"] for m in sampled), []) == response[mask].tolist(), key
+        logprobs = np.float32(sum((m["logprobs"] for m in sampled), []))
+        assert np.array_equal(logprobs, b["rollout_log_probs"][i][attn[width:]][mask].numpy()), key
+        assert sampled[0]["prompt_token_ids"] == b["prompts"][i][attn[:width]].tolist()
+        docs[((TOOL_ROUNDS + OTHERS)[int(nt["index"][i])], int(nt["trajectory"][i]))] = doc
+    assert len(list((out / "trajectories.atif").glob("*.json"))) == len(data)
+
+    chat = docs[("chat", 0)]["steps"]  # the openai SDK with a tool: 3 turns
+    agent = [st for st in chat if st["source"] == "agent"]
+    assert [st["source"] for st in chat[:1]] == ["user"] and len(agent) == 3
+    assert all(not st.get("is_copied_context") for st in agent)
+    for st in agent[:2]:
+        (call,) = st["tool_calls"]
+        assert call["function_name"] == "calculator" and "expression" in call["arguments"]
+        (result,) = st["observation"]["results"]
+        assert result == {"source_call_id": call["tool_call_id"], "content": "5"}
+    assert "#### 5" in agent[2]["message"] and "tool_calls" not in agent[2]
+    edited = docs[("edit", 1)]  # the branch rendered afresh: the reply the harness edited was not sampled in it
+    copied = [st for st in edited["steps"] if st.get("is_copied_context")]
+    assert copied and all("metrics" not in st and st["source"] == "agent" for st in copied)
+    assert edited["extra"]["branch"].startswith("history edited")
+    assert not any(st.get("is_copied_context") for st in docs[("n2", 1)]["steps"])
+
+
 def test_command_harness_results_and_failures(tiny_model, scripted, tmp_path):
     """external.command: rewards from the last stdout line; a crash, a hang past external.timeout_s and a
     harness that never calls each send their unit to the failures stream with the reason."""

@@ -59,7 +59,7 @@ def test_launch_sh_takes_the_gpu_path_where_nvidia_smi_reports_a_gpu(tmp_path: P
     main_installs = [c for c in gpu if c[0] == main_python and "pip" in c]
     assert [c for c in main_installs if f"{REPO}[test]" in c], main_installs  # pipegen itself, no sglang extra
     assert not any(a.startswith("torch==") for c in main_installs for a in c)  # the CUDA torch, not the CPU pin
-    # the launcher is handed the server environment's python (pipegen/run/schema.py: llm.python)
+    # the launcher is handed the server environment's python (pipegen/config/schema.py: llm.python)
     assert ["export", f"PIPEGEN_SGLANG_PYTHON={server_python}"] in gpu
     assert gpu[-1] == ["exec", main_python, "-m", "pipegen.launch", "output_dir=runs/x", "llm=sglang"]
 

@@ -140,7 +140,7 @@ def test_tiny_model_loads_in_verl_and_generates(tiny_dir: str) -> None:
     from verl.utils.config import omega_conf_to_dataclass
     from verl.utils.tokenizer.continuous_token import QwenContinuousTokenBuilder
 
-    from pipegen.run.config import verl_config_dir
+    from pipegen.config.compose import verl_config_dir
 
     assert type(hf_tokenizer(tiny_dir)).__name__.startswith("Qwen2Tokenizer")
     model_cfg = OmegaConf.load(os.path.join(verl_config_dir(), "model", "hf_model.yaml"))

@@ -10,7 +10,7 @@ import pytest
 import orjson
 import torch
 
-from conftest import FAKE_ENGINE, FAST, launch
+from conftest import FAKE_ENGINE, FAST, FAST_REPORTED, launch
 from test_verl_parity import _plain
 
 
@@ -39,7 +39,7 @@ def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
     from pipegen.writer.merge import load_shards
 
     out = tmp_path / "run"
-    result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.merge_output=sharded",
+    result = launch(out, f"model_path={tiny_model}", *FAST_REPORTED, FAKE_ENGINE, "generation.merge_output=sharded",
                     "generation.merge_shard_rows=5", "generation.export_format=parquet")
     assert result.returncode == 0, result.stderr[-3000:]
     run = RunDir(out)
@@ -76,6 +76,25 @@ def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
     rows = table.to_pylist()
     assert [dict(r) for r in hf] == rows and frame["uid"].tolist() == [r["uid"] for r in rows]
     _assert_rows_equal(rows, ref)
+
+    # Beside it, its Hugging Face dataset card: load_dataset reads the folder through the card's configs, and the
+    # card states the run's facts (the report's numbers)
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\n") and "configs:" in card and "path: trajectories.parquet" in card
+    folder = datasets.load_dataset(str(out), split="train", cache_dir=str(tmp_path / "hf-card"))
+    assert [dict(r) for r in folder] == rows
+    numbers = orjson.loads((out / "report.json").read_bytes())
+    (source, stats), = numbers["sources"].items()
+    from importlib.metadata import version
+
+    for fact in (f"pipegen version: {version('pipegen')}", f"model: `{tiny_model}`", "revision: not known",
+                 "temperature 1.0", "n 2 samples per prompt", "responses up to 24 tokens",
+                 f"config fingerprint (run key): `{run.run_key()}`", "12 rows, 12 of 12 units committed, 0 failed",
+                 f"| {source} | 12 | 6 | {stats['mean_reward']} | "
+                 f"[{stats['reward_ci95'][0]}, {stats['reward_ci95'][1]}] |",
+                 f"{stats['at_length_limit']} ({stats['at_length_limit_share']})",
+                 "hf upload USER/NAME", "huggingface-cli upload USER/NAME"):
+        assert fact in card, fact
 
     # The CLI (in-process: verl is already imported), in another format and smaller writes, gives the same rows.
     from pipegen.export.__main__ import main as export_main

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import FAKE_ENGINE, FAST, REPO, launch
+from conftest import FAKE_ENGINE, FAST, REPO, directory_bytes, launch
 
 from pipegen.run.fingerprint import OVERRIDE_KEY, check_fingerprint, compute_fingerprint, mismatch_message, sampled_digest
 
@@ -19,17 +19,10 @@ FAKE = [*FAST, FAKE_ENGINE]
 
 
 def composed(out: Path, *overrides: str):
-    """The config exactly as the launcher resolves it."""
-    from omegaconf import open_dict
+    """The config exactly as the launcher resolves it (launch/job.py)."""
+    from pipegen.launch.job import resolve_job
 
-    from pipegen.run.config import compose, resolved
-    from pipegen.launch.manifest import resolve_inputs
-
-    cfg = compose([f"output_dir={out}", *overrides])
-    with open_dict(cfg):
-        cfg.output_dir = str(out)
-    resolve_inputs(cfg)
-    return resolved(cfg)
+    return resolve_job([f"output_dir={out}", *overrides]).cfg
 
 
 def fingerprint(out: Path, *overrides: str) -> dict:
@@ -97,12 +90,14 @@ def test_fingerprint_names_each_kind_of_change(tmp_path, model_copy):
                    "tokenizer.tokenizer_config.json: contents changed")
 
 
-def test_launch_refuses_changed_temperature_and_model_and_accepts_unchanged(tmp_path, model_copy):
+def test_launch_and_writer_refuse_a_changed_setup_and_accept_an_unchanged_one(tmp_path, model_copy):
+    """One run: a relaunch with another temperature or model folder is refused and changes nothing, byte for
+    byte; the writer restarted alone refuses a changed setup too; the same command finds the run complete; the
+    explicit override is accepted."""
     out = tmp_path / "run"
     first = launch(out, f"model_path={model_copy}", *FAKE)
     assert first.returncode == 0, first.stderr[-3000:]
-    stored = (out / "conf" / "fingerprint.json").read_bytes()
-    pkl = (out / "trajectories.pkl").read_bytes()
+    before = directory_bytes(out)
 
     hotter = launch(out, f"model_path={model_copy}", *FAKE, "temperature=0.5")
     assert hotter.returncode == 2
@@ -116,13 +111,12 @@ def test_launch_refuses_changed_temperature_and_model_and_accepts_unchanged(tmp_
     assert moved.returncode == 2
     assert_refusal(moved.stderr.strip().splitlines()[-1], "model_path:", "other-model")
 
-    # refusals touch nothing
-    assert (out / "conf" / "fingerprint.json").read_bytes() == stored
-    assert (out / "trajectories.pkl").read_bytes() == pkl
+    assert directory_bytes(out) == before  # refusals touch nothing
 
     same = launch(out, f"model_path={model_copy}", *FAKE)
     assert same.returncode == 0, same.stderr[-3000:]
     assert "already complete" in same.stdout
+    writer_refuses_a_changed_setup(out, model_copy)
 
     # the explicit override is accepted and becomes the run's new fingerprint
     forced = launch(out, f"model_path={model_copy}", *FAKE, "temperature=0.5", f"{OVERRIDE_KEY}=true")
@@ -130,10 +124,8 @@ def test_launch_refuses_changed_temperature_and_model_and_accepts_unchanged(tmp_
     assert orjson.loads((out / "conf" / "fingerprint.json").read_bytes())["sampling"]["temperature"] == 0.5
 
 
-def test_writer_restarted_alone_refuses_a_changed_setup(tmp_path, model_copy):
-    out = tmp_path / "run"
-    first = launch(out, f"model_path={model_copy}", *FAKE)
-    assert first.returncode == 0, first.stderr[-3000:]
+def writer_refuses_a_changed_setup(out: Path, model_copy: Path) -> None:
+    """The writer restarted alone on a complete run checks the setup as a launch does."""
 
     def writer() -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "pipegen.writer", f"output_dir={out}"], cwd=REPO,

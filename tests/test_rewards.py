@@ -190,7 +190,7 @@ def test_verifier_client_retries_then_scores_and_fails_after_its_tries():
 
     from pipegen.rewards.protocol import RewardFailure, parse_result
     from pipegen.rewards.verifier import VerifierReward
-    from pipegen.run.schema import Reward, RewardSpec
+    from pipegen.config.schema import Reward, RewardSpec
 
     async def scenario():
         seen = {"flaky": 0, "down": 0, "slow": 0}
@@ -280,7 +280,7 @@ def test_a_reward_that_hangs_fails_its_sample_at_the_limit_and_scoring_goes_on(t
     pool (the interval timer in the pool process), and C code that blocks the timer (pebble kills the process).
     The limit is what is under test, so it is set to 1 s."""
     from pipegen.rewards.local import INLINE_AFTER, FunctionReward
-    from pipegen.run.schema import Reward, RewardSpec
+    from pipegen.config.schema import Reward, RewardSpec
     from pipegen.rewards.protocol import RewardFailure, ScoreRequest
 
     path = tmp_path / "slow_reward.py"
@@ -318,7 +318,7 @@ def test_the_reward_order_is_the_whole_run_then_a_task_by_data_source_then_verls
     from pipegen.rewards.local import FunctionReward
     from pipegen.rewards.spec import RewardOrder
     from pipegen.rewards.verifier import VerifierReward
-    from pipegen.run.schema import Reward, RewardSpec
+    from pipegen.config.schema import Reward, RewardSpec
 
     def cfg(verifier_url=None, path=None):
         return OmegaConf.create({"reward": {"verifier_url": verifier_url},

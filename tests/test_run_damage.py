@@ -114,7 +114,7 @@ def finish_in_process(cfg, out: Path) -> str | None:
 
     import torch
 
-    from pipegen.launch.manifest import build_manifest
+    from pipegen.launch.unit_manifest import build_manifest
     from pipegen.run.config import load_run_config
     from pipegen.run.integrity import DamagedFile
     from pipegen.run.layout import LaunchRecord, RunDir

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAKE_ENGINE, FAST, REPO, launch, load_trajectories, response_texts
+from conftest import FAKE_ENGINE, FAST, REPO, directory_bytes, launch, load_trajectories, response_texts
 
 GENERATOR = '''
 def make(size, seed, offset=8):
@@ -71,8 +71,8 @@ def test_python_m_pipegen_tasks_lists_built_in_and_given_tasks(user_task):
 def test_tasks_resolve_defaults_deterministic_files_and_clear_errors(tmp_path, user_task):
     from pipegen.run.layout import RunDir
     from pipegen.tasks.manifest import TaskError
-    from pipegen.tasks.manifest import compose_job as compose
-    from pipegen.tasks.materialize import materialize
+    from pipegen.launch.job import compose_job as compose
+    from pipegen.tasks.materialize import task_data, write_task_files
 
     cfg = compose([f"output_dir={tmp_path}", f"tasks=[{user_task},gsm_symbolic]", "n=5"])
     # the command line wins (n); lengths are the longest any task asks for; verl's keys follow
@@ -84,8 +84,10 @@ def test_tasks_resolve_defaults_deterministic_files_and_clear_errors(tmp_path, u
         compose([f"output_dir={tmp_path}", "tasks=[nope]"])
 
     # the same manifest and seed give the same file (named by its digest), rows numbered across tasks
-    first = materialize([str(user_task), "chain_sum"], RunDir(tmp_path / "a"))
-    again = materialize([str(user_task), "chain_sum"], RunDir(tmp_path / "b"))
+    first = task_data([str(user_task), "chain_sum"], RunDir(tmp_path / "a"))
+    assert not (tmp_path / "a").exists()  # computed, not written: the launcher writes them holding the lock
+    again = task_data([str(user_task), "chain_sum"], RunDir(tmp_path / "b"))
+    write_task_files(first + again)
     assert [t.path.name for t in first] == [t.path.name for t in again]
     assert [t.path.read_bytes() for t in first] == [t.path.read_bytes() for t in again]
     import pyarrow.parquet as pq
@@ -96,7 +98,8 @@ def test_tasks_resolve_defaults_deterministic_files_and_clear_errors(tmp_path, u
                                  {"role": "user", "content": "Question: What is 2 - 8?"}]
     assert rows[0]["data_source"] == "my_subtraction" and rows[4]["data_source"] == "chain_sum"
     # max_samples across tasks takes from each in turn, not every row from the first
-    limited = materialize([str(user_task), "chain_sum"], RunDir(tmp_path / "d"), max_samples=6)
+    limited = task_data([str(user_task), "chain_sum"], RunDir(tmp_path / "d"), max_samples=6)
+    write_task_files(limited)
     assert [t.rows for t in limited] == [3, 3]
     rows = pq.read_table(limited[0].path).to_pylist() + pq.read_table(limited[1].path).to_pylist()
     assert [r["extra_info"]["index"] for r in rows] == list(range(6))
@@ -104,7 +107,7 @@ def test_tasks_resolve_defaults_deterministic_files_and_clear_errors(tmp_path, u
     bad = user_task.parent / "bad.yaml"
     bad.write_text(MANIFEST.replace("size: 4", "size: 4\n  sizes: 5"))
     with pytest.raises(TaskError, match=r"bad.yaml: data.sizes: Extra inputs are not permitted"):
-        materialize([str(bad)], RunDir(tmp_path / "c"))
+        task_data([str(bad)], RunDir(tmp_path / "c"))
 
 
 def test_builtin_and_user_tasks_run_offline_each_row_scored_by_its_own_task(tmp_path, tiny_model, user_task):
@@ -135,3 +138,28 @@ def test_builtin_and_user_tasks_run_offline_each_row_scored_by_its_own_task(tmp_
         scores.append(row_reward)
     assert sorted(set(scores)) == [0.0, 0.25, 1.0]  # every reward spoke: both tasks, right and wrong answers
     assert data.non_tensor_batch["acc"].tolist() == scores  # a float result's extras: verl's {"acc": score}
+
+    # A relaunch with a changed task (new rows, so a new task file) is refused, and leaves the run directory
+    # byte for byte as it was: no task file, config or fingerprint is written before the lock and the guard.
+    before = directory_bytes(out)
+    user_task.write_text(MANIFEST.replace("seed: 2", "seed: 3"))
+    refused = launch(out, f"model_path={tiny_model}", FAKE_ENGINE, *FAST, f"tasks=[{user_task},chain_sum]",
+                     "max_samples=7", f"llm.engine_args=[--script,{script}]",
+                     env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    error = refused.stderr.strip().splitlines()[-1]
+    assert error.startswith("pipegen: error:") and "data_files" in error, error
+    assert directory_bytes(out) == before
+
+
+def test_task_files_are_written_only_after_the_lock_and_the_resume_guard():
+    """What `grep` shows: one place writes task files (materialize.write_task_files), one place calls it,
+    prepare(), after it took the launcher lock and the resume guard passed."""
+    package = REPO / "pipegen"
+    callers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "write_task_files(" in p.read_text())
+    assert callers == ["launch/prepare.py", "tasks/materialize.py"]
+    prepare = (package / "launch" / "prepare.py").read_text()
+    body = prepare[prepare.index("def prepare("):]
+    assert body.index("lock.acquire()") < body.index("guard_resume(") < body.index("write_task_files(")
+    materialize = (package / "tasks" / "materialize.py").read_text()
+    assert materialize.count("atomic_write_bytes(") == 1  # inside write_task_files

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from pipegen.launch.servers import SERVER_COMMANDS
 from pipegen.launch.world import plan_world
-from pipegen.run.config import compose, resolved, verl_config_dir
-from pipegen.run.verl_keys import Read, Refused, Same, ToLlm, handling, translate
+from pipegen.config.compose import compose, resolved, verl_config_dir
+from pipegen.config.verl_keys import Read, Refused, Same, ToLlm, handling, translate
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -33,7 +33,7 @@ from fake_servers import RecordingProxy, launch_external, pids_where, read_recor
 from pipegen.actor.admission import HEADROOM
 from pipegen.launch.servers import ServerNotReady, ServerProcess, vllm_server_command
 from pipegen.launch.world import ServerPlan, free_port
-from pipegen.run.schema import llm_defaults
+from pipegen.config.schema import llm_defaults
 
 pytestmark = pytest.mark.slow
 

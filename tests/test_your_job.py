@@ -170,18 +170,15 @@ def test_a_plain_string_prompt_column_is_one_user_message_and_the_plan_line_says
     import pyarrow.parquet as pq
 
     from pipegen.inputs.dataset import load_dataset, load_tokenizer
-    from pipegen.observe.job import plan_line
-    from pipegen.run.config import resolved
-    from pipegen.run.layout import RunDir
-    from pipegen.tasks.manifest import compose_job
+    from pipegen.launch.job import resolve_job
+    from pipegen.observe.summary import plan_line
 
     data = tmp_path / "plain.parquet"
     pq.write_table(pa.Table.from_pylist([{"prompt": f"What is {i} + 1?", "data_source": "plain",
                                           "reward_model": {"ground_truth": str(i + 1)}, "extra_info": {"index": i}}
                                          for i in range(3)]), data)
-    cfg = resolved(compose_job([f"output_dir={tmp_path / 'run'}", f"train_files={data}", f"model_path={tiny_model}"]))
-    dataset = load_dataset(cfg, load_tokenizer(cfg))
+    job = resolve_job([f"output_dir={tmp_path / 'run'}", f"train_files={data}", f"model_path={tiny_model}"])
+    dataset = load_dataset(job.cfg, load_tokenizer(job.cfg))
     assert len(dataset) == 3
     assert dataset[1]["raw_prompt"] == [{"role": "user", "content": "What is 1 + 1?"}]
-    assert "the prompt column holds plain strings: each is sent as one user message" in plan_line(
-        cfg, RunDir(tmp_path / "run"))
+    assert "the prompt column holds plain strings: each is sent as one user message" in plan_line(job.cfg, job.run)

@@ -45,7 +45,7 @@ import aiohttp
 
 from pipegen.engines import Engine, LoadUnavailable
 
-from pipegen.run.schema import Actors, Servers
+from pipegen.config.schema import Actors, Servers
 
 log = logging.getLogger("pipegen.actor")
 

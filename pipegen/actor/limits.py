@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipegen.engines import READY_TIMEOUT_S
-from pipegen.run.schema import CpuServers, Generation
+from pipegen.config.schema import CpuServers, Generation
 
 @dataclass
 class ClientLimits:

@@ -31,7 +31,7 @@ from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.detokenize import response_decoder
 from pipegen.actor.scoring import Scorer
 from pipegen.rewards.protocol import RewardFailure
-from pipegen.run.config import CONF_DIR
+from pipegen.config.compose import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.pictures import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry

@@ -159,7 +159,7 @@ def bench_config(run_root: Path, *overrides: str):
     from omegaconf import open_dict
 
     from pipegen.inputs.demo import resolve_train_files
-    from pipegen.run.config import compose, resolved
+    from pipegen.config.compose import compose, resolved
 
     model = tiny_model()
     cfg = compose([f"output_dir={run_root}", f"model_path={model}", *overrides])

@@ -50,8 +50,8 @@ def vllm_python() -> str:
 
 
 def default_llm(python: str) -> dict:
-    """`llm=vllm`'s defaults (run/schema.py), with the server's python."""
-    from pipegen.run.schema import llm_defaults
+    """`llm=vllm`'s defaults (config/schema.py), with the server's python."""
+    from pipegen.config.schema import llm_defaults
 
     return {**llm_defaults("vllm"), "python": python}
 

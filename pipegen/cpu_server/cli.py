@@ -20,7 +20,7 @@ from pipegen.cpu_server.model_backend import load_backend_class
 from pipegen.cpu_server.lifecycle import serve
 from pipegen.cpu_server.server import CRASH_EXIT_CODE
 from pipegen.observe.logs import watch_parent
-from pipegen.run.schema import HF_BACKEND, CpuServers
+from pipegen.config.schema import HF_BACKEND, CpuServers
 
 PROG = "python -m pipegen.cpu_server"
 

@@ -38,7 +38,7 @@ from pipegen.cpu_server.model_backend import (HEALTH_CHECK_PREFIX, BackendReques
 from pipegen.cpu_server.hf_sampling import prompt_logprobs, row_seed, sample
 from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
 from pipegen.run.precision import resolve_dtype_name
-from pipegen.run.schema import HF_BACKEND, CpuServers
+from pipegen.config.schema import HF_BACKEND, CpuServers
 
 log = logging.getLogger("pipegen.hf_backend")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from pipegen.cpu_server.parse import EntrySpec
-from pipegen.run.schema import HF_BACKEND
+from pipegen.config.schema import HF_BACKEND
 
 HEALTH_CHECK_PREFIX = "HEALTH_CHECK_"  # rids of the server's own /health_generate probes (as SGLang names them)
 BUILTIN_BACKENDS = {HF_BACKEND: "pipegen.cpu_server.hf_backend:HFBackend"}

@@ -1,7 +1,9 @@
-"""`python -m pipegen.export DIR --format parquet|jsonl [--output PATH] [--row-group-rows N]`
+"""`python -m pipegen.export DIR --format parquet|jsonl|atif [--output PATH] [--row-group-rows N]`
 
 Writes DIR/trajectories.parquet (or .jsonl): one row per trajectory, in the merged output's order, from the
-batch files the checkpoint lists. Works on any run with committed batches, finished or not, merged or not.
+batch files the checkpoint lists, and beside the Parquet file its Hugging Face dataset card, README.md
+(export/card.py); or DIR/trajectories.atif/, one ATIF document per trajectory (export/atif.py). Works on any run
+with committed batches, finished or not, merged or not.
 Owns: argument parsing and the one-line errors. Must never: touch the run's own files, or import the writer
 (the writer starts this command after its merge; nothing leads back).
 """
@@ -20,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipegen.export",
                                 description="export a pipegen run's trajectories as Parquet or JSON lines")
     p.add_argument("run_dir", help="the run directory (output_dir of the launch)")
-    p.add_argument("--format", choices=FORMATS, default="parquet")
-    p.add_argument("--output", help="file to write (default: DIR/trajectories.<format>)")
+    p.add_argument("--format", choices=(*FORMATS, "atif"), default="parquet")
+    p.add_argument("--output", help="file to write (default: DIR/trajectories.<format>; atif: a folder, "
+                                    "default DIR/trajectories.atif)")
     p.add_argument("--row-group-rows", type=int, default=ROW_GROUP_ROWS,
                    help="rows per Parquet row group / per write (bounds memory; default %(default)s)")
     args = p.parse_args(argv)
@@ -46,15 +49,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipegen.export: {run.root} has no committed batches yet: run or resume it first "
               f"(python -m pipegen.launch output_dir={run.root})", file=sys.stderr)
         return 2
-    out = Path(args.output) if args.output else run.export_file(args.format)
+    out = Path(args.output) if args.output else run.atif_dir if args.format == "atif" else run.export_file(args.format)
     started = time.monotonic()
     try:
-        rows = export_plan(cfg, SortedRows.committed(run, ckpt), out, args.format, max(1, args.row_group_rows))
+        plan = SortedRows.committed(run, ckpt)
+        if args.format == "atif":
+            from pipegen.export.atif import export_atif
+
+            docs = export_atif(cfg, plan, out, max(1, args.row_group_rows))
+            print(f"pipegen.export: {docs} ATIF documents -> {out}/ ({time.monotonic() - started:.1f}s)")
+            return 0
+        rows = export_plan(cfg, plan, out, args.format, max(1, args.row_group_rows))
     except BatchFileError as exc:
         print(f"pipegen.export: {exc}", file=sys.stderr)
         return 2
     took = time.monotonic() - started
     print(f"pipegen.export: {rows} rows -> {out} ({out.stat().st_size / 2**20:.1f} MiB, {took:.1f}s)")
+    if args.format == "parquet":
+        from pipegen.export.card import write_card
+
+        card = write_card(cfg, run, out)
+        print(f"pipegen.export: dataset card -> {card}" if card is not None else
+              f"pipegen.export: no dataset card: {run.export_card(out)} exists and pipegen did not write it")
     return 0
 
 

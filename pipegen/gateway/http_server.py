@@ -28,7 +28,7 @@ from aiohttp import web
 
 from pipegen.gateway.dialects import DIALECTS, BadRequest
 from pipegen.gateway.session import Session, SessionClosed
-from pipegen.run.schema import External
+from pipegen.config.schema import External
 
 log = logging.getLogger("pipegen.gateway")
 

@@ -28,7 +28,7 @@ from pipegen.gateway.harness import Harness, HarnessFailed
 from pipegen.gateway.seam import UnitServer
 from pipegen.gateway.session import Generated, Renderer, Session, Trajectory
 
-GATEWAY_FIELD = "gateway"  # extra_fields key: how the trajectory came to be (branch reason, calls, ...)
+GATEWAY_FIELD = "gateway"  # extra_fields key: how the trajectory came to be (branch reason, calls, its messages)
 RESULT_FIELD = "harness_result"  # extra_fields key: the harness's result fields besides its reward
 
 
@@ -85,7 +85,8 @@ class ExternalAgentLoop(AgentLoopBase):
             multi_modal_data={},
             num_turns=sum(m["role"] != "system" for m in t.messages) + 1,
             metrics=AgentLoopMetrics(generate_sequences=session.generate_s),
+            # the messages as the harness held them after the last call: the ATIF export's steps (export/atif.py)
             extra_fields={GATEWAY_FIELD: {"trajectory": t.number, "branch": t.branch, "calls": t.calls,
                                           "unparsed_tool_calls": t.unparsed_tool_calls,
-                                          "retries_answered": session.retries_answered}},
+                                          "retries_answered": session.retries_answered, "messages": t.messages}},
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from pipegen.run.schema import DEMO_NAME, DEMO_PARQUET, is_demo  # the config's names for the demo set
+from pipegen.config.schema import DEMO_NAME, DEMO_PARQUET, is_demo  # the config's names for the demo set
 
 _FIX = "pass an existing parquet/json file, a list of them, or 'demo' for the packaged arithmetic set"
 

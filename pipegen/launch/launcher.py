@@ -2,8 +2,8 @@
 
 prepare (launch/prepare.py: every check and write before a process starts) → place (the run's placement
 starts its servers and actors, the writer starts here, and the unit manifest is read meanwhile) → supervise
-(wait for the run's end while the console shows it) → report (observe/console.py). It exits 0 when
-DIR/trajectories.pkl is complete.
+(wait for the run's end while the console shows it) → report (observe/console.py; its last line names the run
+report, pipegen/report/). It exits 0 when DIR/trajectories.pkl is complete.
 
 Owns: the life of every child process of a launch. Must never: generate, write streams or batches itself,
 or leave a child running when it exits.
@@ -16,11 +16,12 @@ import signal
 import sys
 import time
 
-from pipegen.launch.manifest import build_manifest
+from pipegen.launch.unit_manifest import build_manifest
 from pipegen.launch.placement import Placement
 from pipegen.launch.prepare import prepare
 from pipegen.launch.run_writer import RunWriter
 from pipegen.observe.console import Console, refuse, report
+from pipegen.report import end_of_run
 from pipegen.run.diskfull import disk_full_message, is_disk_full
 
 log = logging.getLogger("pipegen.launch")
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return ready  # --help (0), or a one-line refusal (2)
     cfg, run, placement = ready.cfg, ready.run, ready.placement
     if ready.complete:
-        return report(run, ready.n, 0, already_complete=True)
+        return end_of_run(cfg, run, report(run, ready.n, 0, already_complete=True))
     writer = RunWriter(cfg, run) if cfg.generation.run_writer else None
     stop_on_signals()
     started, failure = time.monotonic(), None
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if failure is not None:  # the last line, after what the stop logged
         return refuse(disk_full_message(run.root, "launcher") if is_disk_full(failure) else str(failure))
     log.info("run took %.1fs", time.monotonic() - started)
-    return report(run, ready.n, writer_rc)
+    code = report(run, ready.n, writer_rc)
+    return end_of_run(cfg, run, code) if writer_rc is not None else code  # the run report: the writer's node
 
 
 def supervise(placement: Placement, writer: RunWriter | None, console: Console) -> int | None:

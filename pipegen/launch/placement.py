@@ -47,7 +47,7 @@ class Placement(Protocol):
         """Stop every process it started; nothing of it is left running."""
 
 
-# cluster.kind -> its placement as "module:class" (run/schema.py's CLUSTER_KINDS names the kinds and their keys)
+# cluster.kind -> its placement as "module:class" (config/schema.py's CLUSTER_KINDS names the kinds and their keys)
 PLACEMENTS: dict[str, str] = {
     "local": "pipegen.launch.local_placement:LocalPlacement",
     "ray": "pipegen.launch.ray_placement:RayPlacement",

@@ -36,9 +36,12 @@ SKIP = "generation.preflight=false skips this check"
 
 
 def first_row(cfg: DictConfig) -> dict[str, Any] | None:
-    """The dataset's first row as verl reads its columns (None for a file that is not parquet or jsonl)."""
+    """The dataset's first row as verl reads its columns (None for a file that is not parquet or jsonl, or not
+    written yet)."""
     files = cfg.data.train_files
     path = Path(str(files if isinstance(files, str) else list(files)[0]))
+    if not path.is_file():  # tasks' files are written once the launcher holds the lock: nothing to read yet
+        return None
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 

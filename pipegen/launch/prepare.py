@@ -1,16 +1,18 @@
 """Everything the launcher does before a process starts, in one function: `prepare(argv)`.
 
-In order: --help; the config composed and type-checked; output_dir resolved (a file is refused); the inputs'
-short names resolved; the placement chosen (torchrun's or Slurm's node variables without cluster=ray are
-refused); the preflight (launch/preflight.py: the reward called once on the first row, the harness
-imported); the one launcher of the directory locked; the resume guard; the run's small files checked; an
-external server's reachability and the dataset's files checked; a run that is already complete found; this
-node's plan made and the launch record written. Each refusal is one line naming the fix, before anything is
-started, and a refused launch never changes a run that holds generated data.
+In order: --help; the job's one resolved config (launch/job.py: composed, type-checked, output_dir and the
+inputs' short names resolved; nothing written); the placement chosen (torchrun's or Slurm's node variables
+without cluster=ray are refused); the reward settings checked (the user's reward function loaded once); the
+preflight (launch/preflight.py: the reward called once on the first row, the harness imported); then,
+the first write, the one launcher of the directory locked; the resume guard; the task files written; the
+run's small files checked; an external server's reachability and the dataset's files checked; a run that is
+already complete found; this node's plan made and the launch record written. Each refusal is one line naming
+the fix, before anything is started, and a refused launch never changes a run that holds generated data.
 
-Owns: DIR/conf/launch.json and the launcher lock (DIR/conf/config.yaml and fingerprint.json through
-launch/resume.py, DIR/conf/units.json through launch/manifest.py).
-Must never: start a process, or read the whole dataset (that happens while the servers load).
+Owns: DIR/conf/launch.json, the launcher lock and the moment the task files are written (DIR/conf/config.yaml
+and fingerprint.json through launch/resume.py; DIR/conf/units.json through launch/unit_manifest.py, later).
+Must never: start a process, write into the run directory before it holds the lock, or read the whole dataset
+(that happens while the servers load).
 """
 
 from __future__ import annotations
@@ -20,29 +22,27 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
-from omegaconf import DictConfig, open_dict
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
+from pipegen.config.compose import describe_config_error, help_text
 from pipegen.inputs.dataset import check_files
-from pipegen.launch.manifest import resolve_inputs
+from pipegen.launch.job import JobRefused, compose_job, resolve_job
 from pipegen.launch.placement import Placement, placement_for
 from pipegen.launch.preflight import preflight
 from pipegen.launch.resume import check_run_files, guard_resume
 from pipegen.launch.servers import ServerNotReady, check_reachable
 from pipegen.observe.console import refuse
-from pipegen.observe.job import print_plan
 from pipegen.observe.logs import setup_logging
+from pipegen.observe.summary import print_plan
+from pipegen.rewards.spec import resolve_reward_settings
 from pipegen.run.checkpoint import load_checkpoint
-from pipegen.run.config import check_types, compose, describe_config_error, help_text, resolved
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.ownership import DirectoryLock, LockHeld
-from pipegen.run.verl_keys import translate as translate_verl_keys
-from pipegen.tasks.manifest import compose_job
+from pipegen.tasks.materialize import write_task_files
 
 USAGE = """\
-usage: python -m pipegen.launch output_dir=DIR [key=value ...]     (or ./launch.sh output_dir=DIR ...)
+usage: python -m pipegen.launch output_dir=DIR [key=value ...]   (or: pipegen run ...; ./launch.sh output_dir=DIR ...)
 
 Generates trajectories for every (prompt, sample) of a verl-format parquet dataset and writes
 DIR/trajectories.pkl (a verl DataProto). Re-running the same command resumes an interrupted run.
@@ -69,9 +69,9 @@ def print_help(overrides: list[str]) -> None:
     try:
         print(USAGE)
         try:
-            cfg = compose([o for o in overrides if o not in ("--help", "-h")] + ["output_dir=DIR"])
+            cfg = compose_job([o for o in overrides if o not in ("--help", "-h")] + ["output_dir=DIR"])  # as a launch
             print(help_text(cfg))
-            print("\nEach key's one default, type and rule live in pipegen/run/schema.py.")
+            print("\nEach key's one default, type and rule live in pipegen/config/schema.py.")
         except Exception as e:  # help must print even when an override is broken
             print(f"(could not compose the config: {describe_config_error(e)})")
         sys.stdout.flush()
@@ -101,46 +101,32 @@ def prepare(argv: list[str]) -> Prepared | int:
         print_help(argv)
         return 0
     setup_logging("launch")
-    if not any(a.startswith("output_dir=") for a in argv):
-        return refuse("missing output_dir=DIR (where the run's files go); see --help")
     try:
-        argv = translate_verl_keys(argv)  # verl's own keys: pipegen's equivalents set, or refused in one line
-    except ValueError as e:
+        job = resolve_job(argv)  # the one resolved config; nothing is written yet
+    except JobRefused as e:
         return refuse(str(e))
+    cfg, run = job.cfg, job.run
     try:
-        cfg = compose_job(argv)  # pipegen's and verl's keys, then the named tasks' defaults
-    except Exception as e:  # Hydra's override errors are long: one line naming the key and the fix
-        return refuse(describe_config_error(e, argv))
-    try:
-        check_types(cfg)  # every key, output_dir first among them, before any path is resolved or written
-        run = RunDir(Path(cfg.output_dir).expanduser().resolve())
-        if run.root.exists() and not run.root.is_dir():
-            return refuse(f"output_dir={run.root} is a file; output_dir names a directory (new or a run's): "
-                          f"pick another path")
-        with open_dict(cfg):
-            cfg.output_dir = str(run.root)
-        placement = placement_for(cfg, run)  # before anything is written: node variables without cluster=ray
-        resolve_inputs(cfg)
-        cfg = resolved(cfg)
+        placement = placement_for(cfg, run)  # node variables without cluster=ray
+        resolve_reward_settings(cfg)  # the reward function's file made absolute, and loaded once as a check
         problem, checked = preflight(cfg)  # what would fail every unit, before any unit runs
         if problem:
             return refuse(problem)
     except (ValueError, RuntimeError) as e:
         return refuse(str(e))
-    except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing value (llm.urls)
-        return refuse(describe_config_error(e, argv))
     print_plan(cfg, run)  # the launch's first line: what will run
     if checked:
         print(checked, flush=True)
     run.root.mkdir(parents=True, exist_ok=True)
     lock = DirectoryLock(run.launcher_lock, role="launcher", name_host=True)
     try:
-        lock.acquire()
+        lock.acquire()  # the first write into the run directory
     except LockHeld as e:
         return refuse(str(e))
-    problem = guard_resume(cfg, run) or check_run_files(run)
+    problem = guard_resume(cfg, run, job.pending) or check_run_files(run)
     if problem:
         return refuse(problem)
+    write_task_files(job.tasks)  # after the guard: a refused launch writes no task file
     root_logger = logging.getLogger()  # the launcher's log lines also go to DIR/logs/launch.log
     file_handler = logging.FileHandler(run.role_log("launch"))
     file_handler.setFormatter(root_logger.handlers[0].formatter)

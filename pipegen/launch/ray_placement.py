@@ -16,7 +16,7 @@ state goes to streams/stats/cluster.jsonl (nodes, leases out per node, units lea
 loss), which `pipegen.status` shows.
 
 Owns: the Ray connection of the launcher, the placement groups, the runners' handles and the lease book.
-(Its settings are `cluster.*`, run/schema.py's RayCluster.)
+(Its settings are `cluster.*`, config/schema.py's RayCluster.)
 Must never: write under the run directory except its stats line, start processes on the head itself,
 or pin a runner to a node (a hard-pinned actor never comes back after its node dies, measured on ray 2.60).
 """

@@ -12,6 +12,7 @@ already holds generated data.
 from __future__ import annotations
 
 import logging
+from typing import Mapping
 
 import orjson
 from omegaconf import DictConfig
@@ -26,14 +27,15 @@ from pipegen.run.layout import RunDir
 log = logging.getLogger("pipegen.launch")
 
 
-def guard_resume(cfg: DictConfig, run: RunDir) -> str | None:
-    """Save config + fingerprint for a new run, or check them for a resumed one. Returns an error."""
+def guard_resume(cfg: DictConfig, run: RunDir, pending: Mapping[str, bytes] | None = None) -> str | None:
+    """Save config + fingerprint for a new run, or check them for a resumed one. Returns an error, having
+    written nothing. `pending`: the task files this launch writes once the guard has passed ({path: bytes})."""
     legacy = run.legacy_batch_files()
     if legacy:
         from pipegen.run.batchfile import legacy_format_message  # numpy and pyarrow: only when needed
 
         return legacy_format_message(run.root, legacy)
-    current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
+    current = orjson.loads(orjson.dumps(compute_fingerprint(cfg, pending)))
     try:
         stored = load_fingerprint(run)
     except DamagedFile as e:

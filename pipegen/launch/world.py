@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from omegaconf import OmegaConf
 
-from pipegen.run.schema import LLM_KINDS, llm_defaults
+from pipegen.config.schema import LLM_KINDS, llm_defaults
 
 
 class PlanError(ValueError):
@@ -56,7 +56,7 @@ class WorldPlan:
 
 
 def llm_settings(llm: Mapping, kind: str | None = None) -> dict[str, Any]:
-    """`llm` as given, with every key it leaves out at its one default for that kind of server (run/schema.py),
+    """`llm` as given, with every key it leaves out at its one default for that kind of server (config/schema.py),
     resolved (an engine's `python` reads its variable). A launch's config carries every key already."""
     kind = kind or llm["kind"]
     if kind not in LLM_KINDS:  # the plan names the kinds there are

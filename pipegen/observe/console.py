@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from pipegen.observe.job import job_lines
+from pipegen.observe.summary import job_lines
 from pipegen.observe.outcomes import unit_outcomes
 from pipegen.observe.progress import LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
@@ -28,7 +28,7 @@ from pipegen.observe.tracking import ELAPSED_S, LAUNCH_UNITS_PER_S, RunTracker
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
-from pipegen.run.schema import RewardSpec
+from pipegen.config.schema import RewardSpec
 from pipegen.run.stats_line import LaunchStats, WriterStats
 
 log = logging.getLogger("pipegen.launch")

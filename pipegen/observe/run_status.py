@@ -91,8 +91,9 @@ def _log_files(run: RunDir, now: float) -> list[dict[str, Any]]:
     return out
 
 
-def gather(run: RunDir) -> RunStatus:
-    """Read everything status shows. Raises NotARun for a path that is not a run directory."""
+def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
+    """Read everything status shows. Raises NotARun for a path that is not a run directory. `ignore_pid`: a
+    process whose liveness does not make the run "running" (the launcher writing its run's report at its end)."""
     if not run.root.is_dir():
         raise NotARun(f"{run.root} does not exist")
     if not run.config_file.exists():
@@ -127,7 +128,7 @@ def gather(run: RunDir) -> RunStatus:
             rs.log_age_s = entry["age_s"]
         roles.append(rs)
 
-    anything_alive = bool(lock.held) or any(r.alive for r in roles if r.pid is not None)
+    anything_alive = bool(lock.held) or any(r.alive for r in roles if r.pid is not None and r.pid != ignore_pid)
     committed_all = snap.total > 0 and snap.committed >= snap.total
     legacy = run.legacy_batch_files()
     if legacy:

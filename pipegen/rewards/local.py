@@ -38,7 +38,7 @@ from pebble import ProcessExpired, ProcessPool  # a per-task time limit that kil
 
 from pipegen.rewards.batching import MicroBatcher
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
-from pipegen.run.schema import Reward, RewardSpec
+from pipegen.config.schema import Reward, RewardSpec
 
 log = logging.getLogger("pipegen.actor")
 

@@ -23,7 +23,7 @@ import orjson
 
 from pipegen.rewards.local import FunctionReward
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
-from pipegen.run.schema import Reward, RewardSpec
+from pipegen.config.schema import Reward, RewardSpec
 
 log = logging.getLogger("pipegen.rewards.serve")
 ROUTE = "/score"

@@ -5,7 +5,7 @@ The order (`RewardOrder`): `reward.verifier_url` (an HTTP verifier) or `custom_r
 function, loaded by verl's own loader) score every row, as verl's custom reward function replaces its default
 for every row; else a row of a task (`tasks=[...]`) gets its task's reward, by its data_source; else verl's
 default_compute_score, for rows with a data_source and a ground truth (never for code data sources, whose
-scorers run the generated program). Each is a `RewardSpec` (pipegen/run/schema.py), built here into a
+scorers run the generated program). Each is a `RewardSpec` (pipegen/config/schema.py), built here into a
 verifier client or a function's pool.
 
 Owns: the order above, building a RewardSpec into a reward, and the launch-time check of the reward settings
@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from pipegen.rewards.local import FunctionReward, load_function
 from pipegen.rewards.protocol import ScoreRequest
 from pipegen.rewards.verifier import VerifierReward
-from pipegen.run.schema import Reward, RewardSpec
+from pipegen.config.schema import Reward, RewardSpec
 
 log = logging.getLogger("pipegen.actor")
 

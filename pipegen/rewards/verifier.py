@@ -22,7 +22,7 @@ import orjson
 
 from pipegen.rewards.batching import MicroBatcher
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
-from pipegen.run.schema import Reward, RewardSpec
+from pipegen.config.schema import Reward, RewardSpec
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 BACKOFF_S = 0.5

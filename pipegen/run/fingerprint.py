@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import orjson
 from omegaconf import DictConfig, OmegaConf
 
+from pipegen.config.schema import HF_BACKEND
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.integrity import DamagedFile, read_json_file, relaunch_advice
-from pipegen.run.schema import HF_BACKEND
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "config.json", "generation_config.json")
@@ -44,24 +44,42 @@ def _file_digest(path: Path) -> str:
 def sampled_digest(path: Path, block: int = SAMPLE_BYTES) -> str:
     """A digest of a file's size and its first, middle and last blocks: constant time for any size,
     and different for re-trained weights of the same shape (their bytes differ everywhere)."""
-    h = hashlib.sha256()
     try:
         size = path.stat().st_size
-        h.update(str(size).encode())
         with open(path, "rb") as f:
-            for start in sorted({0, max(0, size // 2 - block // 2), max(0, size - block)}):
-                f.seek(start)
-                h.update(f.read(block))
+            return _sampled(size, lambda start: (f.seek(start), f.read(block))[1], block)
     except OSError:
         return "missing"
+
+
+def bytes_digest(data: bytes, block: int = SAMPLE_BYTES) -> str:
+    """`sampled_digest` of a file that will hold `data`: a launch's task files before it writes them."""
+    return _sampled(len(data), lambda start: data[start:start + block], block)
+
+
+def _sampled(size: int, read_at: Callable[[int], bytes], block: int) -> str:
+    h = hashlib.sha256()
+    h.update(str(size).encode())
+    for start in sorted({0, max(0, size // 2 - block // 2), max(0, size - block)}):
+        h.update(read_at(start))
     return h.hexdigest()[:16]
+
+
+def _data_file(path: str, pending: Mapping[str, bytes]) -> tuple[str, int | None, str]:
+    """A data file's (path, size, sampled digest), from its bytes when this launch has not written it yet."""
+    if path in pending:
+        return path, len(pending[path]), bytes_digest(pending[path])
+    file = Path(path)
+    return path, file.stat().st_size if file.exists() else None, sampled_digest(file)
 
 
 def _maybe_file(path: Any) -> str | None:
     return _file_digest(Path(str(path)).expanduser()) if path else None
 
 
-def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
+def compute_fingerprint(cfg: DictConfig, pending: Mapping[str, bytes] | None = None) -> dict[str, Any]:
+    """The fingerprint of a resolved config; `pending`: {path: bytes} of data files this launch writes only once
+    its resume guard has passed (its task files), fingerprinted as the files they will be."""
     rollout = cfg.actor_rollout_ref.rollout
     model_dir = Path(str(cfg.actor_rollout_ref.model.path)).expanduser()
     weights = sorted(
@@ -77,8 +95,7 @@ def compute_fingerprint(cfg: DictConfig) -> dict[str, Any]:
         "weights": weights,
         "tokenizer": {name: _file_digest(model_dir / name) for name in TOKENIZER_FILES if (model_dir / name).exists()},
         "custom_chat_template": cfg.actor_rollout_ref.model.get("custom_chat_template"),
-        "data_files": [(str(f), Path(str(f)).stat().st_size if Path(str(f)).exists() else None,
-                        sampled_digest(Path(str(f)))) for f in files],
+        "data_files": [_data_file(str(f), pending or {}) for f in files],
         "max_samples": data.get("train_max_samples"),
         "prompt_key": data.prompt_key,
         "row_selection": {

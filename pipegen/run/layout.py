@@ -18,7 +18,9 @@ DIR/
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
   failed_units.json       the units whose tries were spent, each with its reason, while the output is partial
   trajectories/           the sharded output instead (part_00000.pkl ..., index.json), for runs larger than RAM
-  trajectories.parquet    the export (or trajectories.jsonl), one row per trajectory
+  trajectories.parquet    the export (or trajectories.jsonl), one row per trajectory; README.md, its dataset card
+  trajectories.atif/      the ATIF export: one document per trajectory
+  report.html, report.json   the run report (pipegen/report/)
 ```
 
 Owns: every path above (no other module joins a name onto the run directory), the run key, and
@@ -233,6 +235,23 @@ class RunDir:
     def export_file(self, fmt: str) -> Path:
         """The export in ``fmt`` (parquet or jsonl)."""
         return self.root / f"trajectories.{fmt}"
+
+    def export_card(self, export: Path) -> Path:
+        """The Hugging Face dataset card beside an export file (README.md in its folder)."""
+        return Path(export).parent / "README.md"
+
+    @property
+    def atif_dir(self) -> Path:
+        """The ATIF export: one `<index>-<sample>-<trajectory>.json` document per trajectory."""
+        return self.root / "trajectories.atif"
+
+    @property
+    def report_html(self) -> Path:
+        return self.root / "report.html"
+
+    @property
+    def report_json(self) -> Path:
+        return self.root / "report.json"
 
     def batch_file(self, number: int) -> Path:
         return self.root / batch_file_name(number)

@@ -36,11 +36,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from omegaconf import DictConfig
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from pipegen.run.config import compose
-from pipegen.run.schema import RewardSpec  # a manifest's reward: is the run's one reward shape
+from pipegen.config.schema import RewardSpec  # a manifest's reward: is the run's one reward shape
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 MANIFEST_SUFFIXES = (".yaml", ".yml")
@@ -230,11 +228,3 @@ def apply_task_defaults(cfg, overrides: list[str]) -> None:
     for key, value in task_defaults(find_tasks(items), overridden_keys(overrides)).items():
         cfg[key] = value
 
-
-def compose_job(overrides: list[str]) -> DictConfig:
-    """The run's config as the launcher composes it: pipegen's and verl's keys with the overrides, then the
-    named tasks' defaults (n, lengths) wherever an override does not set the key."""
-    cfg = compose(overrides)
-    if cfg.get("tasks"):
-        apply_task_defaults(cfg, list(overrides))
-    return cfg

@@ -14,14 +14,16 @@ that changed (a new reasoning-gym, a new seed) gives a new file beside the old: 
 names the change, and nothing a run already used is rewritten.
 
 Owns: the rows of a task and their file in the run directory; which task scores which data_source.
-Must never: write outside `RunDir.task_file`, or let two tasks with different rewards share a data_source.
+Must never: write outside `RunDir.task_file`, write a file before the launcher holds the run's lock
+(`task_data` only computes; `write_task_files` writes), or let two tasks with different rewards share a
+data_source.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import orjson
 
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.layout import RunDir
-from pipegen.run.schema import RewardSpec
+from pipegen.config.schema import RewardSpec
 from pipegen.tasks.manifest import TaskError, TaskManifest, find_tasks
 
 DATA_SOURCE = "data_source"
@@ -38,8 +40,9 @@ DATA_SOURCE = "data_source"
 @dataclass(frozen=True)
 class TaskData:
     task: TaskManifest
-    path: Path
+    path: Path  # RunDir.task_file: named by a digest of `data`
     rows: int
+    data: bytes = field(repr=False)  # the parquet file's bytes
 
 
 def generated_rows(task: TaskManifest, offset: int) -> list[dict[str, Any]]:
@@ -116,10 +119,11 @@ def quotas(sizes: list[int], limit: int | None) -> list[int]:
     return taken
 
 
-def materialize(items: list[str], run: RunDir, max_samples: int | None = None) -> list[TaskData]:
-    """Each named task's rows as a parquet file of the run (written only when not there already). With
-    `max_samples` (data.train_max_samples), the tasks give their first rows in turn, one each, up to it, so
-    `tasks=[a,b] max_samples=4` runs two of each, not four of a."""
+def task_data(items: list[str], run: RunDir, max_samples: int | None = None) -> list[TaskData]:
+    """Each named task's rows as the bytes of its parquet file in the run, and that file's path; nothing is
+    written (the launcher writes them with `write_task_files` once it holds the run's lock and its resume
+    guard has passed). With `max_samples` (data.train_max_samples), the tasks give their first rows in turn,
+    one each, up to it, so `tasks=[a,b] max_samples=4` runs two of each, not four of a."""
     tasks = find_tasks(items)
     every = [generated_rows(task, 0) if task.data.generator else file_rows(task, 0) for task in tasks]
     out, offset = [], 0
@@ -134,13 +138,17 @@ def materialize(items: list[str], run: RunDir, max_samples: int | None = None) -
                 raise TaskError(f"tasks {other.name} and {task.name} both have rows of data_source={source} but "
                                 "different rewards; set data_source: in one manifest")
         data = parquet_bytes(rows)
-        path = run.task_file(task.name, hashlib.sha256(data).hexdigest()[:12])
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, data)
-        out.append(TaskData(task, path, len(rows)))
+        out.append(TaskData(task, run.task_file(task.name, hashlib.sha256(data).hexdigest()[:12]), len(rows), data))
         offset += len(rows)
     return out
+
+
+def write_task_files(tasks: list[TaskData]) -> None:
+    """The tasks' files, each written only when not there already (its name is its bytes' digest)."""
+    for t in tasks:
+        if not t.path.exists():
+            t.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(t.path, t.data)
 
 
 def task_rewards(items: list[str], files: list[str]) -> dict[str, RewardSpec | None]:
@@ -155,9 +163,10 @@ def task_rewards(items: list[str], files: list[str]) -> dict[str, RewardSpec | N
     return routes
 
 
-def task_train_files(cfg) -> list[str]:
-    """The launcher's data.train_files for `tasks=[...]`: every task's file in this run, in order. A
-    run names its data one way: tasks, or train_files (a manifest's data.files adds your parquet to tasks)."""
+def task_files(cfg) -> list[TaskData]:
+    """What `tasks=[...]` hands the launcher as data.train_files: every task's file in this run, in order, with
+    its bytes (not yet written). A run names its data one way: tasks, or train_files (a manifest's data.files
+    adds your parquet to tasks)."""
     from pipegen.inputs.demo import DEMO_NAME
 
     given = cfg.train_files
@@ -165,5 +174,4 @@ def task_train_files(cfg) -> list[str]:
         raise TaskError(f"tasks={list(cfg.tasks)} and train_files={given} are both set: use one (a task manifest's "
                         "data.files takes your parquet files alongside tasks)")
     limit = cfg.data.get("train_max_samples")
-    return [str(t.path) for t in materialize(list(cfg.tasks), RunDir(Path(str(cfg.output_dir))),
-                                             int(limit) if limit is not None else None)]
+    return task_data(list(cfg.tasks), RunDir(Path(str(cfg.output_dir))), int(limit) if limit is not None else None)

@@ -7,7 +7,7 @@ Must never: import verl or torch, hold a default that code elsewhere repeats (co
 `cfg.get(KEY, default)` for a key defined here), or describe verl's own keys (verl's groups keep theirs).
 
 OmegaConf types each field, so a value of the wrong type fails while Hydra composes, with the key in the
-error (`run/config.py` turns that into one line). What a type cannot say (a range, a choice, "auto or a
+error (`config/compose.py` turns that into one line). What a type cannot say (a range, a choice, "auto or a
 whole number") is in each field's `Rule`, checked by `check_values`.
 """
 
@@ -110,6 +110,9 @@ class Generation:
     merge_shard_rows: int = key(65536, "rows per part when merge_output=sharded", at_least=1)
     export_format: Optional[str] = key(None, "also write trajectories.parquet / .jsonl after the merge",
                                        choices=(None, "parquet", "jsonl"))
+    report: bool = key(True, "write DIR/report.html and report.json at the end of every run (statistics per data "
+                             "source, plots, throughput, failures; python -m pipegen.report DIR writes them any time)",
+                       choices=(True, False))
     show_progress: bool = key(True, "tqdm progress bar on the launcher", choices=(True, False))
     tracking_interval_s: float = key(10.0, "seconds between metric logs (trainer.logger backends and "
                                            "streams/stats/launch.jsonl)", above=0)
@@ -528,7 +531,7 @@ def check_values(cfg: DictConfig) -> None:
     """Raise ConfigValueError for the first pipegen key whose value its rule does not allow."""
     for info in schema_keys(*_kinds(cfg)):
         if _unset(cfg, info.path):
-            continue  # an unset mandatory key: run/config.check_types names it with an example
+            continue  # an unset mandatory key: config/compose.check_types names it with an example
         value = OmegaConf.select(cfg, info.path, default=None, throw_on_missing=False)
         if OmegaConf.is_config(value):
             value = OmegaConf.to_container(value, resolve=True)

@@ -24,7 +24,7 @@ from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.precision import resolve_dtype_name
 from pipegen.run.layout import RunDir
-from pipegen.run.schema import JOB_DEFAULTS, is_demo
+from pipegen.config.schema import JOB_DEFAULTS, is_demo
 
 
 def _files(cfg: DictConfig) -> list[str]:

@@ -1,0 +1,109 @@
+"""A command line turned into the job's one resolved config: what a launch runs and what `--help` lists.
+
+In order: verl's own keys translated (config/verl_keys.py); pipegen's and verl's keys composed with the
+overrides (config/compose.py), then the named tasks' defaults wherever an override does not set the key
+(`compose_job`, which `--help` lists too); every key's type and rule checked; output_dir made absolute (a file
+is refused); the inputs' short names made real paths (the model, the demo set, each task's file in the run,
+computed in memory); the config resolved (`resolve_job`). Each refusal is one line naming the fix.
+
+Owns: the order above. Must never: write into the run directory (the task files are handed to prepare, which
+writes them once it holds the run's lock and the resume guard has passed), load the user's reward function
+(prepare does), or import verl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from pipegen.config.compose import check_types, compose, describe_config_error, resolved
+from pipegen.config.verl_keys import translate as translate_verl_keys
+from pipegen.inputs.demo import resolve_train_files
+from pipegen.inputs.models import resolve_model_path
+from pipegen.run.layout import RunDir
+from pipegen.tasks.manifest import apply_task_defaults
+from pipegen.tasks.materialize import TaskData, task_files
+
+
+class JobRefused(ValueError):
+    """A command line that names no runnable job: one line naming the fix."""
+
+
+@dataclass
+class Job:
+    """The job a command line names: its resolved config, its run directory, and the task files the config
+    names, computed but not yet written."""
+
+    cfg: DictConfig  # every key a value, every input a real path
+    run: RunDir
+    tasks: list[TaskData]  # [] without tasks=[...]
+
+    @property
+    def pending(self) -> dict[str, bytes]:
+        """{path: bytes} of the task files, for the fingerprint of a launch that has not written them."""
+        return {str(t.path): t.data for t in self.tasks}
+
+
+def compose_job(argv: list[str]) -> DictConfig:
+    """The config as the command line composes it: verl's keys translated, pipegen's and verl's keys with the
+    overrides, then the named tasks' defaults (n, lengths) wherever an override does not set the key. Raises
+    ValueError (a refused verl key, a task) or Hydra's and OmegaConf's errors."""
+    return with_task_defaults(translate_verl_keys(list(argv)))
+
+
+def with_task_defaults(overrides: list[str]) -> DictConfig:
+    cfg = compose(overrides)
+    if cfg.get("tasks"):
+        apply_task_defaults(cfg, overrides)
+    return cfg
+
+
+def resolve_job(argv: list[str]) -> Job:
+    """The launch's one resolved config from its command line (`key=value` overrides, output_dir among them).
+    Raises JobRefused with one line naming the fix."""
+    if not any(a.startswith("output_dir=") for a in argv):
+        raise JobRefused("missing output_dir=DIR (where the run's files go); see --help")
+    try:
+        overrides = translate_verl_keys(list(argv))  # verl's own keys: pipegen's equivalents set, or refused
+    except ValueError as e:
+        raise JobRefused(str(e)) from None
+    try:
+        cfg = with_task_defaults(overrides)
+    except Exception as e:  # Hydra's override errors are long: one line naming the key and the fix
+        raise JobRefused(describe_config_error(e, overrides)) from None
+    try:
+        check_types(cfg)  # every key, output_dir first among them, before any path is resolved
+        run = RunDir(Path(cfg.output_dir).expanduser().resolve())
+        if run.root.exists() and not run.root.is_dir():
+            raise JobRefused(f"output_dir={run.root} is a file; output_dir names a directory (new or a run's): "
+                             f"pick another path")
+        with open_dict(cfg):
+            cfg.output_dir = str(run.root)
+        tasks = resolve_inputs(cfg)
+        return Job(resolved(cfg), run, tasks)
+    except (ValueError, RuntimeError) as e:
+        raise JobRefused(str(e)) from None
+    except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing value (llm.urls)
+        raise JobRefused(describe_config_error(e, overrides)) from None
+
+
+def resolve_inputs(cfg: DictConfig) -> list[TaskData]:
+    """Short names -> real paths, so every child reads concrete paths from the saved config. Returns the
+    task files the config now names (computed, not written)."""
+    tasks: list[TaskData] = []
+    with open_dict(cfg):
+        model = resolve_model_path(str(cfg.actor_rollout_ref.model.path))
+        cfg.model_path = model
+        cfg.actor_rollout_ref.model.path = model
+        files = cfg.data.train_files
+        if cfg.tasks:  # each task's rows, as a file of the run directory (pipegen/tasks/materialize.py)
+            tasks = task_files(cfg)
+            paths = [str(t.path) for t in tasks]
+        else:
+            paths = resolve_train_files(files if isinstance(files, str) else list(files))
+        cfg.train_files = paths[0] if len(paths) == 1 else paths
+        cfg.data.train_files = cfg.train_files
+    return tasks

@@ -1,0 +1,5 @@
+import sys
+
+from pipegen.report.command import main
+
+sys.exit(main())

@@ -1,0 +1,264 @@
+"""What a run's report says, as data: `report_numbers(run)` is the dictionary `report.json` holds and the page
+shows, and `RowFacts` the per-row facts the plots draw.
+
+Read from what the run already keeps, through its existing readers:
+- the committed rows: each batch file the checkpoint lists, read with `run/batchfile.py`'s `read_batch` (the
+  row's prompt, sample, data source, reward from `rm_scores`, response length from the attention mask), so a
+  run in progress reports what is committed so far, and a finished one exactly the rows of trajectories.pkl;
+- progress, state and the failed units with their reasons: `pipegen.status`'s own `gather` (observe/run_status.py),
+  so the report and `status` cannot disagree;
+- throughput and units in flight over time: the actors' stats stream (`observe/stats.py`'s `stats_history`);
+- the engine and its settings: the run's saved config and `conf/launch.json`.
+
+Per data source: rows, prompts, the mean reward with its 95% interval (a bootstrap over prompts, each prompt's
+samples kept together, seed fixed: pipegen/report/estimators.py), pass@k for k = 1..n, the share of responses
+at the length limit, and length percentiles. Floats are rounded to DIGITS places once, here, so the page and
+report.json show the same numbers.
+
+Owns: the report's numbers. Must never: write anything, import a role, or parse a run file itself (each file
+has one reader, and this module calls it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipegen.report.estimators import (BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, CONFIDENCE, clustered_bootstrap,
+                                       pass_at_ks, percentiles, share_at_limit)
+from pipegen.run.layout import RunDir
+
+DIGITS = 4
+TIMELINE_POINTS = 60  # throughput is drawn over at most this many equal time bins
+ALL_SOURCES = "(all)"
+
+
+def rounded(value: Any) -> Any:
+    """Floats rounded to DIGITS places, recursively (ints, strings and None unchanged)."""
+    if isinstance(value, (float, np.floating)):
+        return round(float(value), DIGITS)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v) for v in value]
+    return value
+
+
+@dataclass
+class RowFacts:
+    """One committed row (one trajectory) as the statistics need it."""
+
+    index: int
+    sample: int
+    source: str
+    reward: float | None  # None: the row's batch has no rm_scores (not every row of it was scored)
+    response_length: int  # response tokens, model and tool tokens alike (what response_length limits)
+
+
+@dataclass
+class Rows:
+    rows: list[RowFacts] = field(default_factory=list)
+    batches: int = 0
+
+
+def committed_rows(run: RunDir) -> Rows:
+    """Every row of the batch files the checkpoint lists (a batch that cannot be read is left out)."""
+    from pipegen.run.batchfile import BatchColumns, BatchFileError, read_batch
+    from pipegen.run.checkpoint import load_checkpoint
+
+    out = Rows()
+    try:
+        ckpt = load_checkpoint(run.checkpoint)
+    except (OSError, ValueError):
+        return out
+    for number in ckpt.batches.numbers():
+        try:
+            part = read_batch(run.batch_file(number))
+        except BatchFileError:
+            continue
+        out.batches += 1
+        t, nt = part.tensors, part.non_tensor
+        width = t[BatchColumns.PROMPTS].shape[1]
+        lengths = t[BatchColumns.ATTENTION_MASK][:, width:].astype(np.int64).sum(axis=1)
+        scores = t[BatchColumns.RM_SCORES].sum(axis=1) if BatchColumns.RM_SCORES in t else None
+        sources = nt.get("data_source")
+        for i in range(part.rows):
+            out.rows.append(RowFacts(
+                index=int(nt[BatchColumns.INDEX][i]), sample=int(nt[BatchColumns.SAMPLE][i]),
+                source=str(sources[i]) if sources is not None and sources[i] is not None else "unknown",
+                reward=float(scores[i]) if scores is not None else None, response_length=int(lengths[i])))
+    return out
+
+
+def source_numbers(rows: list[RowFacts], n: int, limit: int) -> dict[str, Any]:
+    """One data source's (or the whole run's) statistics."""
+    prompts = {r.index for r in rows}
+    scored = [r for r in rows if r.reward is not None]
+    interval = clustered_bootstrap([r.reward for r in scored], [r.index for r in scored])  # type: ignore[misc]
+    # a unit is correct when any of its trajectories scores above 0 (the summary's pass@n counts the same)
+    unit_best: dict[tuple[int, int], float] = {}
+    for r in scored:
+        key = (r.index, r.sample)
+        unit_best[key] = max(unit_best.get(key, float("-inf")), r.reward)  # type: ignore[arg-type]
+    correct: dict[int, list[bool]] = defaultdict(list)
+    for (index, _), best in sorted(unit_best.items()):
+        correct[index].append(best > 0)
+    lengths = [r.response_length for r in rows]
+    share = share_at_limit(lengths, limit)
+    return {
+        "rows": len(rows),
+        "prompts": len(prompts),
+        "scored_rows": len(scored),
+        "mean_reward": interval.mean if interval else None,
+        "reward_ci95": [interval.low, interval.high] if interval else None,
+        "reward_ci_prompts": interval.clusters if interval else 0,
+        "pass_at_k": {str(k): {"value": v, "prompts": p} for k, (v, p) in pass_at_ks(correct, n).items()},
+        "prompts_with_a_pass": sum(1 for v in correct.values() if any(v)),
+        "at_length_limit": sum(1 for x in lengths if x >= limit),
+        "at_length_limit_share": share,
+        "response_length_mean": float(np.mean(lengths)) if lengths else None,
+        "response_length": percentiles(lengths),
+    }
+
+
+def timeline(run: RunDir) -> list[dict[str, float]]:
+    """Units/s, output tokens/s and units in flight over the run, from every actor process's stats lines:
+    cumulative counters summed over processes (an ended process keeps its last count), in flight summed over the
+    processes that have not written their final line; rates over up to TIMELINE_POINTS equal time bins."""
+    from pipegen.observe.stats import stats_history
+    from pipegen.run.stats_line import ActorStats
+
+    lines = [ln for role_lines in stats_history(run.stats).values() for ln in role_lines
+             if isinstance(ln, ActorStats) and ln.time is not None]
+    # each process starts from zero at its start (its first line's time less its uptime)
+    starts: dict[tuple[Any, Any, Any], ActorStats] = {}
+    for ln in lines:
+        key = (ln.role, ln.host, ln.pid)
+        if key not in starts or float(ln.time or 0) < float(starts[key].time or 0):
+            starts[key] = ln
+    zero = [ActorStats(time=float(ln.time or 0) - float(ln.uptime_s or 0), role=ln.role, host=ln.host, pid=ln.pid)
+            for ln in starts.values()]
+    lines = sorted(zero + lines, key=lambda ln: float(ln.time or 0))
+    if len(lines) < 2:
+        return []
+    latest: dict[tuple[Any, Any, Any], ActorStats] = {}
+    points = []  # (t, completed, tokens, in_flight)
+    for ln in lines:
+        latest[(ln.role, ln.host, ln.pid)] = ln
+        points.append((float(ln.time or 0), sum(x.completed for x in latest.values()),
+                       sum(x.output_tokens for x in latest.values()),
+                       sum(x.in_flight for x in latest.values() if not x.final)))
+    t0, t1 = points[0][0], points[-1][0]
+    if t1 <= t0:
+        return []
+    times = np.array([p[0] for p in points])
+    bins = min(TIMELINE_POINTS, len(points))
+    edges = np.linspace(t0, t1, bins + 1)
+    at = np.searchsorted(times, edges, side="right") - 1  # the last point at or before each edge
+    out = []
+    for b in range(bins):
+        lo, hi = points[at[b]], points[at[b + 1]]
+        dt = edges[b + 1] - edges[b]
+        out.append({"t_s": float(edges[b + 1] - t0), "units_per_s": (hi[1] - lo[1]) / dt,
+                    "output_tokens_per_s": (hi[2] - lo[2]) / dt, "in_flight": float(hi[3])})
+    return out
+
+
+def throughput(line: list[dict[str, float]]) -> dict[str, Any]:
+    """The timeline's totals: units and output tokens per second over the span the actors' stats cover
+    (a resumed run's pause between launches included), and the most units in flight at once."""
+    if not line:
+        return {"units_per_s": None, "output_tokens_per_s": None, "span_s": None, "peak_in_flight": None}
+    span = line[-1]["t_s"]
+    width = span / len(line)
+    return {"units_per_s": sum(p["units_per_s"] for p in line) * width / span,
+            "output_tokens_per_s": sum(p["output_tokens_per_s"] for p in line) * width / span,
+            "span_s": span, "peak_in_flight": max(p["in_flight"] for p in line)}
+
+
+_NUMBERS = re.compile(r"\d+")
+
+
+def failure_groups(failed_units: dict[str, Any]) -> list[dict[str, Any]]:
+    """The failed units grouped by reason (numbers in a reason, ports and counts, do not split a group):
+    how many, one reason as written, and the first units."""
+    from pipegen.run.checkpoint import failure_reason
+
+    groups: dict[str, dict[str, Any]] = {}
+    for unit, info in failed_units.items():
+        reason = failure_reason(info)
+        group = groups.setdefault(_NUMBERS.sub("N", reason), {"reason": reason, "units": 0, "examples": []})
+        group["units"] += 1
+        if len(group["examples"]) < 5:
+            group["examples"].append(unit)
+    return sorted(groups.values(), key=lambda g: -g["units"])
+
+
+def engine_settings(cfg: Any, run: RunDir) -> dict[str, Any]:
+    """The engine, the model and the sampling settings the run used."""
+    from omegaconf import OmegaConf
+
+    rollout = cfg.actor_rollout_ref.rollout
+    launch = run.read_launch()
+    llm = OmegaConf.to_container(cfg.llm, resolve=True) if "llm" in cfg else {}
+    return {
+        "llm": cfg.llm.kind if "llm" in cfg else "?",
+        "engine_settings": {k: v for k, v in (llm or {}).items() if k != "kind"},  # type: ignore[union-attr]
+        "servers": list(launch.servers),
+        "model_path": str(cfg.actor_rollout_ref.model.path),
+        "sampling": {"temperature": rollout.get("temperature"), "top_p": rollout.get("top_p"),
+                     "top_k": rollout.get("top_k"), "n": int(rollout.n),
+                     "response_length": int(rollout.response_length), "prompt_length": int(rollout.prompt_length),
+                     "seed": cfg.get("seed")},
+        "agent_loop": str(rollout.get("agent", {}).get("default_agent_loop", "")),
+    }
+
+
+def report_numbers(run: RunDir) -> tuple[dict[str, Any], list[RowFacts], list[dict[str, float]]]:
+    """(report.json's content, the committed rows, the timeline): everything the page and its plots show."""
+    from pipegen.observe.run_status import gather
+    from pipegen.run.config import load_run_config
+
+    started = time.monotonic()
+    cfg = load_run_config(run)
+    st = gather(run, ignore_pid=os.getpid())  # the launcher writes the report as its last step: it has ended
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    limit = int(cfg.actor_rollout_ref.rollout.response_length)
+    found = committed_rows(run)
+    by_source: dict[str, list[RowFacts]] = defaultdict(list)
+    for row in found.rows:
+        by_source[row.source].append(row)
+    sources = {name: source_numbers(rows, n, limit) for name, rows in sorted(by_source.items())}
+    if len(sources) > 1:
+        sources[ALL_SOURCES] = source_numbers(found.rows, n, limit)
+    line = timeline(run)
+    numbers = {
+        "run": str(run.root),
+        "state": st.state,
+        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "progress": {"units": st.progress["total"], "committed": st.progress["committed"],
+                     "failed": st.progress["failed"], "pending": st.progress["pending"],
+                     "complete": bool(st.progress["complete"]), "rows_read": len(found.rows),
+                     "batches_read": found.batches},
+        "n": n,
+        "response_limit": limit,
+        "statistics": {"interval": f"{int(CONFIDENCE * 100)}% percentile bootstrap of the mean reward",
+                       "resampling_unit": "prompt (all samples of a prompt drawn together; repeats never pooled)",
+                       "draws": BOOTSTRAP_DRAWS, "seed": BOOTSTRAP_SEED,
+                       "pass_at_k": "unbiased 1 - C(n-c,k)/C(n,k) per prompt, averaged over prompts with >= k "
+                                    "samples; correct = a reward above 0"},
+        "sources": sources,
+        "throughput": throughput(line),
+        "failures": failure_groups(st.failed_units),
+        "engine": engine_settings(cfg, run),
+    }
+    numbers["report_seconds"] = time.monotonic() - started  # reading and computing; the page adds its plots
+    return rounded(numbers), found.rows, rounded(line)
