@@ -165,10 +165,11 @@ def check_types(cfg: DictConfig) -> None:
     check_values(cfg)
 
 
-# verl's keys that users set most, shown by --help with their values (verl's groups hold ~200 more)
+# verl's keys that users set most, shown by --help with their values (verl's groups hold ~200 more); none that
+# pipegen refuses (data.truncation, data.return_raw_chat: only their defaults are accepted)
 VERL_KEYS_SHOWN = (
-    "data.prompt_key", "data.filter_overlong_prompts", "data.truncation", "data.shuffle", "data.seed",
-    "data.apply_chat_template_kwargs", "data.return_raw_chat",
+    "data.prompt_key", "data.filter_overlong_prompts", "data.shuffle", "data.seed",
+    "data.apply_chat_template_kwargs",
     "actor_rollout_ref.model.path", "actor_rollout_ref.model.custom_chat_template",
     "actor_rollout_ref.model.trust_remote_code",
     "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p",
