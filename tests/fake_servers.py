@@ -1,4 +1,5 @@
-"""Test helpers: pipegen's reference server with the fake engine as a real subprocess on a loopback port,
+"""Test helpers: pipegen's reference server with the fake engine as a real subprocess on a loopback port, the fake
+SGLang that takes grouped (batched, streamed) requests,
 the recording proxy in front of it, a launcher run with `llm=external`, and small dataset builders.
 
 The launcher stops the servers it starts, so tests that read a server's /pipegen_stats after a run, give
@@ -64,6 +65,19 @@ class FakeServer(Proc):
 
     def stats(self) -> dict:
         return orjson.loads(self.get("/pipegen_stats")[1])
+
+
+class FakeSGLang(Proc):
+    """`python -m pipegen.bench.doubles.fake_sglang`: SGLang's batched, streamed /generate with a per-request
+    front-end cost (extra flags: --front-ms, --step-ms, --max-running, --crash-on-request, ...)."""
+
+    def __init__(self, name: str, tmp: Path, *args: str):
+        argv = [sys.executable, "-m", "pipegen.bench.doubles.fake_sglang", "--port", "0",
+                "--port-file", str(tmp / f"{name}.port"), *args]
+        super().__init__(name, tmp, argv)
+
+    def stats(self) -> dict:
+        return orjson.loads(self.get("/fake_stats")[1])
 
 
 class RecordingProxy(Proc):

@@ -62,11 +62,15 @@ def test_controller_grows_to_fill_the_batch_and_shrinks_a_long_queue():
     s.max_running, s.limit = 100, 110
     control.adapt(s, running=60, waiting=0, binding=True)  # e.g. tool calls: batch not full
     assert s.limit == 150
-    control.adapt(s, running=100, waiting=40, binding=True)  # queue beyond 5% of the batch
+    control.adapt(s, running=100, waiting=100, binding=True)  # a batch queued behind the running one: kept
+    assert s.limit == 150
+    control.adapt(s, running=100, waiting=135, binding=True)  # a queue beyond one batch
     assert s.limit == 115
     control.adapt(s, running=60, waiting=0, binding=False)  # the actor is not the limit
     assert s.limit == 115
     assert control.total() == 115
+    control.servers[0].max_running = 4096
+    assert control._start_limit(control.servers[0]) == 8192  # SGLang's small-model limit: a batch queued too
     assert ConcurrencyControl(["http://s"], "auto", 1, memory_cap_units=50).total() <= 50  # memory bound
     assert ConcurrencyControl(["http://s"], 32, 1, 10).total() == 32  # a fixed number stays fixed
     assert parse_load([{"num_reqs": 10, "num_waiting_reqs": 3}, {"num_reqs": 5, "num_waiting_reqs": 0}]) == (12, 3)

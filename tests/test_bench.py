@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 
@@ -48,3 +51,39 @@ def test_bench_outputs_builds_its_run_in_the_writers_batch_format(tmp_path, tiny
     batches = [from_storage(load_batch(p)) for p in files]
     assert all(len(b) == BATCH for b in batches)
     assert set(batches[0].non_tensor_batch["index"]).isdisjoint(set(batches[1].non_tensor_batch["index"]))
+
+
+def test_the_gpu_bench_is_ready_for_a_lent_gpu_without_one(tmp_path, monkeypatch):
+    """What can be checked of `--only gpu` on a CPU box: each size's model folder (a Qwen3 config of the size's
+    shape beside SmolLM2's tokenizer) loads with transformers and is the size it claims, the launcher's size
+    flags for it, the offline arm's script parses, the window scripts are valid bash, and without a GPU the
+    scenario says it was skipped."""
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipegen.bench import gpu
+    from pipegen.launch.servers import model_parameters, sglang_size_flags
+
+    expected = {"small": (0.1e9, 0.2e9, "1024"), "medium": (0.5e9, 0.8e9, "1024"), "large": (7.5e9, 8.5e9, None)}
+    for key, size in gpu.SIZES.items():
+        folder = gpu.size_folder(size, tmp_path / key)
+        low, high, graph_bs = expected[key]
+        assert low < model_parameters(folder) < high, key
+        AutoConfig.from_pretrained(folder)
+        assert AutoTokenizer.from_pretrained(folder).apply_chat_template(
+            [{"role": "user", "content": "1+1?"}], add_generation_prompt=True, tokenize=False)
+        flags = sglang_size_flags(folder, [])
+        assert (flags[flags.index("--cuda-graph-max-bs") + 1] if flags else None) == graph_bs, key
+    body = gpu.warmup_bodies(16, count=2)[0]
+    assert body["sampling_params"]["max_new_tokens"] == 16 and body["return_logprob"] is True
+    script = Path(gpu.__file__).with_name("sglang_engine_offline.py")
+    assert subprocess.run([sys.executable, str(script), "--help"], capture_output=True).returncode == 0
+    for name in ("window", "small", "medium", "large"):
+        assert subprocess.run(["bash", "-n", str(Path(gpu.__file__).parent / "gpu_windows" / f"{name}.sh")]).returncode == 0
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    assert gpu.run(quick=True).skipped == "no GPU"
+    monkeypatch.setenv("PIPEGEN_BENCH_GPU_SIZES", "small,huge")
+    with pytest.raises(ValueError, match="huge"):
+        gpu.sizes_wanted()

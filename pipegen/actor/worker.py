@@ -171,12 +171,14 @@ class Actor:
                 self.units = LeasedUnits(self.leases_url, actor_role(self.rank), session, self.runner.keys,
                                          self.runner.indices, lambda: (rollouts.sync(), failures.sync()))
             pool = ServerPool(list(self.launch.servers), limits, session, str(self.cfg.llm.protocol), admission,
-                              on_first_request=lambda: self.clock.mark("first_request"))
+                              on_first_request=lambda: self.clock.mark("first_request"),
+                              group=bool(self.cfg.actors.get("group_requests", True)))
             reporter = asyncio.create_task(self._report(pool, stats))
             # servers may still be loading (the launcher starts actors beside them): send once one answers,
             # then read the limits of those that answer (a late one starts at the default; its load adapts it)
             await wait_for_first_server(session, pool, self.clock)
             await control.discover(session, pool.engine)
+            await pool.learn_group_limits()  # before the first burst: the first round goes grouped too
             self.admission = admission  # stats lines show its concurrency from here (None while discovering)
             await admission.run(
                 self.units, lambda pos, sample, slot: self.run_unit(pool, pos, sample, rollouts, failures, slot),

@@ -20,4 +20,5 @@ SCENARIOS = {
     "cluster": "pipegen.bench.cluster",
     "reward": "pipegen.bench.reward_verifier",
     "gateway": "pipegen.bench.gateway",
+    "grouping": "pipegen.bench.grouping",
 }

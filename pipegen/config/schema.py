@@ -84,6 +84,9 @@ class Actors:
                              at_least=1)
     hedge: bool = key(True, "in the tail, re-send requests far older than the recent p90 to idle capacity",
                       choices=(True, False))
+    group_requests: bool = key(True, "send the requests that are ready together (a prompt's n samples first) as one "
+                                     "batched request where the engine takes one (SGLang); false = one each",
+                               choices=(True, False))
     shard_max_bytes: int = key(64 << 20, "rotate a stream shard after this many bytes", at_least=4096)
     fsync_interval_s: float = key(1.0, "fsync shards on this timer (never per record) and at seal", above=0)
     scoring: bool = key(True, "score each trajectory: the run's reward (custom_reward_function, reward.verifier_url, "

@@ -70,8 +70,8 @@ SAMPLING = Read("the actors' sampling params")
 # Keys ending in "." cover every key under them. The longest entry that matches a key decides.
 VERL_KEYS: dict[str, Handling] = {
     # ---- actor_rollout_ref.rollout ----
-    f"{ROLLOUT}name": Refused("pipegen starts the servers llm= names: llm=cpu | sglang | vllm | external",
-                              accepted=("sglang",)),
+    f"{ROLLOUT}name": Read("the launcher's engine choice (launch/engine_choice.py): sglang or vllm, when llm= "
+                           "is not given; checked against llm= when it is"),
     f"{ROLLOUT}mode": Refused("pipegen's servers are always HTTP servers its actors call (async)", accepted=("async",)),
     f"{ROLLOUT}n": Same("n"),
     f"{ROLLOUT}temperature": Same("temperature"),

@@ -1,6 +1,11 @@
 """The interface every engine implements (`Engine`), the one generation it sends (`EngineRequest`), and
 `LoadUnavailable` (a server that reports no load).
 
+Grouping: an engine whose server takes several generations in one HTTP request, each finishing on its own
+(SGLang's batched, streamed `/generate`), says how many a server takes (`group_limit`), builds the one body
+(`group_body`) and reads each member's answer as it finishes (`group_answers`); an engine that cannot answers
+`group_limit` with 1 and the client sends one request per generation.
+
 Owns: the shape of an engine. Must never: import an engine (sglang.py, vllm.py import it), or hold
 per-request state beyond an `EngineRequest`.
 """
@@ -8,7 +13,7 @@ per-request state beyond an `EngineRequest`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Hashable, Protocol
 
 if TYPE_CHECKING:
     import aiohttp
@@ -63,6 +68,27 @@ class Engine(Protocol):
     async def load(self, session: "aiohttp.ClientSession", url: str) -> tuple[int, int]:
         """(running, waiting) now. Raises LoadUnavailable when the server does not report it."""
         ...
+
+    async def group_limit(self, session: "aiohttp.ClientSession", url: str) -> int:
+        """How many generations this server takes in one request, each answered as it finishes (1: none)."""
+        ...
+
+    def group_key(self, request: EngineRequest) -> Hashable | None:
+        """Requests with equal keys may share one grouped request; None: this one goes alone."""
+        ...
+
+    def group_body(self, requests: list[EngineRequest]) -> dict[str, Any]:
+        """One body for several generations (their ids, sampling params, seeds and request ids kept)."""
+        ...
+
+    def group_answers(self, resp: "aiohttp.ClientResponse") -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """(position in the group, finished answer) for each member as it finishes. Raises GroupRefused when
+        the server refused the group as a whole (each member is then sent on its own)."""
+        ...
+
+
+class GroupRefused(Exception):
+    """A grouped request the server refused as a whole (a member's validation error): send each alone."""
 
 
 class LoadUnavailable(Exception):

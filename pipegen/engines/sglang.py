@@ -4,9 +4,22 @@ served by pipegen's CPU reference server (with the real model or the bench's fak
 
 - abort: `POST /abort_request {rid}` (the server answers the request itself with an `abort` finish);
 - readiness: `GET /health_generate` (generates one token);
-- running limit: `/get_server_info` `max_running_requests`;
+- running limit: `/get_server_info` `max_running_requests`: the command line's value when one was given, else
+  (0.5.12 leaves the top-level key null) each scheduler's resolved value in `internal_states`, summed over
+  data-parallel ranks (a small model's is 2,048-4,096: `_resolve_max_num_reqs`);
 - load: `/get_load` (per data-parallel rank `num_reqs`, running and waiting together, and `num_waiting_reqs`);
-- images: `image_data` (PNG data URLs) beside `input_ids`, which already hold the processor's placeholder spans.
+- images: `image_data` (PNG data URLs) beside `input_ids`, which already hold the processor's placeholder spans;
+- groups: generations that are ready together go as one batched `/generate`: lists of `input_ids`,
+  `sampling_params` (each keeps its `sampling_seed`) and `rid`s (each member is still aborted by its own rid),
+  with `stream: true`. SGLang 0.5.12 sends such a batch (token ids only, no pictures, no DP attention) to its
+  scheduler as one `BatchTokenizedGenerateReqInput` (`TokenizerManager._handle_batch_request` ->
+  `_send_batch_request`), the path its offline benchmark takes, and pays its per-request front-end cost once;
+  streamed, each member's chunks carry its `index` (`_stream_batch_responses`), so each member is read when it
+  finishes, not when the slowest one does. Each member's `stream_interval` is past its token budget, so a
+  member sends its first token's chunk and its final one, never a chunk per token. `n > 1` is never used: that
+  path first runs a prefill-only copy and then sends the copies one by one. A group of images goes one by one
+  (SGLang tokenizes those one at a time anyway). pipegen's CPU reference server (`pipegen_reference_server` in
+  its `/get_server_info`) does not stream: it gets one request per generation.
 
 The body and the answer are built and read here (`build_request`, `parse_response`), as verl's SGLang
 server does.
@@ -19,12 +32,12 @@ import asyncio
 import dataclasses
 import logging
 import operator
-from typing import Any
+from typing import Any, AsyncIterator, Hashable
 
 import aiohttp
 import orjson
 
-from pipegen.engines.base import EngineRequest, LoadUnavailable
+from pipegen.engines.base import EngineRequest, GroupRefused, LoadUnavailable
 from pipegen.engines.request import TokenBudget, checked_prompt_ids, max_new_tokens_for, new_rid
 
 
@@ -33,6 +46,7 @@ _FIRST = operator.itemgetter(0)
 log = logging.getLogger("pipegen.client")
 
 _JSON = {"Content-Type": "application/json"}
+GROUP_MAX = 256  # members of one grouped request at most (SGLang's batch path has no limit of its own)
 
 
 async def get_json(session: "aiohttp.ClientSession", url: str, timeout_s: float) -> Any:
@@ -42,6 +56,18 @@ async def get_json(session: "aiohttp.ClientSession", url: str, timeout_s: float)
         if resp.status != 200:
             raise ValueError(f"HTTP {resp.status}")
         return orjson.loads(raw)
+
+
+def running_limit(info: Any) -> int | None:
+    """SGLang's limit on running requests from its /get_server_info (see the header); None if it names none."""
+    if not isinstance(info, dict):
+        return None
+    if info.get("max_running_requests"):
+        return int(info["max_running_requests"])
+    states = info.get("internal_states")
+    values = [int(st["max_running_requests"]) for st in (states if isinstance(states, list) else [])
+              if isinstance(st, dict) and st.get("max_running_requests")]
+    return sum(values) if values else None
 
 
 def parse_load(body: Any) -> tuple[int, int]:
@@ -90,9 +116,7 @@ class SGLang:
             log.info("abort of %s on %s not confirmed: %s", request.rid, url, e)
 
     async def max_running(self, session: aiohttp.ClientSession, url: str) -> int | None:
-        info = await get_json(session, f"{url}/get_server_info", 30.0)
-        mrr = info.get("max_running_requests") if isinstance(info, dict) else None
-        return int(mrr) if mrr else None
+        return running_limit(await get_json(session, f"{url}/get_server_info", 30.0))
 
     async def load(self, session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
         try:
@@ -101,6 +125,23 @@ class SGLang:
             if "HTTP 404" in str(e):
                 raise LoadUnavailable(f"{url} has no /get_load") from e
             raise
+
+    async def group_limit(self, session: aiohttp.ClientSession, url: str) -> int:
+        info = await get_json(session, f"{url}/get_server_info", 30.0)
+        if not isinstance(info, dict) or info.get("pipegen_reference_server"):
+            return 1  # pipegen's CPU server answers a batch only when its last member is done: one by one there
+        mrr = running_limit(info)
+        return max(1, min(GROUP_MAX, mrr)) if mrr else GROUP_MAX
+
+    def group_key(self, request: EngineRequest) -> Hashable | None:
+        body = request.body
+        return None if body.get("image_data") else ("logprob", bool(body["return_logprob"]))
+
+    def group_body(self, requests: list[EngineRequest]) -> dict[str, Any]:
+        return group_request([r.body for r in requests])
+
+    def group_answers(self, resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        return finished_members(resp)
 
 
 def build_request(
@@ -121,6 +162,57 @@ def build_request(
         "sampling_params": params,
         "return_logprob": return_logprob,
     }
+
+
+def group_request(bodies: list[dict[str, Any]]) -> dict[str, Any]:
+    """One streamed batch /generate for several single bodies of one `return_logprob` (see the header)."""
+    params = []
+    for b in bodies:
+        sp = b["sampling_params"]
+        # a chunk at the first token and at the end only (SGLang sends when len(output) % interval == 1)
+        params.append({**sp, "stream_interval": int(sp["max_new_tokens"]) + 2})
+    return {
+        "rid": [b["rid"] for b in bodies],
+        "input_ids": [b["input_ids"] for b in bodies],
+        "sampling_params": params,
+        "return_logprob": bool(bodies[0]["return_logprob"]),
+        "stream": True,
+    }
+
+
+async def finished_members(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """Each member's final chunk of a streamed batch answer, as `(index, answer)`, in the order they finish
+    (a server that ignores `stream` and answers the list at once: each of its items, in order).
+    Intermediate chunks (no finish reason yet) are skipped; an `error` chunk (SGLang's in-stream 400, sent
+    with HTTP 200) raises GroupRefused. Lines are cut by hand: a chunk of a long answer (its cumulative ids and
+    log-prob triples) can exceed aiohttp's line limit."""
+    if resp.content_type == "application/json":  # a server that answers the batch at once, unstreamed
+        answers = orjson.loads(await resp.read())
+        for index, answer in enumerate(answers if isinstance(answers, list) else [answers]):
+            yield index, answer
+        return
+    buffer = b""
+    async for data in resp.content.iter_any():
+        buffer += data
+        while True:
+            end = buffer.find(b"\n\n")
+            if end < 0:
+                break
+            event, buffer = buffer[:end], buffer[end + 2:]
+            if not event.startswith(b"data:"):
+                continue
+            payload = event[5:].strip()
+            if payload == b"[DONE]":
+                return
+            chunk = orjson.loads(payload)
+            if not isinstance(chunk, dict):
+                raise ValueError(f"expected a JSON object in the stream, got {type(chunk).__name__}")
+            if "error" in chunk:
+                error = chunk["error"]
+                raise GroupRefused(str(error.get("message") if isinstance(error, dict) else error))
+            meta = chunk.get("meta_info") or {}
+            if meta.get("finish_reason") is not None:
+                yield int(chunk["index"]), chunk
 
 
 def parse_response(body: dict[str, Any], return_logprob: bool):

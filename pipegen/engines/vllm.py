@@ -15,7 +15,10 @@ restarts), `n` and `stop_token_ids`.
 - readiness: `GET /health` (the API server binds only once the engine is loaded);
 - running limit: not reported over HTTP (`--max-num-seqs`): the launcher passes
   `llm.max_running_requests` to the servers it starts and to the actors;
-- load: `/metrics` (Prometheus text) `vllm:num_requests_running` and `vllm:num_requests_waiting`.
+- load: `/metrics` (Prometheus text) `vllm:num_requests_running` and `vllm:num_requests_waiting`;
+- groups: none. `/v1/completions` takes a list of prompts, but one `seed` and one `request_id` for all of
+  them, and a member can only be aborted by closing the connection, which aborts the whole group: every
+  generation goes as its own request (`group_limit` is 1), so seeds, aborts and hedges stay per unit.
 
 Log-probs: vLLM reports raw log-probs (before temperature) unless the server runs with
 `--logprobs-mode processed_logprobs`; verl recomputes `log_softmax(logits / temperature)`, which is the
@@ -28,7 +31,7 @@ Owns: vLLM's endpoints and their answers. Must never: retry, or re-tokenize anyt
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Hashable
 
 import aiohttp
 
@@ -133,3 +136,9 @@ class VLLM:
             if resp.status != 200:
                 raise ValueError(f"HTTP {resp.status}")
         return parse_metrics(text)
+
+    async def group_limit(self, session: aiohttp.ClientSession, url: str) -> int:
+        return 1  # see the header: one request per generation
+
+    def group_key(self, request: EngineRequest) -> Hashable | None:
+        return None

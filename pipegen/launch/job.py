@@ -1,6 +1,7 @@
 """A command line turned into the job's one resolved config: what a launch runs and what `--help` lists.
 
-In order: verl's own keys translated (config/verl_keys.py); pipegen's and verl's keys composed with the
+In order: the engine chosen (launch/engine_choice.py: llm= as given, else verl's rollout.name, else what this
+machine has); verl's own keys translated (config/verl_keys.py); pipegen's and verl's keys composed with the
 overrides (config/compose.py), then the named tasks' defaults wherever an override does not set the key
 (`compose_job`, which `--help` lists too); every key's type and rule checked; output_dir made absolute (a file
 is refused); the inputs' short names made real paths (the model, the demo set, each task's file in the run,
@@ -23,6 +24,7 @@ from pipegen.config.compose import check_types, compose, describe_config_error, 
 from pipegen.config.verl_keys import translate as translate_verl_keys
 from pipegen.inputs.demo import resolve_train_files
 from pipegen.inputs.models import resolve_model_path
+from pipegen.launch.engine_choice import choose_engine
 from pipegen.run.layout import RunDir
 from pipegen.tasks.manifest import apply_task_defaults
 from pipegen.tasks.materialize import TaskData, task_files
@@ -40,6 +42,7 @@ class Job:
     cfg: DictConfig  # every key a value, every input a real path
     run: RunDir
     tasks: list[TaskData]  # [] without tasks=[...]
+    engine_reason: str = ""  # why this engine, for the plan line (launch/engine_choice.py)
 
     @property
     def pending(self) -> dict[str, bytes]:
@@ -48,10 +51,10 @@ class Job:
 
 
 def compose_job(argv: list[str]) -> DictConfig:
-    """The config as the command line composes it: verl's keys translated, pipegen's and verl's keys with the
+    """The config as the command line composes it: its engine chosen, verl's keys translated, pipegen's and verl's keys with the
     overrides, then the named tasks' defaults (n, lengths) wherever an override does not set the key. Raises
     ValueError (a refused verl key, a task) or Hydra's and OmegaConf's errors."""
-    return with_task_defaults(translate_verl_keys(list(argv)))
+    return with_task_defaults(translate_verl_keys(choose_engine(list(argv)).overrides))
 
 
 def with_task_defaults(overrides: list[str]) -> DictConfig:
@@ -67,7 +70,8 @@ def resolve_job(argv: list[str]) -> Job:
     if not any(a.startswith("output_dir=") for a in argv):
         raise JobRefused("missing output_dir=DIR (where the run's files go); see --help")
     try:
-        overrides = translate_verl_keys(list(argv))  # verl's own keys: pipegen's equivalents set, or refused
+        choice = choose_engine(list(argv))  # llm= as given, else verl's rollout.name, else what this machine has
+        overrides = translate_verl_keys(choice.overrides)  # verl's own keys: pipegen's equivalents set, or refused
     except ValueError as e:
         raise JobRefused(str(e)) from None
     try:
@@ -83,7 +87,7 @@ def resolve_job(argv: list[str]) -> Job:
         with open_dict(cfg):
             cfg.output_dir = str(run.root)
         tasks = resolve_inputs(cfg)
-        return Job(resolved(cfg), run, tasks)
+        return Job(resolved(cfg), run, tasks, choice.reason)
     except (ValueError, RuntimeError) as e:
         raise JobRefused(str(e)) from None
     except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing value (llm.urls)

@@ -102,7 +102,7 @@ def prepare(argv: list[str]) -> Prepared | int:
         return 0
     setup_logging("launch")
     try:
-        job = resolve_job(argv)  # the one resolved config; nothing is written yet
+        job = resolve_job(argv)  # the one resolved config, its engine chosen; nothing is written yet
     except JobRefused as e:
         return refuse(str(e))
     cfg, run = job.cfg, job.run
@@ -114,7 +114,7 @@ def prepare(argv: list[str]) -> Prepared | int:
             return refuse(problem)
     except (ValueError, RuntimeError) as e:
         return refuse(str(e))
-    print_plan(cfg, run)  # the launch's first line: what will run
+    print_plan(cfg, run, job.engine_reason)  # the launch's first line: what will run, on which engine and why
     if checked:
         print(checked, flush=True)
     run.root.mkdir(parents=True, exist_ok=True)

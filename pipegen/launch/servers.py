@@ -87,7 +87,8 @@ def check_server_python(kind: str, python: str) -> str | None:
 
 def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:
     """`python -m sglang.launch_server` for one tensor-parallel group, token ids in and out, run by
-    `llm.python` (SGLang's own environment)."""
+    `llm.python` (SGLang's own environment), with the settings for the model's size (`sglang_size_flags`);
+    the command is saved as logs/<server>.cmd.sh like every role's."""
     llm = llm_settings(llm, "sglang")
     argv = [
         server_python(llm), "-m", "sglang.launch_server",
@@ -107,9 +108,60 @@ def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed:
         argv.append("--enable-deterministic-inference")
     if llm["max_running_requests"]:
         argv += ["--max-running-requests", str(llm["max_running_requests"])]
-    argv += [str(a) for a in llm["extra_args"] or []]
+    extra = [str(a) for a in llm["extra_args"] or []]
+    argv += sglang_size_flags(model_path, [*argv, *extra])
+    argv += extra
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in plan.gpus)} if plan.gpus else {}
     return argv, env
+
+
+# SGLang's settings by model size (parameters estimated from config.json, so --load-format dummy folders count
+# too). SGLang 0.5.12 captures CUDA graphs only up to --cuda-graph-max-bs (256 on 80-160 GB GPUs): a small
+# model's decode batch of thousands then runs without them. And it sizes a small model's running limit at
+# 2,048-4,096 from its token capacity; 4,096 is the figure sglang#29367 ran Qwen3-0.6B at. Above ~3B the
+# batch is bounded by KV memory long before 256, so SGLang's own defaults stay.
+SIZE_FLAGS = (  # (up to this many parameters, flags)
+    (1.0e9, ("--cuda-graph-max-bs", "1024", "--max-running-requests", "4096")),
+    (3.0e9, ("--cuda-graph-max-bs", "512")),
+)
+
+
+def model_parameters(model_path: str) -> float | None:
+    """About how many parameters the model in `model_path` has, from its config.json (None if unreadable)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config") or cfg  # a vision-language model: its language model decides
+    try:
+        h, layers, vocab = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    ffn = int(cfg.get("intermediate_size") or 4 * h)
+    heads = int(cfg.get("num_attention_heads") or 1)
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    attention = h * head_dim * (2 * heads + 2 * kv)
+    embeddings = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return float(layers * (attention + 3 * h * ffn) + embeddings)
+
+
+def sglang_size_flags(model_path: str, given: list[str]) -> list[str]:
+    """The launcher's SGLang flags for the model's size (SIZE_FLAGS), less any flag `given` already sets (the
+    user's llm.max_running_requests and llm.extra_args win)."""
+    params = model_parameters(str(model_path))
+    if params is None:
+        return []
+    for limit, flags in SIZE_FLAGS:
+        if params <= limit:
+            out = []
+            for name, value in zip(flags[::2], flags[1::2]):
+                if name not in given and not any(g.startswith(f"{name}=") for g in given):
+                    out += [name, value]
+            return out
+    return []
 
 
 def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: int) -> tuple[list[str], dict[str, str]]:

@@ -24,7 +24,7 @@ from pipegen.observe.outcomes import unit_outcomes
 from pipegen.observe.progress import LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import across_processes, aggregate, human_rate, latest_stats, stats_history
-from pipegen.observe.tracking import ELAPSED_S, LAUNCH_UNITS_PER_S, RunTracker
+from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, LAUNCH_UNITS_PER_S, RunTracker
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
@@ -104,7 +104,12 @@ def run_counts(run: RunDir, snap: Snapshot, metrics: dict) -> str:
     text = f" ({ckpt.batches.rows} trajectories), {int(whole.get('actors/output_tokens', 0))} output tokens"
     this = f"; this launch: {int(snap.metrics.get('actors/completed', 0))} samples, {snap.output_tokens} output tokens"
     if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
-        this += f" in {metrics[ELAPSED_S]:.1f}s ({human_rate(metrics[LAUNCH_UNITS_PER_S], 'samples')})"
+        rates = [human_rate(metrics[LAUNCH_UNITS_PER_S], "samples")]
+        if metrics.get(LAUNCH_TOKENS_PER_S):
+            rates.append(human_rate(metrics[LAUNCH_TOKENS_PER_S], "output tok"))
+        if metrics.get(GPU_BUSY) is not None:  # idle GPUs show here
+            rates.append(f"GPUs {metrics[GPU_BUSY]:.0f}% busy while generating")
+        this += f" in {metrics[ELAPSED_S]:.1f}s ({', '.join(rates)})"
     return f"{text}{this}."
 
 

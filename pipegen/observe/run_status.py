@@ -224,13 +224,15 @@ def render(st: RunStatus) -> str:
     buffered = f" + {p['buffered']} in shards, not yet batched" if p.get("buffered") else ""
     out.append(f"  progress   {p['committed']}/{p['total']} samples committed ({pct:.1f}%) in {p['batches']} batches"
                f"{buffered} | pending {p['pending']} | in flight {p['in_flight']} | failed {p['failed']}")
-    if r or "latency/p50_s" in m:
+    if r or "latency/p50_s" in m or "gpu/busy_percent_while_generating" in m:
         parts = []
         if r:
             parts.append(f"recent {human_rate(r['recent_units_per_s'], 'units')}, "
                          f"{human_rate(r['recent_output_tokens_per_s'], 'output tok')}")
             parts.append(f"per process {human_rate(r['overall_units_per_s'], 'units')}, "
                          f"{human_rate(r['overall_output_tokens_per_s'], 'output tok')}")
+        if "gpu/busy_percent_while_generating" in m:
+            parts.append(f"GPUs {m['gpu/busy_percent_while_generating']:.0f}% busy while generating")
         if "latency/p50_s" in m:
             parts.append(f"latency p50 {m['latency/p50_s']:.2f}s p95 {m.get('latency/p95_s', 0):.2f}s")
         out.append("  rates      " + " | ".join(parts))

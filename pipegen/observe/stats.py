@@ -189,6 +189,10 @@ def aggregate(roles: dict[str, StatsLine], live_only_in_flight: bool = True) -> 
     out["actors/failed"] = sum(a.failed for a in actors)
     out["actors/requests"] = sum(a.requests for a in actors)
     out["actors/output_tokens"] = sum(a.output_tokens for a in actors)
+    launch = roles.get("launch")  # the launcher's tracking: GPU utilisation while generating, where it sampled one
+    gpu = getattr(launch, "metrics", {}).get("gpu/busy_percent_while_generating")
+    if gpu is not None:
+        out["gpu/busy_percent_while_generating"] = gpu
     in_flight = requests_in_flight = alive = 0
     for a in actors:
         live = line_alive(a)

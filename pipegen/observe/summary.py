@@ -57,8 +57,9 @@ def _prompts(cfg: DictConfig, run: RunDir) -> tuple[int | None, str]:
     return kept, f"{name} ({rows_text})"
 
 
-def plan_line(cfg: DictConfig, run: RunDir) -> str:
-    """The launch's first line: what will run."""
+def plan_line(cfg: DictConfig, run: RunDir, engine_reason: str = "") -> str:
+    """The launch's first line: what will run, and on which engine (`engine_reason`: why that one, from
+    the launcher's engine choice)."""
     rollout = cfg.actor_rollout_ref.rollout
     n = int(rollout.n)
     prompts, source = _prompts(cfg, run)
@@ -67,7 +68,7 @@ def plan_line(cfg: DictConfig, run: RunDir) -> str:
     what = (f"{at_most}{prompts} prompts of {source} x {each} = {at_most}{prompts * n} units" if prompts is not None
             else f"every prompt of {source} x {each}")
     line = (f"pipegen: {what}; responses up to {int(rollout.response_length)} tokens, prompts up to "
-            f"{int(rollout.prompt_length)}; llm={cfg.llm.kind}")
+            f"{int(rollout.prompt_length)}; {engine_reason or f'llm={cfg.llm.kind}'}")
     if cfg.llm.kind == "cpu":  # bf16 log-probs differ from a float32 recomputation: say which one serves
         dtype = resolve_dtype_name(str(cfg.llm.get("dtype", "auto")))
         line += f" in {dtype}" + (" (this CPU has native bf16; llm.dtype=float32 for float32)"
@@ -80,11 +81,11 @@ def plan_line(cfg: DictConfig, run: RunDir) -> str:
     return line
 
 
-def print_plan(cfg: DictConfig, run: RunDir) -> None:
+def print_plan(cfg: DictConfig, run: RunDir, engine_reason: str = "") -> None:
     """Print the plan line (the launch's first line). A data file that cannot be read is left to the dataset
     check that follows, which names it and the fix."""
     try:
-        line = plan_line(cfg, run)
+        line = plan_line(cfg, run, engine_reason)
     except (OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
         return
     print(line, flush=True)

@@ -3,7 +3,8 @@
 - `RunTracker`: the launcher's view of the run over time. Called every refresh with a
   `pipegen.observe.progress.Snapshot`; computes aggregated metrics (progress, units/s, output tokens/s,
   in-flight, failed, latency p50/p95, finish reasons, turns, response lengths, mean reward, errors,
-  duplicates, torn lines) and, every `interval_s`, logs them through verl's `Tracking` and appends
+  duplicates, torn lines; the launch's average units/s and output tokens/s; with SGLang or vLLM on this
+  node's GPUs, their mean utilisation while generating: observe/gpu_busy.py) and, every `interval_s`, logs them through verl's `Tracking` and appends
   them to DIR/streams/stats/launch.jsonl. One wandb run per launch, named `trainer.experiment_name`
   in project `trainer.project_name`, grouped by the run key so the launches of one run sit together.
 - `upload_artifact(cfg, run)`: DIR/trajectories.zip as a wandb Artifact of type `dataset` (called by
@@ -33,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
+from pipegen.observe.gpu_busy import GpuBusy
 from pipegen.observe.stats import Rates, StatsAppender, actor_lines, flatten_numbers
 from pipegen.run.stats_line import LaunchStats, StatsLine
 
@@ -40,6 +42,8 @@ log = logging.getLogger("pipegen.tracking")
 
 ELAPSED_S = "time/elapsed_s"  # the launch's age at this step (the launcher's closing summary reads these two)
 LAUNCH_UNITS_PER_S = "throughput/units_per_s_launch_avg"
+LAUNCH_TOKENS_PER_S = "throughput/output_tokens_per_s_launch_avg"
+GPU_BUSY = "gpu/busy_percent_while_generating"  # this node's GPUs (SGLang/vLLM servers pipegen started), mean
 CONSOLE_KEYS = ("progress/done", "progress/committed", "progress/total", "progress/failed", "progress/in_flight",
                 "throughput/units_per_s", "throughput/output_tokens_per_s", "latency/p50_s", "latency/p95_s",
                 "reward/mean", "errors/total")
@@ -109,6 +113,11 @@ class RunTracker:
         self.rates = Rates()
         self.stats = StatsAppender(run.stats, stats_role) if stats_role else None
         self._done0: int | None = None
+        self._tokens0: int | None = None
+        self._last_done: int | None = None
+        # GPU utilisation where this launcher's servers use this node's GPUs (never for llm=cpu or external)
+        kind = str(OmegaConf.select(cfg, "llm.kind", default="cpu"))
+        self.gpu = GpuBusy.start(os.environ) if kind in ("sglang", "vllm") and stats_role else None
         if self.backends:
             try:
                 self.tracking = make_tracking(cfg, run, self.backends)
@@ -149,9 +158,17 @@ class RunTracker:
             m["throughput/output_tokens_per_s"] = tokens
         if self._done0 is None:
             self._done0 = snap.done
+            self._tokens0 = snap.output_tokens
         elapsed = now - self.started
         if elapsed > 0:
             m[LAUNCH_UNITS_PER_S] = max(0, snap.done - self._done0) / elapsed
+            m[LAUNCH_TOKENS_PER_S] = max(0, snap.output_tokens - (self._tokens0 or 0)) / elapsed
+        if self.gpu is not None:
+            generating = snap.in_flight > 0 or (self._last_done is not None and snap.done > self._last_done)
+            self.gpu.observe(generating)
+            if self.gpu.mean() is not None:
+                m[GPU_BUSY] = self.gpu.mean()
+        self._last_done = snap.done
         snap.tokens_per_s = tokens
         return m
 
@@ -191,6 +208,8 @@ class RunTracker:
     def finish(self, snap: Any | None = None, exit_code: int = 0) -> None:
         if snap is not None:
             self.update(snap, force=True)
+        if self.gpu is not None:
+            self.gpu.stop()
         if self.stats is not None:
             self.stats.close()
             self.stats = None
