@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import subprocess
 import sys
 import time
@@ -348,6 +349,9 @@ class Writer:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     run = RunDir(output_dir_from_args(argv))
+    # Ctrl-C on a writer run by hand raises KeyboardInterrupt (answered below) even where SIGINT arrived ignored,
+    # as it does in a shell's background job, nohup or a test runner's worker: Python then installs no handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     setup_logging("writer")
     watch_parent()
     try:
