@@ -6,7 +6,7 @@ the prompt's last word, so one run exercises many of them; `command` runs the sa
 Scenarios: chat / chat_stream / responses / responses_stream / anthropic / anthropic_stream (a calculator
 tool round until the model answers), n2 (n=2), retry (a real SDK retry: the first answer is lost on the way
 back), edit (the history is edited between calls), probe (calls a finished unit's session and its own with a
-wrong key), feedback (answer, check, retry with feedback), crash / hang / silent (failures).
+wrong key), feedback (answer, check, retry with feedback), crash / hang / silent / required (failures).
 """
 
 from __future__ import annotations
@@ -223,7 +223,17 @@ def main() -> int:
     if name == "hang":
         time.sleep(3600)
     if name == "silent":
+        print("warning: no model configured, skipping", file=sys.stderr)  # exit 0: its stderr is the reason
         print(json.dumps({"reward": 1.0}))
+        return 0
+    if name == "required":  # smolagents' ToolCallingAgent forces a tool call; the gateway refuses it
+        from openai import BadRequestError, OpenAI
+
+        try:
+            OpenAI().chat.completions.create(model="m", messages=row["raw_prompt"], max_tokens=16, tool_choice="required",
+                                             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+        except BadRequestError:
+            pass  # a harness that swallows the error, as agent frameworks often do
         return 0
     if name == "anthropic_env":
         from anthropic import Anthropic

@@ -195,3 +195,27 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     shown = render(gather(RunDir(out)))  # what `python -m pipegen.status DIR` prints
     assert "all leased again" in shown, shown
     assert any(f"{lost[0]:<8} {state}" in shown for state in ("dead", "rejoined")), shown
+
+
+def test_a_ray_runner_whose_engine_does_not_import_ends_the_launch_within_a_minute(tmp_path, tiny_model,
+                                                                                    ray_cluster):
+    """A server that fails at start on every node is not placed again forever: the launch ends within 60 s with
+    the reason on the launcher's terminal, as cluster=local does."""
+    add_generation_node(ray_cluster, NODE_RESOURCE)
+    ray_cluster.wait_for_nodes()
+    overrides = [*FAST, "llm.engine=no_such_engine_module:Backend", "generation.restart_limit=1",
+                 "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}"]
+    env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": ray_cluster.address}
+    started = time.monotonic()
+    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={tmp_path / 'run'}",
+                                 f"model_path={tiny_model}", *overrides], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        console, _ = launcher.communicate(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        kill_orphans_of(launcher.pid)
+    took = time.monotonic() - started
+    assert launcher.returncode != 0 and took < 60, (took, console[-3000:])
+    assert "no_such_engine_module" in console, console[-3000:]

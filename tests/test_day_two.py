@@ -104,6 +104,12 @@ def test_user_errors_are_one_line_naming_the_fix(tmp_path, tiny_model):
         f"train_files={empty}": ["no rows", str(empty)],
         f"train_files={garbage}": ["not a readable parquet file", str(garbage)],
         "nosuch_key=1": ["unknown key 'nosuch_key'", "--help"],
+        # a typo is answered from the known keys; a + there would only be ignored, so it is refused too
+        "max_sample=4": ["unknown key 'max_sample'; did you mean max_samples?"],
+        "+max_sample=4": ["+max_sample: pipegen has no such key", "would be ignored", "did you mean max_samples?"],
+        # the + hint only where a new key means something: a kwargs group
+        "custom_reward_function.reward_kwargs.scale=2": ["needs a leading +",
+                                                         "+custom_reward_function.reward_kwargs.scale=..."],
         "n=many": ["n=many is not allowed", "an integer >= 1"],  # the schema's line: the key and what it accepts
         "llm=gpu": ["llm=gpu does not exist", "llm=cpu", "llm=sglang"],
         "llm=external": ["llm.urls must be set", "llm.urls=[http://HOST:PORT]"],

@@ -11,7 +11,7 @@ import orjson
 
 from pipegen.run.layout import RunDir
 
-from conftest import FAKE_ENGINE, FAST, FAST_REPORTED, launch, load_trajectories
+from conftest import FAKE_ENGINE, FAST, FAST_REPORTED, assert_verified, launch, load_trajectories
 
 
 def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_path, tiny_model):
@@ -19,14 +19,24 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     base = [f"model_path={tiny_model}", *FAST_REPORTED, FAKE_ENGINE, "generation.max_attempts=1"]
     first = launch(out, *base, "llm.engine_args=[--fail-rate,0.5]")
     assert first.returncode == 1, first.stderr[-3000:]
-    assert "failed" in first.stderr and "rerun the same command" in first.stderr
+    assert "failed" in first.stderr and "Rerun the same command to retry only them" in first.stderr
+    assert "partial output:" in first.stderr  # the closing line says the output is partial
 
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
     failed = set(ckpt["failed"])
     assert failed, "with half the requests refused and one attempt, some units must fail"
     assert all("503" in info["reason"] for info in ckpt["failed"].values())
     assert ckpt["num_committed"] + len(failed) == 12 and not ckpt["complete"]
-    assert not (out / "trajectories.pkl").exists()
+    # the output is delivered all the same: every other unit is in trajectories.pkl (and the zip), the failed
+    # ones are named in failed_units.json and in the closing summary, grouped by reason with counts
+    partial = load_trajectories(out / "trajectories.pkl")
+    delivered = {f"{i}:{s}" for i, s in zip(partial.non_tensor_batch["index"], partial.non_tensor_batch["sample"])}
+    assert len(delivered) == ckpt["num_committed"] and not delivered & failed
+    listing = orjson.loads((out / "failed_units.json").read_bytes())
+    assert set(listing["units"]) == failed and listing["failed"] == len(failed)
+    assert (out / "trajectories.zip").exists()
+    assert_verified(out)  # a partial output is a consistent run directory, not a complete one
+    assert f"{len(failed)} unit(s) (" in first.stderr and "503" in first.stderr
     failure_lines = [orjson.loads(l) for p in RunDir(out).failures.rglob("*.jsonl")
                      for l in p.read_bytes().splitlines()]
     assert {f"{r['index']}:{r['sample']}" for r in failure_lines} == failed
@@ -45,6 +55,13 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     # the server recovered: the same setup relaunched retries exactly the failed units
     second = launch(out, *base)
     assert second.returncode == 0, second.stderr[-3000:]
+    # the summary counts the whole run and this launch apart, and names the reward
+    assert "pipegen: done: 12 samples (12 trajectories), " in second.stdout, second.stdout
+    assert f"; this launch: {len(failed)} samples, " in second.stdout, second.stdout
+    assert "  reward:       verl's default_compute_score by data_source" in second.stdout
+    tokens = re.search(r"trajectories\), (\d+) output tokens; this launch: \d+ samples, (\d+) output tokens",
+                       second.stdout)
+    assert tokens and int(tokens[1]) > int(tokens[2]) > 0, second.stdout  # the run's tokens, then this launch's
     data = load_trajectories(out / "trajectories.pkl")
     units = sorted(zip((int(i) for i in data.non_tensor_batch["index"]), (int(s) for s in data.non_tensor_batch["sample"])))
     assert units == [(i, s) for i in range(6) for s in range(2)]
@@ -55,6 +72,11 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     attempts = {f"{r['index']}:{r['sample']}": r["attempt"] for r in records}
     assert len(records) == len(attempts) == 12
     assert attempts == {unit: 1 if unit in failed else 0 for unit in attempts}
+    # each retry draws a fresh seed: its attempt is mixed in
+    first_seeds = {f"{r['index']}:{r['sample']}": r["seed"] for r in failure_lines}
+    retried = {f"{r['index']}:{r['sample']}": r["seed"] for r in records if r["attempt"] == 1}
+    assert all(retried[u] != first_seeds[u] for u in failed)
+    assert not (out / "failed_units.json").exists()
     numbers = assert_report_matches_status(out, second.stdout)
     (source,) = numbers["sources"].values()
     summary = re.search(r"rewards: +mean ([0-9.]+) over (\d+) samples; pass@2 ([0-9.]+) \((\d+) of (\d+) prompts",

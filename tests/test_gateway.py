@@ -190,23 +190,27 @@ def test_atif_export_holds_each_rows_steps_token_ids_and_log_probs(scenarios):
 def test_command_harness_results_and_failures(tiny_model, scripted, tmp_path):
     """external.command: rewards from the last stdout line; a crash, a hang past external.timeout_s and a
     harness that never calls each send their unit to the failures stream with the reason."""
-    names = ["openai_env", "anthropic_env", "crash", "hang", "silent"]
+    names = ["openai_env", "anthropic_env", "crash", "hang", "silent", "required"]
     data = write_dataset(tmp_path / "rows.parquet", [{"content": f"What is 2 + 3? {n}"} for n in names])
     out = tmp_path / "run"
     result = launch(out, *overrides(tiny_model, data, scripted.url,
                                     f"external.command='{sys.executable} tests/gateway_harnesses.py'",
                                     "external.timeout_s=20"), env=ENV)
-    assert result.returncode == 1 and "3 unit(s) failed, 2/5 committed" in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 1 and "partial output: 2 of 6 samples" in result.stderr, result.stderr[-3000:]
+    assert "4 unit(s) failed" in result.stderr
     good = {names[r["index"]]: r for r in read_records(out)}
     assert sorted(good) == ["anthropic_env", "openai_env"]
     assert good["openai_env"]["trajectories"][0]["reward_score"] == 0.5
     assert good["openai_env"]["trajectories"][0]["extra_fields"]["harness_result"] == {"via": "openai"}
     assert good["anthropic_env"]["trajectories"][0]["reward_score"] == 0.25
     reasons = {names[f["index"]]: f["reason"] for f in read_records(out, "failures")}
-    assert set(reasons) == {"crash", "hang", "silent"}
+    assert set(reasons) == {"crash", "hang", "silent", "required"}
     assert "exited with status 3" in reasons["crash"] and "about to fail" in reasons["crash"]
     assert "ran past external.timeout_s=20" in reasons["hang"]
-    assert "without calling the gateway" in reasons["silent"]
+    # the true reasons: a command's stderr tail whatever its exit code, and the gateway's last refusal
+    assert "without calling the gateway" in reasons["silent"] and "no model configured" in reasons["silent"]
+    assert "gateway's last refusal: HTTP 400" in reasons["required"] and "tool_choice" in reasons["required"]
+    assert "CodeAgent" in reasons["required"]  # the workaround named
 
 
 def test_multi_turn_log_probs_agree_with_verls_recomputation(tiny_model, tmp_path):

@@ -136,7 +136,9 @@ def test_an_interrupted_generate_resumes_with_the_next_call(tmp_path: Path, tiny
         llm = {"kind": "external", "urls": [server.url]}
         out = tmp_path / "demo"
         call = f"import pipegen; pipegen.generate({str(out)!r}, model_path={tiny_model!r}, quiet=True, llm={llm!r}, **{keys!r})"
-        caller = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE, text=True)
+        # SIGINT as a terminal's Ctrl-C finds it: a test runner's worker may start its children with SIGINT ignored
+        caller = subprocess.Popen([sys.executable, "-c", call], stderr=subprocess.PIPE, text=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         shards = out / "streams" / "rollouts"
         deadline = time.monotonic() + 240
         while not any(p.stat().st_size for p in shards.glob("actor_*/*.jsonl")) and time.monotonic() < deadline:

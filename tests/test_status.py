@@ -182,7 +182,7 @@ def test_status_crashed_run_and_writer_restarted_alone(tmp_path, tiny_model):
         kill_orphans_of(proc.pid)
     def stopped():
         s = gather(run)
-        return s if s.state != "running" else None
+        return s if s.state not in ("running", "writer only") else None  # the writer may go last
 
     st = wait_for(stopped, 30, "children to exit")
     assert st.state == "stopped before completion", render(st)
@@ -192,17 +192,21 @@ def test_status_crashed_run_and_writer_restarted_alone(tmp_path, tiny_model):
 
     # the writer alone: live, holding the lock; then SIGKILLed: not running, lock free
     writer = subprocess.Popen([sys.executable, "-m", "pipegen.writer", f"output_dir={out}"], cwd=REPO,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=(tmp_path / "writer.err").open("w"))
     try:
         def lone_writer():
             s = gather(run)
             return s if role(s, "writer").pid == writer.pid else None
 
         st = wait_for(lone_writer, 90, "the lone writer's stats line")
-        assert st.state == "running" and role(st, "writer").alive
+        assert st.state == "writer only" and role(st, "writer").alive  # not "running": nothing generates
         assert st.writer_lock.held and st.writer_lock.pid == writer.pid
-        writer.send_signal(signal.SIGKILL)
-        writer.wait(timeout=10)
+        # alone, it says what it waits for; Ctrl-C stops it cleanly, in one line
+        wait_for(lambda: "waiting for" in (tmp_path / "writer.err").read_text(), 60, "the writer's waiting line")
+        writer.send_signal(signal.SIGINT)
+        writer.wait(timeout=20)
+        err = (tmp_path / "writer.err").read_text()
+        assert writer.returncode == 130 and "Traceback" not in err and "stopped (Ctrl-C)" in err, err[-2000:]
     finally:
         if writer.poll() is None:
             writer.kill()
@@ -350,3 +354,32 @@ def test_a_cpu_bound_actor_warns_once_with_the_fix(caplog):
         for _ in range(4):
             actor.warn_if_cpu_bound(0.95, False)
     assert len(caplog.records) == 1 and "actors.num_actors=2" in caplog.records[0].getMessage()
+
+
+def test_follow_waits_for_the_first_shard_and_keeps_following_across_a_relaunch(tmp_path, capsys):
+    """status --follow (the README's watch recipe): started on an empty directory, it prints each unit's line as
+    it lands, including the new shard a relaunch opens, and stops (here) once the run is complete."""
+    import threading
+
+    from pipegen.observe.run_status import follow
+    from pipegen.run.checkpoint import Checkpoint, save_checkpoint
+    from pipegen.run.layout import shard_path
+    from pipegen.run.stream import encode_record, read_head
+
+    run = RunDir(tmp_path / "run")
+    done: list[int] = []
+    thread = threading.Thread(target=lambda: done.append(follow(run, stop_when_complete=True)), daemon=True)
+    thread.start()
+    time.sleep(1.0)  # nothing there yet: it waits
+    actor = run.rollouts / "actor_0"
+    actor.mkdir(parents=True)
+    shard_path(actor, 0).write_bytes(b"".join(encode_record(i, 0, {"reward": 1.0, "text": "x" * 500})
+                                              for i in range(2)))
+    time.sleep(1.0)
+    shard_path(actor, 1).write_bytes(encode_record(2, 0, {"reward": 0.0}))  # a relaunch's new shard
+    save_checkpoint(run.checkpoint, Checkpoint(complete=True))
+    thread.join(timeout=10)
+    assert done == [0]
+    lines = capsys.readouterr().out.splitlines()
+    assert [read_head(ln.encode())[0] for ln in lines] == [0, 1, 2]
+    assert all(len(ln) <= 200 for ln in lines)

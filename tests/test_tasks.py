@@ -97,6 +97,12 @@ def test_tasks_resolve_defaults_deterministic_files_and_clear_errors(tmp_path, u
     assert rows[0]["prompt"] == [{"role": "system", "content": "Answer inside <answer></answer>."},
                                  {"role": "user", "content": "Question: What is 2 - 8?"}]
     assert rows[0]["data_source"] == "my_subtraction" and rows[4]["data_source"] == "chain_sum"
+    # max_samples across tasks takes from each in turn, not every row from the first
+    limited = task_data([str(user_task), "chain_sum"], RunDir(tmp_path / "d"), max_samples=6)
+    write_task_files(limited)
+    assert [t.rows for t in limited] == [3, 3]
+    rows = pq.read_table(limited[0].path).to_pylist() + pq.read_table(limited[1].path).to_pylist()
+    assert [r["extra_info"]["index"] for r in rows] == list(range(6))
 
     bad = user_task.parent / "bad.yaml"
     bad.write_text(MANIFEST.replace("size: 4", "size: 4\n  sizes: 5"))

@@ -68,7 +68,8 @@ def test_refused_keys_say_what_to_set_in_one_line(key: str) -> None:
 
 def test_refused_keys_let_through_what_pipegen_does_anyway() -> None:
     kept = ["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.do_sample=True",
-            "data.truncation=error", "trainer.nnodes=1"]
+            "data.truncation=error", "trainer.nnodes=1", "data.trust_remote_code=false",
+            "data.return_raw_input_ids=false"]
     assert translate(kept) == kept
 
 

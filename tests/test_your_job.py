@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -33,19 +34,25 @@ def test_a_users_parquet_with_no_other_settings_gets_every_row_and_the_full_resp
     result = launch(out, f"model_path={tiny_model}", f"train_files={data}", FAKE_ENGINE, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert lines[0] == ("pipegen: 100 prompts of gsm8k.parquet (all its 100 rows) x 2 samples = 200 units; "
+    # n follows verl's rollout.n (1) for a user's own data
+    from pipegen.run.precision import cpu_has_native_bf16
+
+    # the CPU server's precision is stated: bf16 where the CPU has it natively (its log-probs differ from float32)
+    dtype = (" in bfloat16 (this CPU has native bf16; llm.dtype=float32 for float32)" if cpu_has_native_bf16()
+             else " in float32")
+    assert lines[0] == ("pipegen: 100 prompts of gsm8k.parquet (all its 100 rows) x 1 sample = 100 units; "
                         "responses up to 4096 tokens, prompts up to 1024; llm=cpu: no NVIDIA GPU visible, so "
-                        "pipegen's CPU server"), result.stdout
-    assert "pipegen: done: 200 samples" in result.stdout
+                        f"pipegen's CPU server{dtype}"), result.stdout
+    assert "pipegen: done: 100 samples" in result.stdout
     assert ("  prompts:      100 of the 100 rows of gsm8k.parquet; skipped: 0 by max_samples, 0 as too long "
             "(data.filter_overlong_prompts)") in lines, result.stdout
     responses = next(line for line in lines if line.startswith("  responses:"))
-    assert re.fullmatch(r"  responses:    \d+ of 200 reached the response limit \(4096 tokens\).*", responses)
+    assert re.fullmatch(r"  responses:    \d+ of 100 reached the response limit \(4096 tokens\).*", responses)
 
     from verl import DataProto
 
     merged = DataProto.load_from_disk(str(out / "trajectories.pkl"))
-    assert len(merged) == 200
+    assert len(merged) == 100
     assert sorted(set(merged.non_tensor_batch["index"].tolist())) == list(range(100))
     assert merged.batch["responses"].shape[1] == 4096  # verl pads to the response limit: nothing cut below it
     assert merged.batch["prompts"].shape[1] == 1024
@@ -70,7 +77,7 @@ def test_the_summary_counts_prompts_left_out_by_max_samples_and_as_too_long(tmp_
 def _readme_watch_command() -> str:
     readme = (REPO / "README.md").read_text()
     return next(line.split("#")[0].strip() for line in readme.splitlines()
-                if line.startswith("tail -f ") and "rollouts" in line)
+                if line.startswith("python -m pipegen.status ") and "--follow" in line)
 
 
 def _watch(command: str, cwd: Path, until: int, timeout_s: float) -> list[str]:
@@ -104,15 +111,13 @@ def test_readmes_live_inspection_shows_each_units_text_reward_and_finish(tmp_pat
 
     out = tmp_path / "runs" / "demo"
     command = _readme_watch_command()
-    assert command == "tail -f runs/demo/streams/rollouts/actor_0/*.jsonl | cut -c1-200"
+    assert command == "python -m pipegen.status runs/demo --follow"
+    # started before the run: the directory is empty (or not there); it waits for the first shard
+    command = command.replace("python", shlex.quote(sys.executable), 1)
     run = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", f"model_path={tiny_model}",
                             *FAST, FAKE_ENGINE, "llm.engine_args=[--token-latency,0.05]"], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        shards = out / "streams" / "rollouts" / "actor_0"
-        deadline = time.monotonic() + 240
-        while not list(shards.glob("*.jsonl")) and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)  # the actor opens its shard when it starts, before its first unit
         printed = _watch(command, tmp_path, until=12, timeout_s=240)
     finally:
         stdout, stderr = run.communicate(timeout=240)
@@ -156,3 +161,25 @@ def test_readmes_live_inspection_shows_each_units_text_reward_and_finish(tmp_pat
         escaped = orjson.dumps(shown).decode()[1:-1]
         visible = m.group(5)
         assert visible.startswith(escaped[:100]) or escaped.startswith(visible), (visible, escaped)
+
+
+def test_a_plain_string_prompt_column_is_one_user_message_and_the_plan_line_says_so(tmp_path: Path,
+                                                                                    tiny_model: str) -> None:
+    """A `prompt` column of plain strings (not chat messages): each row is one user message, through verl's own
+    dataset class, and the plan line says so (it once failed with "'str' object has no attribute 'role'")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipegen.inputs.dataset import load_dataset, load_tokenizer
+    from pipegen.launch.job import resolve_job
+    from pipegen.observe.summary import plan_line
+
+    data = tmp_path / "plain.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": f"What is {i} + 1?", "data_source": "plain",
+                                          "reward_model": {"ground_truth": str(i + 1)}, "extra_info": {"index": i}}
+                                         for i in range(3)]), data)
+    job = resolve_job([f"output_dir={tmp_path / 'run'}", f"train_files={data}", f"model_path={tiny_model}"])
+    dataset = load_dataset(job.cfg, load_tokenizer(job.cfg))
+    assert len(dataset) == 3
+    assert dataset[1]["raw_prompt"] == [{"role": "user", "content": "What is 1 + 1?"}]
+    assert "the prompt column holds plain strings: each is sent as one user message" in plan_line(job.cfg, job.run)

@@ -182,7 +182,10 @@ class ConcurrencyControl:
     def adapt(self, s: ServerPace, running: int, waiting: int, binding: bool) -> None:
         """One control step for one server from its load."""
         s.running, s.waiting = running, waiting
-        target_queue = max(2, math.ceil((HEADROOM - 1) * s.max_running))  # the batch queued on purpose
+        # the batch queued on purpose is the batch the engine really runs: a server told (or assumed, 256 for
+        # vLLM) to run more than it does would otherwise let its queue grow to the told size unanswered
+        batch = min(running, s.max_running) if running > 0 else s.max_running
+        target_queue = max(2, math.ceil((HEADROOM - 1) * batch))
         old = s.limit
         if waiting > target_queue:
             s.limit = max(1, s.limit - max(1, (waiting - target_queue) // self.sharing))

@@ -6,7 +6,8 @@ RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
 (loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (client.py), checks
 what the loop returned, scores it, packs it into a `RolloutRecord` (run/stream.py) and appends its line to
-the actor's shard (or a `FailureRecord` to its failures shard).
+the actor's shard (or a `FailureRecord` to its failures shard). A unit whose reward fails keeps its generated
+record, unscored, in its FailureRecord; the next launch scores that record (`rescore`) instead of generating.
 
 Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky
 server, seed, concurrency slot), checking the agent loops' output before it reaches a shard.
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 from omegaconf import DictConfig, OmegaConf
 
 from pipegen.inputs.dataset import dataset_indices, load_dataset, load_processor, load_tokenizer
@@ -30,6 +32,7 @@ from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.detokenize import response_decoder
 from pipegen.actor.continuation import UnitProgress
 from pipegen.actor.scoring import Scorer
+from pipegen.rewards.protocol import RewardFailure
 from pipegen.config.compose import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.pictures import encode_multi_modal_data, has_media, load_pictures, strip_media
@@ -150,6 +153,25 @@ def check_trajectories(result: Any, prompt_length: int, response_length: int,
 
 
 _TOKEN_LIST_SET = frozenset(TrajectoryKeys.TOKEN_LISTS)
+
+
+class Unscored(Exception):
+    """A unit that generated but whose reward failed: its record (unscored) and the reward's failure."""
+
+    def __init__(self, record: RolloutRecord, cause: Exception):
+        super().__init__(f"not scored: {cause}")
+        self.record = record
+        self.cause = cause
+
+
+class _Kept:
+    """The part of an AgentLoopOutput the Scorer reads and sets, for a kept record's last trajectory."""
+
+    def __init__(self, response_ids: list[int], num_turns: int):
+        self.response_ids = response_ids
+        self.num_turns = num_turns
+        self.reward_score: float | None = None
+        self.extra_fields: dict[str, Any] = {}
 
 
 def trajectory_json(output) -> dict[str, Any]:
@@ -309,8 +331,9 @@ class UnitRunner:
             stripped = self._stripped[pos] = {k: strip_media(v) if has_media(v) else v for k, v in row.items()}
         return stripped
 
-    def seed(self, index: int, sample: int) -> int | None:
-        return unit_seed(self._base_seed, index, sample) if self._per_unit_seed else None
+    def seed(self, index: int, sample: int, attempt: int = 0) -> int | None:
+        """The unit's sampling seed; a retry's has its attempt mixed in (run/stream.py's unit_seed)."""
+        return unit_seed(self._base_seed, index, sample, attempt) if self._per_unit_seed else None
 
     def agent_name(self, pos: int) -> str:
         return self.row(pos).get("agent_name") or self.default_agent
@@ -325,12 +348,12 @@ class UnitRunner:
         """The unit's record of its calls (actor/continuation.py), read back when a crash left one."""
         return UnitProgress(self.run_dir.progress_file(index, sample), self.chunk_tokens, pool.limits)
 
-    async def run(self, pool, pos: int, sample: int, slot, progress: UnitProgress) -> RolloutRecord:
+    async def run(self, pool, pos: int, sample: int, slot, progress: UnitProgress, attempt: int = 0) -> RolloutRecord:
         """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot; `progress`:
-        its record); raises on any failure of the unit."""
+        its record; `attempt`: its earlier failed tries, mixed into its seed); raises on any failure of the unit."""
         index = self.indices[pos]
         row = self.row(pos)
-        seed = self.seed(index, sample)
+        seed = self.seed(index, sample, attempt)
         agent_name = self.agent_name(pos)
         uid = self.uid(index)
         priority = self.keys.priority(pos, sample)
@@ -347,20 +370,52 @@ class UnitRunner:
         for out in outputs if resumed else ():  # a user filters resumed rows by these (README: resume)
             out.extra_fields.update(resumed)
         # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
+        not_scored = None
         if self.scorer is not None and outputs[-1].reward_score is None and self.scorer.applies(row):
-            # inline when proven cheap, else off the event loop (scoring.py); a failed reward fails the unit
-            with slot.awaiting_verifier(self.scorer.remote_capacity(row)):
-                await self.scorer.score(outputs[-1], row)
+            # inline when proven cheap, else off the event loop (scoring.py); a failed reward keeps the samples
+            # unscored (Unscored below), never scored with a number the reward did not give
+            try:
+                with slot.awaiting_verifier(self.scorer.remote_capacity(row)):
+                    await self.scorer.score(outputs[-1], row)
+            except RewardFailure as e:
+                not_scored = e
             for out in outputs[:-1]:  # a multi-trajectory unit shares its final reward, as verl's TQ worker does
                 out.reward_score = outputs[-1].reward_score
                 if "reward_extra_info" in outputs[-1].extra_fields:
                     out.extra_fields["reward_extra_info"] = outputs[-1].extra_fields["reward_extra_info"]
         last = outputs[-1]
-        return RolloutRecord(index=index, sample=sample, reward=last.reward_score, text=self.peek(last.response_ids),
+        record = RolloutRecord(index=index, sample=sample, reward=last.reward_score, text=self.peek(last.response_ids),
                              finish="length" if len(last.response_ids) >= self.response_length else "stop",
                              uid=uid, priority=priority, seed=seed,
                              agent_name=agent_name, launch=self.launch.launch, row=self.record_row(pos),
                              trajectories=[trajectory_json(o) for o in outputs])
+        if not_scored is not None:
+            raise Unscored(record, not_scored)
+        return record
+
+    async def rescore(self, pos: int, kept: dict[str, Any], slot) -> RolloutRecord:
+        """A unit generated by an earlier try whose scoring failed: its kept record scored now, generating
+        nothing. A reward that fails again raises Unscored with the record kept once more."""
+        record = RolloutRecord(**{k: v for k, v in kept.items() if k in RolloutRecord.__dataclass_fields__})
+        record.launch = self.launch.launch
+        row = self.row(pos)
+        if self.scorer is None or not self.scorer.applies(row):  # no reward for this row any more: as generated
+            return record
+        last = record.trajectories[-1]
+        output = _Kept(last[TrajectoryKeys.RESPONSE_IDS], last.get(TrajectoryKeys.NUM_TURNS) or 0)
+        try:
+            with slot.awaiting_verifier(self.scorer.remote_capacity(row)):
+                await self.scorer.score(output, row)
+        except RewardFailure as e:
+            raise Unscored(record, e) from None
+        for trajectory in record.trajectories:  # every trajectory of the unit shares its final reward, as above
+            trajectory[TrajectoryKeys.REWARD_SCORE] = output.reward_score
+            if "reward_extra_info" in output.extra_fields:
+                extra = trajectory.get(TrajectoryKeys.EXTRA_FIELDS) or {}
+                trajectory[TrajectoryKeys.EXTRA_FIELDS] = {**extra,
+                                                           "reward_extra_info": output.extra_fields["reward_extra_info"]}
+        record.reward = output.reward_score
+        return record
 
     async def close(self) -> None:
         """Stop what scoring started (a process pool, a verifier session)."""
@@ -368,21 +423,35 @@ class UnitRunner:
             await self.scorer.close()
 
     async def run_unit(self, pool, pos: int, sample: int, slot, attempt: int, rollouts: ShardAppender,
-                       failures: ShardAppender) -> RolloutRecord | Exception:
+                       failures: ShardAppender, kept: dict[str, Any] | None = None) -> RolloutRecord | Exception:
         """One unit from its dataset row to its line: the RolloutRecord appended to `rollouts`, or, on any
-        failure of the unit, a FailureRecord appended to `failures` (never a sample). Returns the record, or
+        failure of the unit, a FailureRecord appended to `failures` (never a sample). `kept`: the unit's
+        record of an earlier try that generated but could not be scored; it is scored, not generated again.
+        A unit whose reward fails keeps its record in its FailureRecord (`unscored`). Returns the record, or
         the unit's exception. A failed append (the disk) raises: that is the actor's failure, not the unit's."""
         index = self.indices[pos]
         progress = self.unit_progress(pool, index, sample)
         try:
-            record = await self.run(pool, pos, sample, slot, progress)
+            record = await (self.rescore(pos, kept, slot) if kept is not None
+                            else self.run(pool, pos, sample, slot, progress, attempt))
             record.attempt = attempt
             line = record.to_line()
+        except Unscored as e:  # generated, not scored: the samples are kept for the next launch to score
+            e.record.attempt = attempt
+            failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch, seed=e.record.seed,
+                                          agent_name=e.record.agent_name, attempt=attempt,
+                                          reason=f"not scored (its samples are kept: the next launch scores them "
+                                                 f"without generating): {type(e.cause).__name__}: {e.cause}",
+                                          unscored=orjson.loads(e.record.to_line())).to_line())
+            progress.discard()  # its samples are in the failure line
+            return e
         except Exception as e:  # any failure of this unit is recorded, never turned into a sample
             failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
-                                          seed=self.seed(index, sample), agent_name=self.agent_name(pos),
+                                          seed=self.seed(index, sample, attempt), agent_name=self.agent_name(pos),
                                           reason=f"{type(e).__name__}: {e}", attempt=attempt).to_line())
-            progress.close()  # kept: a later attempt continues from it
+            # kept: a retry that asks the same requests continues from it; one whose seed has its attempt mixed in
+            # (a per-unit seed) asks differently, so its first call drops the record
+            progress.close()
             return e
         rollouts.append(line)
         progress.discard()  # after the line: a crash between the two leaves a file the next start tidies

@@ -39,7 +39,7 @@ from pipegen.run.handshake import import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.stats_line import ActorStats
-from pipegen.run.stream import count_units, next_free_seq, RolloutRecord, ShardAppender, TrajectoryKeys
+from pipegen.run.stream import count_units, kept_unscored, next_free_seq, RolloutRecord, ShardAppender, TrajectoryKeys
 
 log = logging.getLogger("pipegen.actor")
 
@@ -95,6 +95,8 @@ class Actor:
         self.admission = None  # admission.Admission, once main() started
         # a unit's attempt number = its tries that ended in a FailureRecord before (any launch, any actor)
         self.failed_tries = count_units(run.failures)
+        # units an earlier try generated but could not score: scored from their kept records, not generated
+        self.kept = kept_unscored(run.failures)
         self._busy_since = (time.monotonic(), time.process_time())  # for cpu_busy in the stats lines
         self._busy_intervals = 0  # consecutive stats intervals spent CPU-bound while units wait to start
 
@@ -105,7 +107,8 @@ class Actor:
         attempt = self.failed_tries.get((index, sample), 0)
         self.counters.in_flight += 1
         try:
-            outcome = await self.runner.run_unit(pool, pos, sample, slot, attempt, rollouts, failures)
+            outcome = await self.runner.run_unit(pool, pos, sample, slot, attempt, rollouts, failures,
+                                                 kept=self.kept.get((index, sample)))
         finally:
             self.counters.in_flight -= 1
             slot.release()  # as the task ends, so the slot counts never drift

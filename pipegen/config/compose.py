@@ -32,11 +32,73 @@ def verl_config_dir() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "trainer", "config")
 
 
+# pipegen's own groups: every key of them is the schema's, so a new key (+key) there could only be ignored
+PIPEGEN_GROUPS = ("actors", "generation", "trainer", "reward", "external", "llm", "cluster")
+
+
+def new_key_allowed(key: str) -> bool:
+    """Where a new key (`+key=...`) means something: the free-form keyword groups (a reward's reward_kwargs, a
+    chat template's or an agent loop's kwargs, an engine's kwargs), never pipegen's root or its own groups."""
+    return any(part.endswith("kwargs") for part in key.split(".")[:-1])
+
+
+def refuse_new_keys(overrides: list[str]) -> None:
+    """A `+key` under pipegen's root or its own groups would be accepted and ignored: one line instead."""
+    for override in overrides:
+        if not override.startswith("+") or "=" not in override:
+            continue
+        key = override.lstrip("+").split("=", 1)[0]
+        if new_key_allowed(key):
+            continue
+        if "." not in key or key.split(".", 1)[0] in PIPEGEN_GROUPS:
+            close = did_you_mean(key)
+            raise ValueError(f"+{key}: pipegen has no such key, and a new one would be ignored; "
+                             + (f"did you mean {close}? " if close else "")
+                             + "(a leading + adds a key only to a kwargs group, as in "
+                             "+custom_reward_function.reward_kwargs.NAME=VALUE)")
+
+
+_KNOWN: list[str] = []
+
+
+def known_keys() -> list[str]:
+    """Every key of the default config, pipegen's and verl's groups, dotted (composed once per process)."""
+    if not _KNOWN:
+        def walk(node, prefix: str) -> None:
+            for k in node:
+                value = node._get_node(k) if OmegaConf.is_config(node) else None
+                path = f"{prefix}{k}"
+                child = node.get(k) if isinstance(node, DictConfig) else None
+                if isinstance(child, DictConfig):
+                    walk(child, path + ".")
+                elif value is not None:
+                    _KNOWN.append(path)
+
+        walk(compose(["output_dir=DIR"]), "")
+    return _KNOWN
+
+
+def did_you_mean(key: str) -> str:
+    """The known keys closest to a misspelt one ('' when none is close), as "a or b"."""
+    import difflib
+
+    try:
+        known = known_keys()
+    except Exception:  # noqa: BLE001 (a hint only: a config that does not compose has its own error)
+        return ""
+    close = difflib.get_close_matches(key, known, n=2, cutoff=0.8)
+    if not close:  # the last part alone: max_sample -> max_samples, generation.max_attempt -> ...max_attempts
+        tails = {k.rsplit(".", 1)[-1]: k for k in known if k.startswith(key.rsplit(".", 1)[0] + ".") or "." not in key}
+        close = [tails[t] for t in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(tails), n=2, cutoff=0.8)]
+    return " or ".join(close)
+
+
 def compose(overrides: list[str]) -> DictConfig:
     """Compose the full config (pipegen + verl groups) with Hydra's compose API."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    refuse_new_keys(overrides)
     register_schema()
     search = f"hydra.searchpath=[file://{verl_config_dir()}]"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -70,8 +132,11 @@ def describe_config_error(error: Exception, overrides: list[str] = ()) -> str:
     first = lines[0] if lines else type(error).__name__
     m = re.match(r"Could not override '([^']+)'", first)
     if m:
-        return (f"unknown key '{m.group(1)}': check its spelling against {HELP} "
-                f"(a new key needs a leading +, as in +{m.group(1)}=...)")
+        key = m.group(1)
+        close = did_you_mean(key)
+        hint = (f"; did you mean {close}?" if close else f": check its spelling against {HELP}")
+        plus = f" (a new key there needs a leading +, as in +{key}=...)" if new_key_allowed(key) else ""
+        return f"unknown key '{key}'{hint}{plus}"
     m = re.search(r"Could not find '([^'/]+)/([^']+)'", first)
     if m:
         group = m.group(1)
@@ -100,10 +165,11 @@ def check_types(cfg: DictConfig) -> None:
     check_values(cfg)
 
 
-# verl's keys that users set most, shown by --help with their values (verl's groups hold ~200 more)
+# verl's keys that users set most, shown by --help with their values (verl's groups hold ~200 more); none that
+# pipegen refuses (data.truncation, data.return_raw_chat: only their defaults are accepted)
 VERL_KEYS_SHOWN = (
-    "data.prompt_key", "data.filter_overlong_prompts", "data.truncation", "data.shuffle", "data.seed",
-    "data.apply_chat_template_kwargs", "data.return_raw_chat",
+    "data.prompt_key", "data.filter_overlong_prompts", "data.shuffle", "data.seed",
+    "data.apply_chat_template_kwargs",
     "actor_rollout_ref.model.path", "actor_rollout_ref.model.custom_chat_template",
     "actor_rollout_ref.model.trust_remote_code",
     "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.top_p",

@@ -137,6 +137,12 @@ class Generation:
     restart_limit: int = key(5, "restarts per role before the run stops with that role's log", at_least=0)
     run_writer: bool = key(True, "false: start no writer here (run python -m pipegen.writer output_dir=DIR)",
                            choices=(True, False))
+    preflight: bool = key(True, "before any unit runs, call the run's reward once on the first row (a verifier: one "
+                                "real request) and check the external harness imports; false skips it",
+                          choices=(True, False))
+    all_or_nothing: bool = key(False, "true: a run with failed units writes no trajectories.pkl, zip or upload "
+                                      "(false: what is committed is delivered, the failed units listed beside it)",
+                               choices=(True, False))
 
 
 @dataclass
@@ -363,12 +369,13 @@ class RayCluster(LocalCluster):
 CLUSTER_KINDS: dict[str, type[LocalCluster]] = {"local": LocalCluster, "ray": RayCluster}
 
 
-# The lengths and row count a job gets when it sets none. A user's dataset: every row, responses up to the seed's
+# The lengths, row count and samples per prompt a job gets when it sets none. A user's dataset: every row, one
+# sample per prompt (verl's rollout.n), responses up to the seed's
 # 4,096 tokens (verl's 512 cuts reasoning answers short), prompts up to twice verl's 512 (a system prompt or
 # few-shot examples fit; a longer prompt is refused at launch with the fix, never cut). The packaged demo: its
 # own small settings (its answers are a few tokens; 32 prompts finish in about a minute on a laptop's CPU).
-JOB_DEFAULTS = {"max_samples": -1, "max_prompt_length": 1024, "max_response_length": 4096}
-DEMO_DEFAULTS = {"max_samples": 32, "max_prompt_length": 256, "max_response_length": 32}
+JOB_DEFAULTS = {"max_samples": -1, "max_prompt_length": 1024, "max_response_length": 4096, "n": 1}  # n: verl's rollout.n
+DEMO_DEFAULTS = {"max_samples": 32, "max_prompt_length": 256, "max_response_length": 32, "n": 2}
 JOB_RESOLVER = "pipegen_job_default"
 
 
@@ -405,7 +412,8 @@ class PipegenConfig:
     model_path: str = key("smollm2-135m", "a local Hugging Face folder, or smollm2-135m (embedded)", non_empty=True)
     train_files: Any = key("demo", "verl-format parquet file(s); demo = 96 arithmetic problems shipped with "
                                    "pipegen", non_empty=True)
-    n: int = key(2, "samples per prompt", at_least=1)
+    n: int = key(job_default("n"), "samples per prompt; default: verl's rollout.n (1) for your train_files, 2 for "
+                                   "the demo, a task's own", at_least=1)
     max_samples: int = key(job_default("max_samples"), "prompts to use from the dataset (-1 = all); default: all "
                                                         "of your train_files or tasks, 32 of the demo", at_least=-1)
     seed: int = key(0, "base sampling seed; each (index, sample) gets its own derived seed")

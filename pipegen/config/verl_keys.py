@@ -124,10 +124,16 @@ VERL_KEYS: dict[str, Handling] = {
     "data.max_response_length": Same("max_response_length"),
     "data.seed": Same("seed"),
     **{f"data.{k}": DATASET for k in (
-        "tokenizer", "use_shm", "prompt_key", "return_raw_input_ids", "return_full_prompt", "shuffle",
+        "tokenizer", "use_shm", "prompt_key", "return_full_prompt", "shuffle",
         "image_patch_size", "filter_overlong_prompts", "filter_overlong_prompts_workers", "image_key", "video_key",
-        "audio_key", "trust_remote_code", "custom_cls.", "return_multi_modal_inputs", "apply_chat_template_kwargs",
+        "audio_key", "custom_cls.", "return_multi_modal_inputs", "apply_chat_template_kwargs",
         "mm_processor_kwargs", "tool_config_path", "function_tool_path")},
+    # accepted and ignored before: pipegen loads the tokenizer and processor with the model's setting, and keeps
+    # no raw_prompt_ids column
+    "data.trust_remote_code": Refused("pipegen loads the tokenizer and processor with the model's setting: set "
+                                      "actor_rollout_ref.model.trust_remote_code", accepted=("false",)),
+    "data.return_raw_input_ids": Refused("the output holds each prompt's token ids already (prompts, "
+                                         "raw_prompt_ids are not kept)", accepted=("false",)),
     "data.return_raw_chat": Refused("pipegen's agent loops read each row's chat messages (always true)",
                                     accepted=("true",)),
     "data.truncation": Refused("pipegen never cuts a prompt: raise max_prompt_length, or set "

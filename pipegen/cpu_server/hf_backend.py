@@ -37,28 +37,10 @@ from pipegen.cpu_server.model_backend import (HEALTH_CHECK_PREFIX, BackendReques
                                               ModelFacts)
 from pipegen.cpu_server.hf_sampling import prompt_logprobs, row_seed, sample
 from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
+from pipegen.run.precision import resolve_dtype_name
 from pipegen.config.schema import HF_BACKEND, CpuServers
 
 log = logging.getLogger("pipegen.hf_backend")
-
-
-def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
-    """True when the CPU advertises avx512_bf16 or amx_bf16 (bf16 matmuls are slow without them)."""
-    try:
-        with open(cpuinfo_path) as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype_name(dtype: str) -> str:
-    """``auto`` -> ``bfloat16`` where native, else ``float32``; explicit names pass through."""
-    if dtype == "auto":
-        return "bfloat16" if cpu_has_native_bf16() else "float32"
-    if dtype not in ("bfloat16", "float32", "float16"):
-        raise ValueError(f"unsupported --dtype {dtype!r} (auto, bfloat16, float32)")
-    return dtype
 
 
 @dataclass(eq=False)

@@ -14,7 +14,8 @@ run in a thread cannot be killed: past its limit the unit fails and its session 
 refused.
 
 Owns: how a harness is started, stopped and read. Must never: let a harness failure pass as a result (a crash,
-a timeout or a result of the wrong shape raises `HarnessFailed` with the reason and the stderr tail).
+a timeout or a result of the wrong shape raises `HarnessFailed` with the reason and the stderr tail), or drop a
+command's stderr tail (an exit 0 keeps it in the result, for a unit that fails later).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import os
 import signal
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import orjson
@@ -45,6 +46,7 @@ class HarnessFailed(RuntimeError):
 class HarnessResult:
     reward: float | None
     fields: dict[str, Any]  # the result's other fields (row data for the unit)
+    stderr: str = ""  # a command's stderr tail ("; stderr tail: ..."), kept whatever its exit code
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,11 @@ class Harness:
             value = None  # a last line that is not JSON: the command printed no result
         if not isinstance(value, (int, float, dict)) or isinstance(value, bool):
             value = None
-        return result_of(value, "command")
+        try:
+            result = result_of(value, "command")
+        except HarnessFailed as e:
+            raise HarnessFailed(f"{e}{tail(err)}") from None
+        return replace(result, stderr=tail(err))
 
 
 def in_own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:

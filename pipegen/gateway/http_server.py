@@ -114,6 +114,14 @@ class Gateway:
         return web.json_response({"object": "list", "data": [{"id": "pipegen", "object": "model", "created": 0,
                                                               "owned_by": "pipegen"}]}, dumps=_dumps)
 
+    @staticmethod
+    def _refuse(session: Session, dialect: str, status: int, message: str) -> web.Response:
+        """A call of a live session answered with an error: logged, and kept as the session's last refusal
+        (a harness that swallows it and fails names it: gateway/loop.py)."""
+        log.warning("gateway refused a call (HTTP %d): %s", status, message)
+        session.last_refusal = f"HTTP {status}: {message}"
+        return _error(dialect, status, message)
+
     def _handler(self, dialect: str):
         speaks = DIALECTS[dialect]
         parse, whole, stream = speaks.read, speaks.whole, speaks.stream
@@ -133,14 +141,13 @@ class Gateway:
                                     int(retry) if retry.isdigit() else 0, request.headers.get("Idempotency-Key"))
                 reply = await asyncio.shield(task)  # a client that hangs up does not cancel the call
             except (BadRequest, orjson.JSONDecodeError) as e:
-                return _error(dialect, 400, str(e))
+                return self._refuse(session, dialect, 400, str(e))
             except (SessionClosed, asyncio.CancelledError):
                 if session.closed:
                     return _error(dialect, 404, "session finished: its unit's trajectories are final")
                 raise
             except Exception as e:  # the engine gave up (RetriesExhausted, RequestRejected): the harness may retry
-                log.warning("gateway call failed: %s: %s", type(e).__name__, e)
-                return _error(dialect, 502, f"{type(e).__name__}: {e}")
+                return self._refuse(session, dialect, 502, f"{type(e).__name__}: {e}")
             if not req.stream:
                 return web.json_response(whole(reply, req), dumps=_dumps)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

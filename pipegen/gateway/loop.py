@@ -58,10 +58,16 @@ class ExternalAgentLoop(AgentLoopBase):
         row = orjson.loads(orjson.dumps(kwargs, default=str, option=orjson.OPT_SERIALIZE_NUMPY))
         try:
             result = await self.harness.run(row, gateway.base_url(session), session.key)
+        except HarnessFailed as e:  # named with the gateway's last refusal, which the harness may have swallowed
+            refusal = f"; the gateway's last refusal: {session.last_refusal}" if session.last_refusal else ""
+            raise HarnessFailed(f"{e}{refusal}") from e
         finally:
             gateway.finish(session)
         if not session.trajectories:
-            raise HarnessFailed("the harness finished without calling the gateway (no trajectory to record)")
+            why = (f"the harness finished with no call answered: the gateway's last refusal: {session.last_refusal}"
+                   if session.last_refusal else
+                   "the harness finished without calling the gateway (no trajectory to record)")
+            raise HarnessFailed(f"{why}{result.stderr}")
         outputs = [self._output(t, session) for t in sorted(session.trajectories, key=lambda t: t.last_used)]
         for out in outputs:
             if result.reward is not None:

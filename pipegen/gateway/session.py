@@ -166,6 +166,7 @@ class Session:
         self.histories: dict[str, list[dict]] = {}  # responses: response id -> its conversation
         self.with_logprobs = bool(sampling.get("logprobs"))
         self.generate_s = 0.0
+        self.last_refusal: str | None = None  # "HTTP <status>: <message>" of its newest call answered with an error
 
     # ---- retries ----
     def call(self, req: ChatRequest, digest: bytes, retry_count: int, idempotency_key: str | None) -> asyncio.Task:

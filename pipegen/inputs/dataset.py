@@ -40,18 +40,54 @@ def load_processor(cfg: DictConfig):
     return load(cfg)
 
 
+def string_prompts(files: list[str], prompt_key: str) -> bool:
+    """Whether the prompt column holds plain strings, not chat messages (from the parquet footers; json: no)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def is_string(path: str) -> bool:
+        if not path.endswith(".parquet"):
+            return False
+        field = pq.read_schema(path).field(prompt_key) if prompt_key in pq.read_schema(path).names else None
+        return field is not None and (pa.types.is_string(field.type) or pa.types.is_large_string(field.type))
+
+    return bool(files) and all(is_string(f) for f in files)
+
+
+def as_user_messages(dataframe, prompt_key: str):
+    """A `datasets.Dataset` whose prompt column holds plain strings, each as one user message (verl's format)."""
+    return dataframe.map(lambda row: {prompt_key: [{"role": "user", "content": row[prompt_key]}]},
+                         desc="plain-string prompts as user messages")
+
+
+def with_string_prompts(dataset_cls: type) -> type:
+    """verl's dataset class (or data.custom_cls) reading a plain-string prompt column as one user message: the
+    column is converted before verl's length filter and row reads see it (RLHFDataset's
+    maybe_filter_out_long_prompts is the step after its files are read)."""
+
+    class StringPrompts(dataset_cls):
+        def maybe_filter_out_long_prompts(self, dataframe=None):
+            return super().maybe_filter_out_long_prompts(as_user_messages(dataframe, self.prompt_key))
+
+    StringPrompts.__name__ = f"StringPrompts{dataset_cls.__name__}"
+    return StringPrompts
+
+
 def load_dataset(cfg: DictConfig, tokenizer, processor=None):
-    """verl's RLHFDataset over data.train_files (honours data.custom_cls like verl's main_ppo); `processor`:
-    the model's (`load_processor`), which verl needs for rows with images."""
-    from verl.trainer.ppo.utils import create_rl_dataset
+    """verl's RLHFDataset over data.train_files (honours data.custom_cls like verl's main_ppo, as its
+    create_rl_dataset does); `processor`: the model's (`load_processor`), which verl needs for rows with images.
+    A plain-string prompt column becomes one user message per row (`with_string_prompts`)."""
+    from verl.utils.dataset.rl_dataset import get_dataset_class
 
     files = check_files(cfg)
     prompt_key = str(cfg.data.prompt_key)
+    dataset_cls = get_dataset_class(cfg.data)
+    if string_prompts(files, prompt_key):
+        dataset_cls = with_string_prompts(dataset_cls)
     try:
         with _quiet_row_selection(bool(cfg.data.get("shuffle"))):
-            dataset = create_rl_dataset(
-                files, cfg.data, tokenizer, processor, is_train=True, max_samples=cfg.data.get("train_max_samples", -1)
-            )
+            dataset = dataset_cls(data_files=files, tokenizer=tokenizer, processor=processor, config=cfg.data,
+                                  max_samples=cfg.data.get("train_max_samples", -1))
     except KeyError as e:
         raise DatasetError(_missing_column(str(e).strip("'\""), prompt_key, _columns(files[0]))) from None
     columns = list(getattr(getattr(dataset, "dataframe", None), "column_names", None) or [])

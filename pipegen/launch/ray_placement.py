@@ -309,8 +309,12 @@ class RayPlacement:
         if info is None:
             slot.probe_after = time.monotonic() + PROBE_RETRY_S
             return
-        if info["error"]:
+        if info["error"]:  # the runner's servers or actors cannot run (e.g. an engine that does not import)
             slot.state, slot.error = "failed", info["error"]
+            slot.host, slot.ray_node = info["host"], info["ray_node"]  # its node stays taken: not placed again
+            log.error("%s failed on %s: %s", slot.name, slot.host, slot.error)
+            if all(s.state == "failed" for s in self.state.slots.values()):
+                raise ClusterError(f"every node failed; last: {slot.error}")
             return
         if info["incarnation"] != slot.incarnation:
             slot.incarnations += 1

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 from pipegen.engines import AUTO, UNREACHABLE, UnknownEngine, detect_protocol, engine, ready_problem
 from pipegen.launch.world import ServerPlan, llm_settings
+from pipegen.observe.logs import log_tail, with_log_tail
 
 # How long an external server may refuse connections before it counts as not there at all: a server
 # we did not start is already running, or it is not coming (a restart of it takes this long at most).
@@ -210,20 +211,6 @@ class ServerNotReady(RuntimeError):
     pass
 
 
-def log_tail(path: Path | None, lines: int = 15) -> str:
-    if path is None or not Path(path).exists():
-        return ""
-    text = Path(path).read_text(errors="replace").splitlines()[-lines:]
-    return "\n".join("    " + t for t in text)
-
-
-def _with_log(message: str, log_path: Path | None) -> str:
-    tail = log_tail(log_path)
-    if log_path is None:
-        return message
-    return f"{message}; its log ({log_path}) ends with:\n{tail}" if tail else f"{message}; its log: {log_path}"
-
-
 def wait_ready(
     url: str | Callable[[], str | None],
     deadline_s: float,
@@ -249,7 +236,7 @@ def wait_ready(
     last = "no answer yet"
     while True:
         if not is_alive():
-            raise ServerNotReady(_with_log(f"LLM server {where} exited during startup", log_path))
+            raise ServerNotReady(with_log_tail(f"LLM server {where} exited during startup", log_path))
         current = url() if callable(url) else url
         if current is not None:
             outcome = ready_problem(current, health_path)
@@ -267,7 +254,7 @@ def wait_ready(
             else:
                 unreachable_since = None  # it accepts connections: loading, however long it takes
         if time.monotonic() - started > deadline_s:
-            raise ServerNotReady(_with_log(
+            raise ServerNotReady(with_log_tail(
                 f"LLM server {current or where} not ready after {deadline_s:.0f}s (last answer: {last}); "
                 f"raise llm.ready_timeout_s if it is still loading", log_path))
         time.sleep(poll_s)

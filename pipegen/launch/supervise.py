@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipegen.observe.logs import PARENT_ENV
+from pipegen.observe.logs import PARENT_ENV, with_log_tail
 from pipegen.run.diskfull import disk_full_message
 from pipegen.run.handshake import EXIT_DISK_FULL
 from pipegen.run.layout import RunDir
@@ -35,10 +35,9 @@ class DiskFull(RuntimeError):
 
 class CrashLoop(RuntimeError):
     def __init__(self, role: "Role"):
-        super().__init__(
-            f"{role.name} crashed {role.restarts + 1} times (last exit code {role.last_rc}); "
-            f"see its log: {role.log_path}"
-        )
+        # the log's end goes into the message: on a Ray cluster the log is on another machine
+        super().__init__(with_log_tail(
+            f"{role.name} crashed {role.restarts + 1} times (last exit code {role.last_rc})", role.log_path))
         self.role = role
 
 

@@ -21,13 +21,14 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipegen.observe.summary import job_lines
 from pipegen.observe.outcomes import unit_outcomes
-from pipegen.observe.progress import LogWatcher, ProgressBar, snapshot
+from pipegen.observe.progress import LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
-from pipegen.observe.stats import human_rate, latest_stats
+from pipegen.observe.stats import across_processes, aggregate, human_rate, latest_stats, stats_history
 from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, LAUNCH_UNITS_PER_S, RunTracker
-from pipegen.run.checkpoint import failure_reason
+from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
+from pipegen.config.schema import RewardSpec
 from pipegen.run.stats_line import LaunchStats, WriterStats
 
 log = logging.getLogger("pipegen.launch")
@@ -95,6 +96,38 @@ class Console:
                 self.tracker.finish(exit_code=0 if exc_type is None else 1)
 
 
+def run_counts(run: RunDir, snap: Snapshot, metrics: dict) -> str:
+    """The closing line's counts after "N samples": trajectories and output tokens over the whole run (every
+    launch's processes), then what this launch generated and how fast."""
+    whole = aggregate(across_processes(stats_history(run.stats)))
+    ckpt = load_checkpoint(run.checkpoint)
+    text = f" ({ckpt.batches.rows} trajectories), {int(whole.get('actors/output_tokens', 0))} output tokens"
+    this = f"; this launch: {int(snap.metrics.get('actors/completed', 0))} samples, {snap.output_tokens} output tokens"
+    if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
+        rates = [human_rate(metrics[LAUNCH_UNITS_PER_S], "samples")]
+        if metrics.get(LAUNCH_TOKENS_PER_S):
+            rates.append(human_rate(metrics[LAUNCH_TOKENS_PER_S], "output tok"))
+        if metrics.get(GPU_BUSY) is not None:  # idle GPUs show here
+            rates.append(f"GPUs {metrics[GPU_BUSY]:.0f}% busy while generating")
+        this += f" in {metrics[ELAPSED_S]:.1f}s ({', '.join(rates)})"
+    return f"{text}{this}."
+
+
+def reward_name(run: RunDir) -> str:
+    """Which reward scored the run (rewards/spec.py's order), as the closing summary names it."""
+    from pipegen.run.config import load_run_config
+
+    cfg = load_run_config(run)
+    if cfg.reward.get("verifier_url"):
+        return RewardSpec(url=str(cfg.reward.verifier_url)).describe()
+    crf = cfg.custom_reward_function
+    if crf.get("path"):
+        return RewardSpec(str(crf.path), str(crf.name)).describe()
+    if cfg.get("tasks"):
+        return "each task's own, by data_source (tasks=[...])"
+    return "verl's default_compute_score by data_source (rows without one, or a code data_source, stay unscored)"
+
+
 def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = False) -> int:
     """The closing report of a launch whose writer exited with `writer_rc` (None: this launch ran no writer).
     Returns the launch's exit code: 0 when the run is complete (or this node's part of it is done), 1 when
@@ -113,16 +146,8 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
     launch = snap.roles.get(LaunchStats.ROLE)
     metrics = launch.metrics if isinstance(launch, LaunchStats) else {}
     if snap.complete:
-        tokens = f", {snap.output_tokens} output tokens" if snap.output_tokens else ""
-        took = ""
-        if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
-            rates = [human_rate(metrics[LAUNCH_UNITS_PER_S], 'samples')]
-            if metrics.get(LAUNCH_TOKENS_PER_S):
-                rates.append(human_rate(metrics[LAUNCH_TOKENS_PER_S], "output tok"))
-            if metrics.get(GPU_BUSY) is not None:  # idle GPUs show here
-                rates.append(f"GPUs {metrics[GPU_BUSY]:.0f}% busy while generating")
-            took = f" (this launch: {metrics[ELAPSED_S]:.1f}s, {', '.join(rates)})"
-        print(f"pipegen: done: {snap.committed} samples{tokens}.{took}")
+        print(f"pipegen: done: {snap.committed} samples{run_counts(run, snap, metrics)}")
+        print(f"  reward:       {reward_name(run)}")
         outcomes = unit_outcomes(run)
         scores = outcomes.rewards if outcomes is not None else None
         if scores is not None:
@@ -137,9 +162,16 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
         print(f"  logs:         {run.logs}/   streams: {run.streams}/")
         return 0
-    print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed. "
-          f"Reasons: {run.checkpoint} ('failed'); rerun the same command to retry them.", file=sys.stderr)
-    for unit, info in list(snap.failed_units.items())[:10]:
-        print(f"  unit {unit}: {failure_reason(info)}", file=sys.stderr)
+    if snap.merged or run.merged_output() is not None:
+        where = f"{run.merged_output() or run.trajectories} and {run.artifact}"
+        print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {snap.failed} "
+              f"unit(s) failed, listed in {run.failed_units}. Rerun the same command to retry only them (each with "
+              f"a fresh seed).", file=sys.stderr)
+    else:
+        print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed, no merged output "
+              f"(generation.all_or_nothing=true, or generation.final_merge=false: the batch files). Failed units: "
+              f"{run.failed_units}; rerun the same command to retry only them.", file=sys.stderr)
+    for line in failure_summary(snap.failed_units):
+        print(f"  {line}", file=sys.stderr)
     print(f"  logs: {run.logs}/   details: python -m pipegen.status {run.root}", file=sys.stderr)
     return 1

@@ -3,6 +3,7 @@
 Owns: the log format every role uses (timestamps, role name; stdout/stderr go to DIR/logs/<role>.log
 because the launcher redirects them), and the orphan guard: exiting when the process that started us (the
 launcher, or a node runner under cluster=ray) is gone.
+Also reads the end of a role's log, so that an error names what the process said before it died.
 Must never: write log files itself (the launcher owns where logs go, so a hand-restarted role logs to
 the terminal that started it).
 """
@@ -14,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 PARENT_ENV = "PIPEGEN_PARENT_PID"
@@ -98,3 +100,19 @@ class OncePerMessageFilter(logging.Filter):
         if len(self.seen) < self.limit:
             self.seen.add(key)
         return True
+
+
+def log_tail(path: Path | None, lines: int = 15) -> str:
+    """The last lines of a role's log, indented for an error message ("" when there is no log yet)."""
+    if path is None or not Path(path).exists():
+        return ""
+    text = Path(path).read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join("    " + t for t in text)
+
+
+def with_log_tail(message: str, log_path: Path | None) -> str:
+    """message, then where the log is and how it ends: the reason is on the terminal, not only in the file."""
+    tail = log_tail(log_path)
+    if log_path is None:
+        return message
+    return f"{message}; its log ({log_path}) ends with:\n{tail}" if tail else f"{message}; its log: {log_path}"

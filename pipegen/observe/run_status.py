@@ -1,5 +1,6 @@
 """`python -m pipegen.status DIR [--json]`: a snapshot of any run directory, live, finished or crashed.
-(`--verify` checks it against its contract instead: observe/verify.py.)
+(`--verify` checks it against its contract instead: observe/verify.py; `--follow` prints each finished unit's
+line as it lands, across every shard, surviving a relaunch and an empty directory.)
 
 Shows: the run's state (running / finished / finished with failures / stopped before completion),
 progress (committed/total, batches, pending, in flight, failed units with their reasons), rates from
@@ -25,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from pipegen.run.checkpoint import failure_reason, load_checkpoint
+from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.ownership import LockStatus, lock_status
@@ -34,7 +35,7 @@ from pipegen.run.unit_progress import progress_summary
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive,
                                    stats_history)
-from pipegen.run.stats_line import ActorStats, ClusterStats
+from pipegen.run.stats_line import ActorStats, ClusterStats, WriterStats
 
 
 @dataclass
@@ -140,12 +141,20 @@ def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
         state = "finished"
         hint = (f"trajectories: {run.merged_output() or run.trajectories}" if snap.merged
                 else f"batches: {run.root / BATCH_GLOB} (not merged: generation.final_merge=false)")
+    elif anything_alive and not any(r.alive is not False for r in roles if r.pid is not None and r.name != WriterStats.ROLE):
+        # a writer started by hand, or left after the launcher: it commits what the shards hold, generates nothing
+        state = "writer only"
+        hint = ("only the writer is alive (no launcher, actor or server): it commits what the shards hold and "
+                f"waits for the rest; relaunch the same command to generate it (python -m pipegen.launch "
+                f"output_dir={run.root} ...)")
     elif anything_alive:
         state = "running"
         hint = "live; rerun this command to refresh"
     elif snap.failed and snap.pending == 0:
         state = "finished with failures"
-        hint = f"{snap.failed} unit(s) failed; relaunch the same command to retry them"
+        partial = f"partial output: {run.merged_output()}; " if run.merged_output() is not None else ""
+        hint = (f"{partial}{snap.failed} unit(s) failed, listed in {run.failed_units}; relaunch the same command to "
+                "retry only them")
     elif not snap.roles and snap.committed == 0 and not run.checkpoint.exists():
         state = "not started"
         hint = "no process has reported yet; start it with: python -m pipegen.launch output_dir=" + str(run.root)
@@ -289,11 +298,9 @@ def render(st: RunStatus) -> str:
     else:
         out.append("  writer lock  free (no writer has run)")
     if st.failed_units:
-        out.append(f"  failed units ({len(st.failed_units)}, index:sample):")
-        for unit, info in list(st.failed_units.items())[:10]:
-            out.append(f"    {unit}  {failure_reason(info)[:200]}")
-        if len(st.failed_units) > 10:
-            out.append(f"    ... {len(st.failed_units) - 10} more in {RunDir(Path(st.root)).checkpoint}")
+        out.append(f"  failed units ({len(st.failed_units)}, index:sample, by reason; all in "
+                   f"{RunDir(Path(st.root)).checkpoint}):")
+        out.extend(f"    {line[:300]}" for line in failure_summary(st.failed_units))
     if st.servers:
         def answering(s: dict[str, Any]) -> str:
             return "" if s["answering"] is None else (" (answering)" if s["answering"] else " (not answering)")
@@ -330,15 +337,41 @@ def render_cluster(line: ClusterStats) -> list[str]:
     return out
 
 
-USAGE = ("usage: python -m pipegen.status DIR [--json | --verify]   (DIR: a run's output_dir; --verify checks it "
-         "against its contract, every unit exactly once, and exits 1 on a problem)")
+USAGE = ("usage: python -m pipegen.status DIR [--json | --verify | --follow]   (DIR: a run's output_dir; --verify "
+         "checks it against its contract, every unit exactly once, and exits 1 on a problem; --follow prints each "
+         "finished unit's line as it lands, in every shard of every launch, until Ctrl-C)")
+FOLLOW_CHARS = 200  # of each line --follow prints: index, sample, reward, finish and the response's start
+FOLLOW_POLL_S = 0.5
+
+
+def follow(run: RunDir, stop_when_complete: bool = False) -> int:
+    """--follow: every rollout line's start as it lands, from the first, across shards a relaunch or a new actor
+    adds later (an empty or missing directory waits); Ctrl-C ends it with exit 0. `stop_when_complete`: return
+    once the checkpoint says complete and every line is printed (the tests' way out)."""
+    from pipegen.run.stream import ShardTailer
+
+    tailer = ShardTailer(run.rollouts)
+    try:
+        while True:
+            for _, _, line in tailer.lines():
+                sys.stdout.write(line[:FOLLOW_CHARS].decode(errors="replace").rstrip("\n") + "\n")
+            sys.stdout.flush()
+            if stop_when_complete and load_checkpoint(run.checkpoint).complete:
+                return 0
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `--follow | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     as_json = "--json" in argv
     verify = "--verify" in argv
-    args = [a for a in argv if a not in ("--json", "--verify")]
+    following = "--follow" in argv
+    args = [a for a in argv if a not in ("--json", "--verify", "--follow")]
     if any(a in ("-h", "--help") for a in args):
         print(USAGE)
         return 0
@@ -347,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     arg = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
     run = RunDir(Path(arg).expanduser().resolve())
+    if following:
+        return follow(run)
     if verify:
         if not run.root.is_dir():
             print(f"pipegen.status: error: {run.root} does not exist", file=sys.stderr)

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipegen.inputs.dataset import file_rows, selected_rows
+from pipegen.inputs.dataset import file_rows, selected_rows, string_prompts
 from pipegen.observe.outcomes import Outcomes, unit_outcomes
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
+from pipegen.run.precision import resolve_dtype_name
 from pipegen.run.layout import RunDir
 from pipegen.config.schema import JOB_DEFAULTS, is_demo
 
@@ -63,10 +64,17 @@ def plan_line(cfg: DictConfig, run: RunDir, engine_reason: str = "") -> str:
     n = int(rollout.n)
     prompts, source = _prompts(cfg, run)
     at_most = "at most " if cfg.data.get("filter_overlong_prompts") else ""
-    what = (f"{at_most}{prompts} prompts of {source} x {n} samples = {at_most}{prompts * n} units" if prompts is not None
-            else f"every prompt of {source} x {n} samples")
+    each = f"{n} sample" if n == 1 else f"{n} samples"
+    what = (f"{at_most}{prompts} prompts of {source} x {each} = {at_most}{prompts * n} units" if prompts is not None
+            else f"every prompt of {source} x {each}")
     line = (f"pipegen: {what}; responses up to {int(rollout.response_length)} tokens, prompts up to "
             f"{int(rollout.prompt_length)}; {engine_reason or f'llm={cfg.llm.kind}'}")
+    if cfg.llm.kind == "cpu":  # bf16 log-probs differ from a float32 recomputation: say which one serves
+        dtype = resolve_dtype_name(str(cfg.llm.get("dtype", "auto")))
+        line += f" in {dtype}" + (" (this CPU has native bf16; llm.dtype=float32 for float32)"
+                                  if dtype == "bfloat16" and str(cfg.llm.get("dtype")) == "auto" else "")
+    if string_prompts([str(f) for f in _files(cfg)], str(cfg.data.prompt_key)):
+        line += f"; the {cfg.data.prompt_key} column holds plain strings: each is sent as one user message"
     if is_demo(_files(cfg)):
         line += (f" (the demo's small settings; your own train_files get every row and "
                  f"{JOB_DEFAULTS['max_response_length']}-token responses)")

@@ -195,6 +195,27 @@ def failure_reason(entry: dict[str, Any] | None) -> str:
     return str((entry or {}).get("reason", ""))
 
 
+def failures_by_reason(failed: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """Checkpoint.failed grouped: (reason, its units), the most common reason first."""
+    groups: dict[str, list[str]] = {}
+    for unit, info in failed.items():
+        groups.setdefault(failure_reason(info), []).append(unit)
+    return sorted(groups.items(), key=lambda group: -len(group[1]))
+
+
+def failure_summary(failed: dict[str, Any], reasons: int = 5, units: int = 4) -> list[str]:
+    """Checkpoint.failed as a few lines: each reason once with its count and first units, then "and N more"."""
+    groups = failures_by_reason(failed)
+    lines = []
+    for reason, labels in groups[:reasons]:
+        shown = ", ".join(labels[:units]) + (f" and {len(labels) - units} more" if len(labels) > units else "")
+        lines.append(f"{len(labels)} unit(s) ({shown}): {reason}")
+    if len(groups) > reasons:
+        rest = sum(len(labels) for _, labels in groups[reasons:])
+        lines.append(f"and {rest} more unit(s) with {len(groups) - reasons} other reason(s)")
+    return lines
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     """The saved checkpoint, or an empty one when there is none (a new run, or one whose checkpoint is
     gone: the writer then rebuilds it from the batch files). A damaged one raises DamagedFile naming

@@ -17,6 +17,7 @@ DIR/
   checkpoint.json         the writer's commit record (checkpoint.py)
   batch_00000.arrow ...   padded DataProto batches (batchfile.py: Arrow IPC, nothing in one executes on load)
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
+  failed_units.json       the units whose tries were spent, each with its reason, while the output is partial
   trajectories/           the sharded output instead (part_00000.pkl ..., index.json), for runs larger than RAM
   trajectories.parquet    the export (or trajectories.jsonl), one row per trajectory; README.md, its dataset card
   trajectories.atif/      the ATIF export: one document per trajectory
@@ -215,6 +216,11 @@ class RunDir:
     @property
     def artifact(self) -> Path:
         return self.root / "trajectories.zip"
+
+    @property
+    def failed_units(self) -> Path:
+        """The units left out of a partial output, with their reasons (the writer's; gone once complete)."""
+        return self.root / "failed_units.json"
 
     @property
     def output_shards(self) -> Path:

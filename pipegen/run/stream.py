@@ -105,9 +105,12 @@ def parse_unit_label(label: str) -> tuple[int, int]:
     return int(index), int(sample)
 
 
-def unit_seed(base_seed: int, index: int, sample: int) -> int:
-    """A distinct, reproducible sampling seed per unit (fits SGLang's int sampling_seed)."""
-    digest = hashlib.blake2b(f"{base_seed}:{index}:{sample}".encode(), digest_size=4).digest()
+def unit_seed(base_seed: int, index: int, sample: int, attempt: int = 0) -> int:
+    """A distinct, reproducible sampling seed per unit (fits SGLang's int sampling_seed). A retry (attempt > 0)
+    mixes its attempt in, so a failure that depends on the draw is not drawn again; the first try's seed is
+    the unit's own."""
+    text = f"{base_seed}:{index}:{sample}" + (f":{attempt}" if attempt else "")
+    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
@@ -199,6 +202,24 @@ class FailureRecord(_Line):
     agent_name: str
     reason: str
     attempt: int = 0
+    # a unit that generated but could not be scored: its RolloutRecord as JSON (reward null), kept so that the
+    # next launch scores it without generating (actor/rollout.py's rescore); None for every other failure
+    unscored: dict[str, Any] | None = None
+
+
+def kept_unscored(topic_dir: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    """(index, sample) -> the newest kept unscored record in the failures stream (see FailureRecord)."""
+    kept: dict[tuple[int, int], dict[str, Any]] = {}
+    for _, _, line in ShardTailer(Path(topic_dir)).lines():
+        if b'"unscored":{' not in line:
+            continue
+        try:
+            failure = FailureRecord.from_line(line)
+        except (ValueError, TypeError):  # a damaged line: that unit is generated again
+            continue
+        if isinstance(failure.unscored, dict):
+            kept[(failure.index, failure.sample)] = failure.unscored
+    return kept
 
 
 def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:

@@ -105,14 +105,33 @@ def parquet_bytes(rows: list[dict[str, Any]]) -> bytes:
     return buffer.getvalue()
 
 
-def task_data(items: list[str], run: RunDir) -> list[TaskData]:
+def quotas(sizes: list[int], limit: int | None) -> list[int]:
+    """How many rows each task gives to a run of `limit` prompts: one from each task in turn (all: no limit)."""
+    if limit is None or limit <= 0 or limit >= sum(sizes):
+        return list(sizes)
+    taken = [0] * len(sizes)
+    left = limit
+    while left:
+        for i, size in enumerate(sizes):
+            if left and taken[i] < size:
+                taken[i] += 1
+                left -= 1
+    return taken
+
+
+def task_data(items: list[str], run: RunDir, max_samples: int | None = None) -> list[TaskData]:
     """Each named task's rows as the bytes of its parquet file in the run, and that file's path; nothing is
     written (the launcher writes them with `write_task_files` once it holds the run's lock and its resume
-    guard has passed)."""
+    guard has passed). With `max_samples` (data.train_max_samples), the tasks give their first rows in turn,
+    one each, up to it, so `tasks=[a,b] max_samples=4` runs two of each, not four of a."""
+    tasks = find_tasks(items)
+    every = [generated_rows(task, 0) if task.data.generator else file_rows(task, 0) for task in tasks]
     out, offset = [], 0
     sources: dict[str, TaskManifest] = {}
-    for task in find_tasks(items):
-        rows = generated_rows(task, offset) if task.data.generator else file_rows(task, offset)
+    for task, all_rows, quota in zip(tasks, every, quotas([len(r) for r in every], max_samples)):
+        rows = all_rows[:quota]
+        for i, row in enumerate(rows):  # a row's index in the run: after the rows of the tasks before it
+            row["extra_info"]["index"] = offset + i
         for source in {row.get(DATA_SOURCE) for row in rows}:
             other = sources.setdefault(str(source), task)
             if other is not task and other.reward != task.reward:
@@ -154,4 +173,5 @@ def task_files(cfg) -> list[TaskData]:
     if not (isinstance(given, str) and given == DEMO_NAME):
         raise TaskError(f"tasks={list(cfg.tasks)} and train_files={given} are both set: use one (a task manifest's "
                         "data.files takes your parquet files alongside tasks)")
-    return task_data(list(cfg.tasks), RunDir(Path(str(cfg.output_dir))))
+    limit = cfg.data.get("train_max_samples")
+    return task_data(list(cfg.tasks), RunDir(Path(str(cfg.output_dir))), int(limit) if limit is not None else None)

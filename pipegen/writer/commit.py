@@ -14,13 +14,14 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  5. on start: take the lock, load the checkpoint (rebuilt from the batch files when it is missing; a
     damaged one, or a listed batch file missing, is refused with one line), adopt the batch files it
     does not list (orphans of a crash between 3 and 4: whole, since fsynced before their rename);
- 6. when every unit is committed or failed in this launch: merge, zip, upload, mark complete.
+ 6. when every unit is committed or failed in this launch: merge, zip, upload; mark complete when none failed,
+    else list the failed units beside the partial output (generation.all_or_nothing=true: no output then).
 
 Steps 3-4's disk half (writing the encoded batch files, then the checkpoint) runs on one background
 thread, `Committer` (committer.py), while the main loop parses the next lines; this module decides
 what each commit holds and hands it over in order.
 
-Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip and the writer lock.
+Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip, failed_units.json and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
 whole run in memory before the merge (at most `MAX_QUEUED_BATCHES` encoded batches wait for the
 disk), or run twice on one directory.
@@ -30,17 +31,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import subprocess
 import sys
 import time
 
+import orjson
 from omegaconf import DictConfig
 
 from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
-from pipegen.run.atomic import remove_stale_temporaries
+from pipegen.run.atomic import atomic_write_bytes, remove_stale_temporaries
 from pipegen.run.batchfile import CONVERT_FLAG, legacy_format_message
-from pipegen.run.checkpoint import check_listed_batches, failure_reason, load_checkpoint, save_checkpoint
+from pipegen.run.checkpoint import (check_listed_batches, failure_reason, failure_summary, load_checkpoint,
+                                   save_checkpoint)
 from pipegen.run.config import load_run_config
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.fingerprint import check_fingerprint
@@ -59,6 +63,7 @@ WRITER_IMPORTS = ("transformers", "verl.protocol", "verl.utils")
 log = logging.getLogger("pipegen.writer")
 
 MAX_QUEUED_BATCHES = 4  # encoded batches waiting for the disk before the main loop waits too
+WAITING_LINE_S = 60.0  # how often a writer without new lines says what it waits for
 
 
 class Writer:
@@ -209,11 +214,16 @@ class Writer:
         return pending <= 0
 
     def finalize(self) -> None:
+        """Every unit is settled: deliver what is committed. A complete run is merged, zipped and uploaded; so
+        is a partial one (units whose tries were spent), whose failed units are listed in failed_units.json,
+        unless generation.all_or_nothing=true keeps its output back until a launch completes it."""
         ckpt = self.ckpt
         # failure offsets may have moved since the last batch: persist them with the final state
         self._record_offsets()
         complete = ckpt.num_committed == self.total_units
-        if complete and self.gen.final_merge and ckpt.batches:
+        deliver = complete or not self.gen.get("all_or_nothing", False)
+        self._list_failed(complete)
+        if deliver and self.gen.final_merge and ckpt.batches:
             from pipegen.writer.merge import merge_run
 
             try:
@@ -222,7 +232,7 @@ class Writer:
                 self._raise_damaged_batch()
                 raise
             ckpt.merged = True
-        elif complete and ckpt.batches:  # final_merge=false: the batch files are the output
+        elif deliver and ckpt.batches:  # final_merge=false: the batch files are the output
             from pipegen.writer.merge import write_artifact
 
             write_artifact(self.cfg, self.run, ckpt)
@@ -233,9 +243,28 @@ class Writer:
 
             drop_streams_once_verified(self.run)
         if ckpt.failed:
-            log.error("%d unit(s) failed in this launch (relaunch the same command to retry them):", len(ckpt.failed))
-            for unit, info in list(ckpt.failed.items())[:20]:
-                log.error("  unit %s: %s", unit, failure_reason(info))
+            log.error("%d unit(s) failed in this launch, listed in %s (relaunch the same command to retry only "
+                      "them):", len(ckpt.failed), self.run.failed_units)
+            for line in failure_summary(ckpt.failed):
+                log.error("  %s", line)
+
+    def _list_failed(self, complete: bool) -> None:
+        """failed_units.json: each failed unit (index:sample) with its reason; removed once the run is complete."""
+        if complete or not self.ckpt.failed:
+            self.run.failed_units.unlink(missing_ok=True)
+            return
+        listing = {"committed": self.ckpt.num_committed, "total": self.total_units, "failed": len(self.ckpt.failed),
+                   "retry": "rerun the same command: it retries only these units, each with a fresh seed",
+                   "units": {unit: failure_reason(info) for unit, info in self.ckpt.failed.items()}}
+        atomic_write_bytes(self.run.failed_units, orjson.dumps(listing, option=orjson.OPT_INDENT_2))
+
+    def say_waiting(self) -> None:
+        """What a quiet writer waits for (alone, it would otherwise say nothing): the units not yet in a shard."""
+        failed = len(self.ckpt.failed)
+        pending = self.total_units - self.ckpt.num_committed - len(self.buffer) - failed
+        log.info("waiting for %d of %d unit(s) to appear in %s (the actors write them; a writer alone commits what "
+                 "is there and exits once every unit is settled; to generate them, relaunch the same command)",
+                 pending, self.total_units, self.run.rollouts)
 
     def export(self, only_if_missing: bool = False) -> None:
         """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it
@@ -290,6 +319,7 @@ class Writer:
         idle_since = time.monotonic()
         sleep = 0.005
         last_stats = 0.0
+        said_waiting = time.monotonic() - WAITING_LINE_S + 5.0  # the first line after 5 s without new lines
         while True:
             got = await self.pull()
             self.committer.poll()
@@ -304,6 +334,9 @@ class Writer:
             if now - last_stats >= 2.0:
                 self.write_stats()
                 last_stats = now
+            if now - idle_since >= 5.0 and now - said_waiting >= WAITING_LINE_S:
+                self.say_waiting()
+                said_waiting = now
             if self.settled() and not self.buffer:
                 await self.committer.wait()
                 self.finalize()
@@ -316,6 +349,9 @@ class Writer:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     run = RunDir(output_dir_from_args(argv))
+    # Ctrl-C on a writer run by hand raises KeyboardInterrupt (answered below) even where SIGINT arrived ignored,
+    # as it does in a shell's background job, nohup or a test runner's worker: Python then installs no handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     setup_logging("writer")
     watch_parent()
     try:
@@ -356,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
         import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
         writer = Writer(cfg, run)
         return uvloop.run(writer.main())
+    except KeyboardInterrupt:  # Ctrl-C on a writer run by hand: one line, no traceback; nothing committed is lost
+        committed = writer.ckpt.num_committed if writer is not None else 0
+        print(f"pipegen.writer: stopped (Ctrl-C); {committed} unit(s) committed are safe; rerun python -m "
+              f"pipegen.writer output_dir={run.root} (or the launch command) to continue", file=sys.stderr)
+        return 130
     except DamagedFile as e:
         return refuse(run, e)
     except OSError as e:

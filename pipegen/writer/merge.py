@@ -187,14 +187,15 @@ def load_shards(run: RunDir) -> Iterator[Any]:
 
 def artifact_files(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> list[Path]:
     """What trajectories.zip holds: the output (trajectories.pkl; or the sharded parts and their index; or, with
-    final_merge=false, the batch files the checkpoint lists), then the checkpoint and the config."""
+    final_merge=false, the batch files the checkpoint lists), the failed units of a partial output, then the
+    checkpoint and the config."""
     if not cfg.generation.final_merge:
         output = [run.batch_file(i) for i in ckpt.batches.numbers()]
     elif run.output_index.exists():
         output = [run.output_shards / shard["file"] for shard in read_index(run)["shards"]] + [run.output_index]
     else:
         output = [run.trajectories]
-    return [p for p in (*output, run.checkpoint, run.config_file) if p.exists()]
+    return [p for p in (*output, run.failed_units, run.checkpoint, run.config_file) if p.exists()]
 
 
 def write_artifact(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:

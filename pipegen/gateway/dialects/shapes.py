@@ -186,7 +186,8 @@ def tool_choice_parses(choice: Any, where: str) -> bool:
     if isinstance(choice, dict) and choice.get("type") in ("auto", "none"):  # Anthropic's form
         return choice["type"] != "none"
     raise BadRequest(f"{where}: tool_choice={orjson.dumps(choice).decode()[:80]} cannot be enforced by pipegen's "
-                     "gateway (no constrained decoding); use auto or none")
+                     "gateway (no constrained decoding); send auto or none (smolagents' ToolCallingAgent sends "
+                     "required: use its CodeAgent, or a model wrapper that sends tool_choice=auto)")
 
 
 def stops(value: Any) -> list[str]:
