@@ -84,6 +84,17 @@ def test_a_short_answer_is_todays_one_request_and_writes_nothing(tmp_path):
     assert not path.exists()
 
 
+def test_a_unit_unlinks_a_file_only_where_it_read_or_wrote_one(tmp_path):
+    path = tmp_path / "0-0.jsonl"
+    progress = UnitProgress(path, 32, Budget())
+    assert not progress.file.exists  # nothing read: its end makes no unlink()
+    path.write_bytes(b'{"call": 0, "dig')  # a crash tore the only line: no call to continue, but a file to remove
+    progress = UnitProgress(path, 32, Budget())
+    assert progress.recorded == [] and progress.file.exists
+    progress.discard()
+    assert not path.exists()
+
+
 def test_a_long_answer_goes_in_chunks_each_durable_and_stops_as_one_request_would(tmp_path):
     path = tmp_path / "0-0.jsonl"
     engine = Engine(eos_at=None)

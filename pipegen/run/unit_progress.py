@@ -20,7 +20,7 @@ tokens, or a whole model call), so a SIGKILL or any other crash of the process l
 are never fsync'd: an fsync per chunk cost the e2e bench's actor a third of its rate at 1k-token answers on a
 2-core box, and one on a timer over every open file more, for files that are unlinked within minutes. A machine
 crash may lose what the kernel had not yet written back (seconds): those units generate that part again. A torn or
-zeroed tail is where the reader stops (`read_calls`), so a lost line never becomes a wrong token.
+zeroed tail is where the reader stops (`parse_calls`), so a lost line never becomes a wrong token.
 The file is unlinked once the unit's line is in its shard (the actor), and any left over for a unit the
 checkpoint committed or a shard holds is unlinked at the next actor start (`tidy`).
 
@@ -78,19 +78,31 @@ class RecordedCall:
     end: str | None
 
 
-def read_calls(path: Path) -> list[RecordedCall]:
-    """A unit's recorded calls in order ([] without a file). Stops at the first line that does not follow on
-    (a torn write, a call out of order, a piece after a complete call): what comes after it is not trusted."""
+def read_progress(path: Path) -> bytes | None:
+    """The file's bytes; None without a file (os.open: for nearly every unit one failed open(), not Path's ~7 us)."""
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return []
+        return None
+    with open(fd, "rb") as f:
+        return f.read()
+
+
+def read_calls(path: Path) -> list[RecordedCall]:
+    """A unit's recorded calls in order ([] without a file)."""
+    return parse_calls(read_progress(path) or b"")
+
+
+def parse_calls(data: bytes) -> list[RecordedCall]:
+    """A file's recorded calls in order. Stops at the first line that does not follow on (a torn write, a call out
+    of order, a piece after a complete call): what comes after it is not trusted."""
     calls: list[RecordedCall] = []
     for raw in data.split(b"\n")[:-1]:  # the part after the last newline is a torn write, never a line
         try:
             line = orjson.loads(raw)
             call, digest, ids = int(line["call"]), str(line["digest"]), list(map(int, line["ids"]))
             logprobs, end = line.get("logprobs"), line.get("end")
+            logprobs = None if logprobs is None else list(map(float, logprobs))  # ints and floats, as the engine's
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             break
         if logprobs is not None and len(logprobs) != len(ids):
@@ -103,7 +115,7 @@ def read_calls(path: Path) -> list[RecordedCall]:
                 last.logprobs += logprobs
             last.end = end
         elif call == len(calls) and (not calls or calls[-1].end is not None):
-            calls.append(RecordedCall(digest, ids, None if logprobs is None else list(logprobs), end))
+            calls.append(RecordedCall(digest, ids, logprobs, end))
         else:
             break
     return calls
@@ -115,17 +127,25 @@ def _line(call: int, piece: RecordedCall) -> bytes:
 
 
 class ProgressFile:
-    """One unit's progress file, opened on its first line (a unit that writes none creates no file)."""
+    """One unit's progress file, opened on its first line (a unit that writes none creates no file).
+    `exists`: whether the file may be on disk (its owner read one back, or wrote one): a unit that never had one
+    makes no unlink() when it ends."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, exists: bool):
         self.path = path
+        self.exists = exists
         self._fd: int | None = None
 
     def append(self, call: int, piece: RecordedCall) -> None:
         """One line in one write(): a SIGKILL after it loses nothing of it (no fsync: see the module docstring)."""
         if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+            try:
+                self._fd = os.open(self.path, flags, 0o644)
+            except FileNotFoundError:  # the run's first file: its folder too (not a mkdir() a unit)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, flags, 0o644)
+            self.exists = True
         os.write(self._fd, _line(call, piece))
 
     def keep_only(self, calls: list[RecordedCall]) -> None:
@@ -137,6 +157,7 @@ class ProgressFile:
             return
         body = b"".join(_line(c, call) for c, call in enumerate(calls))
         atomic_write(self.path, lambda f: f.write(body))
+        self.exists = True
 
     def close(self) -> None:
         if self._fd is not None:
@@ -146,10 +167,13 @@ class ProgressFile:
     def discard(self) -> None:
         """The unit's line is in its shard: its progress is no longer needed."""
         self.close()
+        if not self.exists:
+            return
         try:
             self.path.unlink()
         except FileNotFoundError:
             pass
+        self.exists = False
 
 
 def progress_files(folder: Path) -> dict[tuple[int, int], Path]:
