@@ -17,8 +17,11 @@ Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
   that differs (or is not recorded) every call goes to the engine, and the record beyond it is dropped.
 - **what is not chunked**: an answer asked with a penalty or minimum over its own tokens, or with stop strings
   (`continuable`), goes in one request as before: a continuation would not see them across the boundary.
-- **cost**: a unit with one call answered in one chunk writes nothing. A finished call is written when the unit
-  makes its next call (the last call's answer is the unit's shard line).
+- **cost**: a unit with one call answered in one chunk writes nothing (one failed open() at its start, no unlink()
+  at its end). A finished call is written when the unit makes its next call (the last call's answer is the unit's
+  shard line). Each chunk past the first is one more request: its HTTP round, the prompt plus the ids so far sent,
+  checked and taken in again by the engine (from its prefix cache), and its line written: ~1 ms of CPU on each
+  side of the bench's instant fake server, nothing beside a GPU's seconds per chunk (BENCHMARKS row 14).
 
 Owns: chunking an answer, what a resumed call is answered with, and what it tells the row (`resumed`,
 `resumed_at_token`, `replayed_calls`). Must never: re-tokenize, send a chunk before the previous one is durable,

@@ -7,7 +7,8 @@ whole `max_response_length`; a fixed per-token latency): the actor is SIGKILLed 
 generates, the launcher restarts it each time, and at the end the server's count of tokens it generated is
 divided by the tokens in the output. `crash_run` is also what tests/test_partial_progress.py runs at a cheap size.
 
-Owns: the kill schedule and the two figures. Must never: assert a timing.
+Owns: the kill schedule and the figures (the kill ratio off, at the default chunk and at a small one; the cost of
+the default in runs nobody kills). Must never: assert a timing.
 """
 
 from __future__ import annotations
@@ -125,43 +126,71 @@ def wait_for(probe, proc: subprocess.Popen, timeout_s: float):
     raise RuntimeError("timed out waiting for the actor")
 
 
-COST_CHUNK = 1024  # the chunk README suggests for long answers
-
-
 @dataclass
 class ChunkedSpec:
-    """The e2e scenario's actor run (bench/end_to_end.py's RunSpec) with actors.progress_chunk_tokens set."""
+    """The e2e scenario's actor run (bench/end_to_end.py's RunSpec) with actors.progress_chunk_tokens set (None:
+    left at its default)."""
 
     base: Any
-    chunk_tokens: int
+    chunk_tokens: int | None
 
     def overrides(self) -> list[str]:
-        return [*self.base.overrides(), f"actors.progress_chunk_tokens={self.chunk_tokens}"]
+        chunking = [] if self.chunk_tokens is None else [f"actors.progress_chunk_tokens={self.chunk_tokens}"]
+        return [*self.base.overrides(), *chunking]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.base, name)
 
 
-def persistence_cost(res: c.ScenarioResult, tmp: Path, reps: int) -> None:
-    """The e2e scenario's actor row with answers of two chunks of COST_CHUNK tokens, chunked and not: the actor in
-    this process against a fake server with no per-token latency (a chunk's request costs the most there)."""
-    from pipegen.bench.end_to_end import RunSpec, run_actor, steady_rate
+def cost_pairs(tmp: Path, base: Any, reps: int, token_latency: float = 0.0) -> dict[str, dict[str, list[float]]]:
+    """The e2e actor in this process, progress kept at the default vs off (0), alternated on one fake server:
+    per label its rates (samples/s, first to last line) and the actor's and the server's CPU per unit."""
+    from pipegen.bench.end_to_end import process_cpu_s, run_actor, steady_rate
 
-    chunk = COST_CHUNK
-    base = RunSpec(2 * chunk, n=2, concurrency=64)
-    rates: dict[str, list[float]] = {"on": [], "off": []}
-    with c.reference_server(tmp / "srv", c.fake_backend_args(slots=4096, eos_prob=0)) as server:
-        order = (["on", "off", "off", "on"] * ((reps + 1) // 2))[: 2 * reps]
-        for i, label in enumerate(order):
-            arrivals, _, _ = run_actor(tmp / f"run_{i}", server.url, ChunkedSpec(base, chunk if label == "on" else 0))
-            rates[label].append(steady_rate(arrivals))
-    pairs = list(zip(rates["on"], rates["off"]))
-    res.add(c.Row(f"e2e actor, {2 * chunk}-token answers, never killed: progress kept "
-                  f"(actors.progress_chunk_tokens={chunk}: 2 chunks an answer) vs not",
-                  c.median([a / b for a, b in pairs]), "actor samples/s, kept ÷ not kept", "≥ 0.97",
-                  raw=f"kept {c.fmt_rate(c.median(rates['on']), ' samples/s')}, not kept "
-                      f"{c.fmt_rate(c.median(rates['off']), ' samples/s')}; {len(pairs)} pairs alternated; "
-                      "fake server without per-token latency (the client's cost of a chunk shows fully)"))
+    figures: dict[str, dict[str, list[float]]] = {k: {"rate": [], "actor": [], "server": []} for k in ("on", "off")}
+    args = c.fake_backend_args(slots=4096, eos_prob=0, token_latency=token_latency)
+    with c.reference_server(tmp / "srv", args) as server:
+        for i, label in enumerate((["on", "off", "off", "on"] * reps)[: 2 * reps]):
+            before = process_cpu_s(server.proc.pid)
+            arrivals, run, actor_cpu = run_actor(tmp / f"run_{i}", server.url,
+                                                 ChunkedSpec(base, None if label == "on" else 0))
+            units = len(arrivals)
+            figures[label]["rate"].append(steady_rate(arrivals))
+            figures[label]["actor"].append(actor_cpu)
+            figures[label]["server"].append((process_cpu_s(server.proc.pid) - before) / units)
+    return figures
+
+
+def cost_row(res: c.ScenarioResult, what: str, figures: dict[str, dict[str, list[float]]], note: str) -> None:
+    on, off = figures["on"], figures["off"]
+    pairs = list(zip(on["rate"], off["rate"]))
+    ms = lambda xs: f"{c.median(xs) * 1e3:.2f}"  # noqa: E731
+    res.add(c.Row(what, c.median([a / b for a, b in pairs]), "actor samples/s, progress kept ÷ not", "≥ 0.97",
+                  raw=f"kept {c.fmt_rate(c.median(on['rate']), ' samples/s')}, not kept "
+                      f"{c.fmt_rate(c.median(off['rate']), ' samples/s')}; {len(pairs)} pairs alternated; CPU per "
+                      f"unit kept vs not: actor {ms(on['actor'])} vs {ms(off['actor'])} ms, server "
+                      f"{ms(on['server'])} vs {ms(off['server'])} ms; {note}"))
+
+
+def persistence_cost(res: c.ScenarioResult, tmp: Path, reps: int) -> None:
+    """What keeping progress at its default costs a run nobody kills, on the e2e scenario's actor: at the e2e row's
+    1,024-token answers (one chunk: nothing written), and at answers of two default chunks on the instant fake
+    server (a chunk's request costs the most there) and on a fake with per-token latency."""
+    from pipegen.bench.end_to_end import RunSpec
+    from pipegen.config.schema import Actors
+
+    chunk = Actors.progress_chunk_tokens
+    cost_row(res, f"e2e actor at the e2e row's 1,024-token answers (instant fake server): progress kept "
+                  f"(default, actors.progress_chunk_tokens={chunk}) vs off (0)",
+             cost_pairs(tmp / "one", RunSpec(1024, n=4, concurrency=64), reps),
+             "384 units; an answer that fits one chunk is one request and writes nothing")
+    cost_row(res, f"e2e actor, {2 * chunk}-token answers, 2 default chunks each (instant fake server)",
+             cost_pairs(tmp / "two", RunSpec(2 * chunk, n=2, concurrency=64), reps),
+             "192 units; each chunk one more request, its prompt plus the ids so far sent and folded again")
+    latency = 0.001
+    cost_row(res, f"the same with {latency * 1e3:.0f} ms a token (a fake engine with per-token latency)",
+             cost_pairs(tmp / "slow", RunSpec(2 * chunk, n=2, concurrency=64), reps, token_latency=latency),
+             "192 units, 64 in flight")
 
 
 def run(quick: bool) -> c.ScenarioResult:
@@ -169,18 +198,22 @@ def run(quick: bool) -> c.ScenarioResult:
     units, answer, latency, kills = (8, 2000, 0.001, 5) if quick else (16, 2000, 0.002, 6)
     chunk = 32  # waste per kill is at most a chunk per unit in flight: 5 kills x 32 / 2,000 tokens <= 8%
     figures = {}
-    for label, tokens in (("off", 0), ("on", chunk)):
+    for label, tokens in (("off", 0), ("default", None), ("on", chunk)):
         with c.scratch(f"resume-{label}") as tmp:
             figures[label] = crash_run(tmp, units=units, answer_tokens=answer, chunk_tokens=tokens, kills=kills,
                                        token_latency=latency)
+    from pipegen.config.schema import Actors
+
+    names = {"off": "progress not kept (actors.progress_chunk_tokens=0: one request an answer, a killed unit starts "
+                    "again)",
+             "default": f"progress kept at the default (actors.progress_chunk_tokens={Actors.progress_chunk_tokens})",
+             "on": f"progress kept in small chunks (actors.progress_chunk_tokens={chunk})"}
     for label, f in figures.items():
-        what = ("progress kept (actors.progress_chunk_tokens=%d)" % chunk if label == "on"
-                else "progress not kept (actors.progress_chunk_tokens=0, today's restart)")
-        res.add(c.Row(f"{what}: {f.units} units of {answer} tokens, {f.kills} actor SIGKILLs",
-                      f.ratio, "tokens generated ÷ tokens in the output", "≤ 1.10" if label == "on" else "",
+        res.add(c.Row(f"{names[label]}: {f.units} units of {answer} tokens, {f.kills} actor SIGKILLs",
+                      f.ratio, "tokens generated ÷ tokens in the output", "" if label == "off" else "≤ 1.10",
                       raw=f"{f.generated} generated, {f.kept} kept, {f.resumed_rows} rows resumed, "
                           f"{c.fmt_s(f.wall_s)}"))
-    # the cost of keeping progress in a run nobody kills: the e2e scenario's actor row, chunked vs not
+    # the cost of keeping progress in a run nobody kills: the e2e scenario's actor, default vs off
     with c.scratch("resume-cost") as tmp:
         persistence_cost(res, tmp, 2 if quick else 3)
     res.notes.append("Each kill lands at a random moment, 20-80% of 1/(kills+1) of one answer's time after the "
