@@ -107,6 +107,41 @@ def assert_report_matches_status(out, output: str) -> dict:
     return numbers
 
 
+STUBBORN_LOOP = """
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+
+class StubbornLoop(SingleTurnAgentLoop):
+    \"\"\"verl's single-turn loop, except that one row fails every time: a user's bug that no retry fixes.\"\"\"
+
+    async def run(self, sampling_params, **kwargs):
+        if int(kwargs["index"]) == 2:
+            raise ValueError("row 2 trips the loop")
+        return await super().run(sampling_params, **kwargs)
+"""
+
+
+def test_a_unit_that_always_fails_leaves_every_other_unit_delivered(tmp_path, tiny_model):
+    """With the defaults (its attempts, the output delivered), one stubborn unit does not withhold the others:
+    trajectories.pkl holds every other unit, failed_units.json and the closing summary name the failed one
+    with its reason, and the exit code says the output is partial."""
+    (tmp_path / "stubborn_loop.py").write_text(STUBBORN_LOOP)
+    (tmp_path / "loops.yaml").write_text("- name: stubborn\n  _target_: stubborn_loop.StubbornLoop\n")
+    out = tmp_path / "run"
+    result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "max_samples=4", "n=1",
+                    f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}",
+                    "actor_rollout_ref.rollout.agent.default_agent_loop=stubborn",
+                    env={"PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "partial output:" in result.stderr and "1 unit(s) (" in result.stderr, result.stderr[-3000:]
+    assert "row 2 trips the loop" in result.stderr  # the reason, not only a count
+    data = load_trajectories(out / "trajectories.pkl")
+    assert sorted(int(i) for i in data.non_tensor_batch["index"]) == [0, 1, 3]
+    listing = orjson.loads((out / "failed_units.json").read_bytes())
+    assert list(listing["units"]) == ["2:0"] and "row 2 trips the loop" in orjson.dumps(listing).decode()
+    assert_verified(out)
+
+
 def test_final_merge_false_keeps_batches_only(tmp_path, tiny_model):
     out = tmp_path / "run"
     result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.final_merge=false")

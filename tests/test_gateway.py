@@ -210,7 +210,7 @@ def test_command_harness_results_and_failures(tiny_model, scripted, tmp_path):
     # the true reasons: a command's stderr tail whatever its exit code, and the gateway's last refusal
     assert "without calling the gateway" in reasons["silent"] and "no model configured" in reasons["silent"]
     assert "gateway's last refusal: HTTP 400" in reasons["required"] and "tool_choice" in reasons["required"]
-    assert "CodeAgent" in reasons["required"]  # the workaround named
+    assert "tool_choice='auto'" in reasons["required"]  # the workaround named (smolagents' is one argument)
 
 
 def test_multi_turn_log_probs_agree_with_verls_recomputation(tiny_model, tmp_path):

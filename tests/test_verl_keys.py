@@ -1,4 +1,4 @@
-"""verl's own keys set the verl way: every key of verl's rollout and data groups, and of verl's trainer
+"""verl's own keys set the verl way: every key of verl's rollout, model and data groups, and of verl's trainer
 section, is honoured (its effect checked in the config the launcher saves or in the servers' arguments)
 or refused in one line that says what to set instead."""
 
@@ -42,7 +42,8 @@ def _trainer_keys() -> list[str]:
 
 
 BASE = compose(["output_dir=/tmp/verl-keys"])
-VERL_KEYS = [*_leaves(BASE.actor_rollout_ref.rollout, "actor_rollout_ref.rollout."), *_leaves(BASE.data, "data."),
+VERL_KEYS = [*_leaves(BASE.actor_rollout_ref.rollout, "actor_rollout_ref.rollout."),
+             *_leaves(BASE.actor_rollout_ref.model, "actor_rollout_ref.model."), *_leaves(BASE.data, "data."),
              *_trainer_keys()]
 
 
@@ -75,7 +76,8 @@ def test_refused_keys_let_through_what_pipegen_does_anyway() -> None:
 
 def _shared_value(key: str):
     return {"n": 3, "temperature": 0.5, "max_prompt_length": 777, "max_response_length": 999, "seed": 5,
-            "max_samples": 11, "train_files": "/data/mine.parquet", "actors.num_actors": 3}[handling(key).key]
+            "max_samples": 11, "train_files": "/data/mine.parquet", "actors.num_actors": 3,
+            "model_path": "/models/mine"}[handling(key).key]
 
 
 @pytest.mark.parametrize("key", [k for k in VERL_KEYS if isinstance(handling(k), Same)])
@@ -88,7 +90,7 @@ def test_verl_names_of_pipegen_keys_set_pipegen_and_verl_alike(key: str) -> None
                "max_prompt_length": ["actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"],
                "max_response_length": ["actor_rollout_ref.rollout.response_length", "data.max_response_length"],
                "max_samples": ["data.train_max_samples"], "seed": ["data.seed"], "train_files": ["data.train_files"],
-               "actors.num_actors": []}[pipegen_key]
+               "actors.num_actors": [], "model_path": ["actor_rollout_ref.model.path"]}[pipegen_key]
     for verl_key in mirrors:  # what verl's code reads follows
         assert OmegaConf.select(cfg, verl_key) == value, verl_key
     with pytest.raises(ValueError, match="disagree"):
@@ -181,3 +183,15 @@ def test_the_launcher_refuses_a_verl_key_in_one_line(tmp_path: Path) -> None:
     assert lines[-1] == ("pipegen: error: trainer.n_gpus_per_node is not used by pipegen: pipegen uses every GPU "
                          "CUDA_VISIBLE_DEVICES shows, llm.tp per server"), result.stderr
     assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_a_custom_chat_template_shapes_every_prompt(tiny_model: str) -> None:
+    """verl's model.custom_chat_template replaces the model's template, for the dataset's prompts and the agent
+    loops' alike (both use the tokenizer pipegen loads), as verl's agent loop worker does."""
+    from pipegen.inputs.dataset import load_tokenizer
+
+    cfg = _config(f"model_path={tiny_model}")
+    chat = [{"role": "user", "content": "2+2?"}]
+    assert "<<2+2?>>" not in load_tokenizer(cfg).apply_chat_template(chat, tokenize=False)
+    cfg.actor_rollout_ref.model.custom_chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    assert load_tokenizer(cfg).apply_chat_template(chat, tokenize=False) == "<<2+2?>>"

@@ -284,7 +284,7 @@ class ExternalServers(Servers):
 class EngineServers(Servers):
     """What the engines pipegen starts itself (SGLang, vLLM) share: placement, and flags passed through."""
 
-    tp: int = key(1, "tensor-parallel size; visible GPUs must divide by it", at_least=1)
+    tp: int = key(1, "tensor-parallel size (GPUs only); visible GPUs must divide by it", at_least=1)
     host: str = key("127.0.0.1", "the address servers bind (loopback unless several nodes share the work)",
                     non_empty=True)
     context_length: Optional[int] = key(None, "null = the model's own")
@@ -321,7 +321,7 @@ class VllmServers(EngineServers):
                                 "environment; ./launch.sh ... llm=vllm creates it under ~/.cache/pipegen)")
     num_servers: int = key(1, "servers on a machine without GPUs", at_least=1)
     dtype: str = key("auto", "vLLM --dtype", choices=("auto", "float32", "bfloat16", "float16"))
-    gpu_memory_utilization: float = key(0.85, "vLLM --gpu-memory-utilization", above=0)
+    gpu_memory_utilization: float = key(0.85, "vLLM --gpu-memory-utilization (GPUs only)", above=0)
     max_running_requests: int = key(256, "vLLM --max-num-seqs; vLLM does not report it, so the actors start their "
                                          "automatic concurrency from it, then follow /metrics", at_least=1)
     threads: int = key(1, "CPU only: OMP threads per server", at_least=1)

@@ -12,7 +12,7 @@ key of `VERL_KEYS`:
 - `Read`: verl's own code that pipegen runs reads it (RLHFDataset, the agent loops, the sampling params);
 - `Refused`: pipegen cannot honour it; one line naming pipegen's key (or that there is nothing to set).
 
-Owns: the table of verl keys under `actor_rollout_ref.rollout`, `data` and `trainer` and what pipegen does
+Owns: the table of verl keys under `actor_rollout_ref.rollout`, `actor_rollout_ref.model`, `data` and `trainer` and what pipegen does
 with each (README "Your own job" lists it), and the rewrite of the overrides.
 Must never: import verl or Hydra (it runs before the config is composed), or let a listed key through
 that pipegen would then ignore.
@@ -117,6 +117,31 @@ VERL_KEYS: dict[str, Handling] = {
     f"{ROLLOUT}agent.num_workers": Same("actors.num_actors"),
     f"{ROLLOUT}agent.custom_async_server.": Refused("pipegen calls the servers it starts, or yours with llm=external "
                                                     "'llm.urls=[http://HOST:PORT]'"),
+    # ---- actor_rollout_ref.model ----
+    "actor_rollout_ref.model.path": Same("model_path"),
+    "actor_rollout_ref.model.tokenizer_path": Read("pipegen's tokenizer (inputs/dataset.py), as verl's trainer "
+                                                   "loads it"),
+    "actor_rollout_ref.model.trust_remote_code": Read("pipegen's tokenizer, processor and model config loading"),
+    "actor_rollout_ref.model.custom_chat_template": Read("pipegen's tokenizer and processor, as verl's agent loop "
+                                                         "worker sets them"),
+    "actor_rollout_ref.model.hf_config_path": Refused("pipegen's servers read the model's config from model_path",
+                                                      accepted=("null",)),
+    "actor_rollout_ref.model.use_shm": Refused("pipegen's servers load model_path from where it is",
+                                               accepted=("false",)),
+    "actor_rollout_ref.model.external_lib": Refused("pipegen's servers load model_path as transformers or the "
+                                                    "engine does: a model they cannot load needs the engine's own "
+                                                    "plugin (llm.extra_args)", accepted=("null",)),
+    "actor_rollout_ref.model.override_config": Refused("pipegen's servers use the model's config as saved: edit "
+                                                       "config.json in a copy of the model", accepted=("{}",)),
+    **{f"actor_rollout_ref.model.{k}": Refused(
+        "pipegen generates with model_path's weights as they are: merge the adapter into the model first (peft's "
+        "merge_and_unload) and pass that folder", accepted=accepted) for k, accepted in (
+        ("lora_rank", ("0",)), ("lora_alpha", ()), ("target_modules", ()), ("exclude_modules", ()),
+        ("lora_adapter_path", ("null",)), ("lora.", ()))},
+    "actor_rollout_ref.model.mtp.": ENGINE_FLAG,
+    **{f"actor_rollout_ref.model.{k}": TRAINING_ONLY for k in (
+        "enable_gradient_checkpointing", "enable_activation_offload", "use_remove_padding", "use_liger",
+        "use_fused_kernels", "fused_kernel_options.", "tiled_mlp.")},
     # ---- data ----
     "data.train_files": Same("train_files"),
     "data.train_max_samples": Same("max_samples"),

@@ -28,7 +28,10 @@ def load_tokenizer(cfg: DictConfig):
     from verl.utils import hf_tokenizer
 
     model = cfg.actor_rollout_ref.model
-    return hf_tokenizer(model.get("tokenizer_path") or model.path, trust_remote_code=model.trust_remote_code)
+    tokenizer = hf_tokenizer(model.get("tokenizer_path") or model.path, trust_remote_code=model.trust_remote_code)
+    if model.get("custom_chat_template") is not None:  # as verl's AgentLoopWorker sets it; prompts follow it too
+        tokenizer.chat_template = model.custom_chat_template
+    return tokenizer
 
 
 def load_processor(cfg: DictConfig):

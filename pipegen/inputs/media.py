@@ -46,6 +46,9 @@ def _model_path(cfg: DictConfig) -> str:
 def load_processor(cfg: DictConfig) -> Any | None:
     """The model's processor (None for a text-only model), as verl's trainer loads it."""
     processor, _ = _load(cfg)
+    template = cfg.actor_rollout_ref.model.get("custom_chat_template")
+    if processor is not None and template is not None:  # as verl's AgentLoopWorker sets it
+        processor.chat_template = template
     return processor
 
 

@@ -15,7 +15,7 @@ import time
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.launch.servers import SERVER_COMMANDS, ServerWatch, check_server_python, server_python
+from pipegen.launch.servers import ServerWatch, check_server_python, server_launches, server_python
 from pipegen.launch.supervise import Role, Supervisor
 from pipegen.launch.world import WorldPlan
 from pipegen.run.layout import RunDir
@@ -47,17 +47,13 @@ class NodeProcesses:
     def start_servers(self, plan: WorldPlan) -> None:
         """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
-        build = SERVER_COMMANDS.get(llm["kind"])
         if llm["kind"] != "cpu" and plan.servers:
             problem = check_server_python(llm["kind"], server_python(llm))
             if problem:
                 raise ValueError(problem)
         roles = []
-        per_server = list(llm.get("server_args") or [])
-        for i, server in enumerate(plan.servers):
-            argv, env = build(server, self.cfg.actor_rollout_ref.model.path, llm, int(self.cfg.seed))
-            if i < len(per_server):
-                argv += [str(a) for a in per_server[i] or []]
+        launches = server_launches(plan.servers, self.cfg.actor_rollout_ref.model.path, llm, int(self.cfg.seed))
+        for server, (argv, env) in zip(plan.servers, launches):
             role = self.role(server.name, argv, env)
             role.group = "servers"  # one server crash-looping must not end a run the others can finish
             self.sup.start(role)

@@ -207,6 +207,18 @@ def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: i
 SERVER_COMMANDS = {"cpu": cpu_server_command, "sglang": sglang_server_command, "vllm": vllm_server_command}
 
 
+def server_launches(servers: list[ServerPlan], model_path: str, llm: Mapping,
+                    seed: int) -> list[tuple[list[str], dict[str, str]]]:
+    """Each planned server's command line and environment: its kind's command, then its own entry of
+    llm.server_args ([[flags of server 0], ...])."""
+    per_server = list(llm.get("server_args") or [])
+    out = []
+    for i, server in enumerate(servers):
+        argv, env = SERVER_COMMANDS[llm["kind"]](server, model_path, llm, seed)
+        out.append((argv + [str(a) for a in (per_server[i] if i < len(per_server) else None) or []], env))
+    return out
+
+
 class ServerNotReady(RuntimeError):
     pass
 

@@ -186,8 +186,9 @@ def tool_choice_parses(choice: Any, where: str) -> bool:
     if isinstance(choice, dict) and choice.get("type") in ("auto", "none"):  # Anthropic's form
         return choice["type"] != "none"
     raise BadRequest(f"{where}: tool_choice={orjson.dumps(choice).decode()[:80]} cannot be enforced by pipegen's "
-                     "gateway (no constrained decoding); send auto or none (smolagents' ToolCallingAgent sends "
-                     "required: use its CodeAgent, or a model wrapper that sends tool_choice=auto)")
+                     "gateway (no constrained decoding); send auto or none: smolagents OpenAIServerModel(..., "
+                     "tool_choice='auto'); pydantic-ai profile=OpenAIModelProfile(supports_forced_tool_choice=False); "
+                     "LangChain bind_tools without tool_choice")
 
 
 def stops(value: Any) -> list[str]:
