@@ -185,7 +185,7 @@ def test_killed_actors_continue_long_answers_from_their_durable_chunks(tmp_path)
     from conftest import assert_verified, load_trajectories
     from pipegen.bench.partial_progress import crash_run
 
-    figures = crash_run(tmp_path, units=4, answer_tokens=600, chunk_tokens=25, kills=2, token_latency=0.002, seed=1)
+    figures = crash_run(tmp_path, units=4, answer_tokens=600, chunk_tokens=25, kills=1, token_latency=0.002, seed=1)
     out = tmp_path / "run"
     assert_verified(out)  # every unit exactly once; no committed unit keeps progress (status --verify)
     data = load_trajectories(out / "trajectories.pkl")  # verl's own reader
