@@ -20,8 +20,8 @@ Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
 - **cost**: a unit with one call answered in one chunk writes nothing (one failed open() at its start, no unlink()
   at its end). A finished call is written when the unit makes its next call (the last call's answer is the unit's
   shard line). Each chunk past the first is one more request: its HTTP round, the prompt plus the ids so far sent,
-  checked and taken in again by the engine (from its prefix cache), and its line written: ~1 ms of CPU on each
-  side of the bench's instant fake server, nothing beside a GPU's seconds per chunk (BENCHMARKS row 14).
+  checked and taken in again by the engine (from its prefix cache), and its line written: ~0.6 ms of the actor's CPU
+  and ~0.4 ms of the bench's instant fake server's, negligible beside a GPU's seconds a chunk (BENCHMARKS row 14).
 
 Owns: chunking an answer, what a resumed call is answered with, and what it tells the row (`resumed`,
 `resumed_at_token`, `replayed_calls`). Must never: re-tokenize, send a chunk before the previous one is durable,
