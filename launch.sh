@@ -160,7 +160,7 @@ case "${1:-}" in
     test_browser
     cd "$here"
     # --durations: the slowest tests close every run's output, so what makes the suite slow is seen
-    start "$venv/bin/python" -m pytest -n auto --dist loadfile --durations=25 "$@" ;;
+    start "$venv/bin/python" -m pytest -n auto --dist loadfile --no-loadscope-reorder --durations=25 "$@" ;;
   --module)
     shift; setup
     mod="$1"; shift

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipegen.observe.logs import PARENT_ENV, with_log_tail
+from pipegen.observe.logs import PARENT_ENV, last_log_line
 from pipegen.run.diskfull import disk_full_message
 from pipegen.run.handshake import EXIT_DISK_FULL
 from pipegen.run.layout import RunDir
@@ -35,9 +35,11 @@ class DiskFull(RuntimeError):
 
 class CrashLoop(RuntimeError):
     def __init__(self, role: "Role"):
-        # the log's end goes into the message: on a Ray cluster the log is on another machine
-        super().__init__(with_log_tail(
-            f"{role.name} crashed {role.restarts + 1} times (last exit code {role.last_rc})", role.log_path))
+        # one line that ends naming the log, with what the role said last: on a Ray cluster the log is on
+        # another machine, and the launcher's terminal is where the user looks
+        said = last_log_line(role.log_path)
+        super().__init__(f"{role.name} crashed {role.restarts + 1} times (last exit code {role.last_rc})"
+                         + (f"; it said last: {said[-300:]}" if said else "") + f"; see its log: {role.log_path}")
         self.role = role
 
 

@@ -110,6 +110,14 @@ def log_tail(path: Path | None, lines: int = 15) -> str:
     return "\n".join("    " + t for t in text)
 
 
+def last_log_line(path: Path | None) -> str:
+    """The log's last non-blank line, stripped ("" without a log): what a process said as it died."""
+    if path is None or not Path(path).exists():
+        return ""
+    return next((line.strip() for line in reversed(Path(path).read_text(errors="replace").splitlines())
+                 if line.strip()), "")
+
+
 def with_log_tail(message: str, log_path: Path | None) -> str:
     """message, then where the log is and how it ends: the reason is on the terminal, not only in the file."""
     tail = log_tail(log_path)
