@@ -119,6 +119,44 @@ def assert_verl_agrees(data, model_path: str, temperature: float) -> None:
         assert (raw - b["rollout_log_probs"]).abs()[mask].max() > 1e-2
 
 
+def assert_a_resumed_answer_is_one_answer(tmp_path: Path, model_path: str, prompt: list[int], params: dict,
+                                          limits, send_one) -> list[int]:
+    """Progress inside a sample (pipegen/actor/continuation.py) on a real engine: an answer in chunks of 8 tokens, the
+    actor "killed" after its first chunk, then resumed from the durable record by a new UnitProgress. The log-probs of
+    the whole answer, across the resume point and the chunk boundaries, are transformers' float32 ones within 2e-3
+    (temperature-scaled). `send_one(ids, params, seed)`: the engine's TokenOutput for one request built by the actor's
+    own engine code. Returns the answer's ids."""
+    import asyncio
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pipegen.actor.continuation import UnitProgress
+
+    sent: list[int] = []
+
+    async def send(ids, sampling_params, seed, pictures, crash_after=None):
+        if crash_after is not None and len(sent) >= crash_after:
+            raise KeyboardInterrupt("the actor is killed")
+        sent.append(len(ids))
+        return send_one(ids, sampling_params, seed)
+
+    path = tmp_path / "0-0.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(UnitProgress(path, 8, limits).generate(lambda *a: send(*a, crash_after=1), prompt, params, 11))
+    resumed = UnitProgress(path, 8, limits)
+    out = asyncio.run(resumed.generate(send, prompt, params, 11))
+    ids = list(out.token_ids)
+    assert resumed.resumed_at == 8 and sent[1] == len(prompt) + 8 and len(ids) > 8
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+    temperature = params["temperature"]
+    want = torch.log_softmax(logits / temperature, -1)[torch.arange(len(ids)), torch.tensor(ids)]
+    assert (want - torch.tensor(out.log_probs)).abs().max() < 2e-3
+    return ids
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     """The vLLM server's python: `./launch.sh --setup-vllm` makes its virtualenv once per machine (~2-5 min,

@@ -678,39 +678,16 @@ def test_hf_logprobs_are_sglangs_temperature_scaled_ones(hf: Server, tiny_model:
 
 def test_hf_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answer(hf: Server, tiny_model: str,
                                                                                    tmp_path) -> None:
-    """Progress inside a sample (pipegen/actor/continuation.py): an answer generated in chunks of 8 tokens, the actor
-    "crashing" after its first chunk, then resumed from the durable record by a new UnitProgress: the float32
-    log-probs of the whole answer, across the resume point and the chunk boundaries, are transformers' within
-    2e-3 (temperature-scaled, SGLang's convention)."""
-    import asyncio
+    """Progress inside a sample on the CPU server (float32) through the actor's own SGLang body: an answer resumed
+    after a crash has transformers' log-probs across the resume point (conftest's check)."""
     from types import SimpleNamespace
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pipegen.actor.continuation import UnitProgress
+    from conftest import assert_a_resumed_answer_is_one_answer
     from pipegen.engines.sglang import build_request, parse_response
 
     limits = SimpleNamespace(prompt_length=64, response_length=24, max_model_len=8192, vocab_size=None)
     params = dict(temperature=0.7, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
-    sent: list[int] = []
-
-    async def send(ids, sampling_params, seed, pictures, crash_after=None):
-        if crash_after is not None and len(sent) >= crash_after:
-            raise KeyboardInterrupt("the actor is killed")
-        body = build_request(ids, sampling_params, limits, seed)  # the actor's own SGLang body
-        sent.append(len(ids))
-        return parse_response(gen(hf, body), True)
-
-    path = tmp_path / "0-0.jsonl"
-    with pytest.raises(KeyboardInterrupt):
-        asyncio.run(UnitProgress(path, 8, limits).generate(lambda *a: send(*a, crash_after=1), PROMPT, params, 11))
-    resumed = UnitProgress(path, 8, limits)
-    out = asyncio.run(resumed.generate(send, PROMPT, params, 11))
-    ids = list(out.token_ids)
-    assert resumed.resumed_at == 8 and sent[1] == len(PROMPT) + 8 and len(ids) > 8
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1:-1].float()
-    want = torch.log_softmax(logits / 0.7, -1)[torch.arange(len(ids)), torch.tensor(ids)]
-    assert (want - torch.tensor(out.log_probs)).abs().max() < 2e-3
+    assert_a_resumed_answer_is_one_answer(
+        tmp_path, tiny_model, PROMPT, params, limits,
+        lambda ids, sampling_params, seed: parse_response(gen(hf, build_request(ids, sampling_params, limits, seed)),
+                                                          True))

@@ -213,17 +213,14 @@ def test_llm_vllm_stops_cleanly_on_sigterm_and_resumes_to_a_complete_run(vllm_py
 
 
 def test_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answer(vllm_server, smollm2, tmp_path):
-    """Progress inside a sample (pipegen/actor/continuation.py) on real vLLM in float32: an answer generated in chunks
-    of 8 tokens through pipegen's vLLM body, the actor "crashing" after its first chunk, then resumed from the durable
-    record by a new UnitProgress: the log-probs of the whole answer, across the resume point and the chunk boundaries,
-    are transformers' within 2e-3 (temperature-scaled: the server's processed log-probs). Uses the module's server."""
-    import asyncio
+    """Progress inside a sample on real vLLM in float32 through the actor's own vLLM body: an answer resumed after a
+    crash has transformers' log-probs across the resume point (conftest's check; the server's processed log-probs
+    are temperature-scaled). Uses the module's server."""
     from types import SimpleNamespace
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from pipegen.actor.continuation import UnitProgress
+    from conftest import assert_a_resumed_answer_is_one_answer
     from pipegen.engines.vllm import VLLM
 
     engine = VLLM()
@@ -231,27 +228,12 @@ def test_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answer(v
     # ignore_eos: the whole 24-token budget, three chunks, whatever the model would have stopped at
     params = dict(temperature=0.7, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True, ignore_eos=True)
     prompt = AutoTokenizer.from_pretrained(smollm2)("Two plus three is five. Four plus four is").input_ids
-    sent: list[int] = []
 
-    async def send(ids, sampling_params, seed, pictures, crash_after=None):
-        if crash_after is not None and len(sent) >= crash_after:
-            raise KeyboardInterrupt("the actor is killed")
-        request = engine.build(ids, sampling_params, limits, seed)  # the actor's own vLLM body
-        sent.append(len(ids))
+    def send_one(ids, sampling_params, seed):
+        request = engine.build(ids, sampling_params, limits, seed)
         post = urllib.request.Request(f"{vllm_server.url}{engine.generate_path}", data=orjson.dumps(request.body),
                                       headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(post, timeout=120) as resp:
             return engine.parse(orjson.loads(resp.read()), request)
 
-    path = tmp_path / "0-0.jsonl"
-    with pytest.raises(KeyboardInterrupt):
-        asyncio.run(UnitProgress(path, 8, limits).generate(lambda *a: send(*a, crash_after=1), prompt, params, 11))
-    resumed = UnitProgress(path, 8, limits)
-    out = asyncio.run(resumed.generate(send, prompt, params, 11))
-    ids = list(out.token_ids)
-    assert resumed.resumed_at == 8 and sent[1] == len(prompt) + 8 and len(ids) == 24
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
-    want = torch.log_softmax(logits / 0.7, -1)[torch.arange(len(ids)), torch.tensor(ids)]
-    assert (want - torch.tensor(out.log_probs)).abs().max() < 2e-3
+    assert len(assert_a_resumed_answer_is_one_answer(tmp_path, smollm2, prompt, params, limits, send_one)) == 24
