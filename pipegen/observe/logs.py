@@ -110,12 +110,26 @@ def log_tail(path: Path | None, lines: int = 15) -> str:
     return "\n".join("    " + t for t in text)
 
 
+TAIL_BYTES = 65536  # a log's end is all an error quotes: a long-running role's log may be large
+
+
+def _last_lines(path: Path | None, lines: int) -> list[str]:
+    """The log's last `lines` lines, read from its last TAIL_BYTES only ([] without a log)."""
+    if path is None or not Path(path).exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+        return f.read().decode(errors="replace").splitlines()[-lines:]
+
+
 def last_log_line(path: Path | None) -> str:
     """The log's last non-blank line, stripped ("" without a log): what a process said as it died."""
-    if path is None or not Path(path).exists():
-        return ""
-    return next((line.strip() for line in reversed(Path(path).read_text(errors="replace").splitlines())
-                 if line.strip()), "")
+    return next((line.strip() for line in reversed(_last_lines(path, 50)) if line.strip()), "")
+
+
+def log_tail(path: Path | None, lines: int = 15) -> str:
+    """The last lines of a role's log, indented for an error message ("" when there is no log yet)."""
+    return "\n".join("    " + t for t in _last_lines(path, lines))
 
 
 def with_log_tail(message: str, log_path: Path | None) -> str:
