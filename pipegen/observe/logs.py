@@ -63,21 +63,32 @@ def watch_parent(poll_s: float = 1.0) -> None:
     """Exit at once when the process that started this one (the launcher, a node runner) dies, even by SIGKILL.
 
     Only active when the parent set PIPEGEN_PARENT_PID (launch/supervise.py does, for every child); a role restarted by hand has no parent to
-    watch. Hand-written because the portable alternative (prctl PDEATHSIG) is Linux-only ctypes and
-    fires on thread exit, not process exit.
+    watch. A role forked by the parent's forkserver (launch/forks.py) has the forkserver as its parent, which
+    exits with the launcher; either way the role is orphaned, so its parent pid changes. Hand-written because
+    the portable alternative (prctl PDEATHSIG) is Linux-only ctypes and fires on thread exit, not process exit.
     """
     parent = os.environ.get(PARENT_ENV)
     if not parent:
         return
-    parent_pid = int(parent)
+    parent_pid, first_ppid = int(parent), os.getppid()
 
     def loop() -> None:
         while True:
             time.sleep(poll_s)
-            if os.getppid() != parent_pid:
+            if os.getppid() != first_ppid or (first_ppid != parent_pid and not _alive(parent_pid)):
                 os._exit(3)
 
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class OncePerMessageFilter(logging.Filter):
