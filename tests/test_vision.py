@@ -31,7 +31,7 @@ from test_verl_parity import verl_reference_for
 
 ROWS, N = 4, 2
 RUN = [f"n={N}", "max_response_length=16", "actors.concurrency=8", "actors.stats_interval_s=0.5",
-       "generation.save_batch_size=3", "generation.partial_batch_quiet_s=0.3", "generation.show_progress=false",
+       "generation.save_batch_size=3", "generation.partial_batch_quiet_s=0.3",
        "actors.scoring=false"]
 
 
