@@ -8,22 +8,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 from conftest import FAST, FAKE_ENGINE, REPO, launch
 from fake_servers import pids_where
 from pipegen.launch.forks import ForkedRole, forkable
-
-
-def _wait_for(predicate, timeout: float, what: str):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+from test_status import wait_for
 
 
 def test_only_pipegens_own_roles_are_forked():
@@ -55,7 +44,7 @@ def test_a_forked_role_has_its_command_line_its_own_session_and_dies_by_the_sign
     log = tmp_path / "writer.log"
     forked = ForkedRole(argv, {**os.environ, "PIPEGEN_TEST_MARK": "1"}, log)
     try:
-        _wait_for(lambda: log.exists() and "waiting for the launcher to write" in log.read_text(), 120,
+        wait_for(lambda: log.exists() and "waiting for the launcher to write" in log.read_text(), 120,
                   "the writer's wait")
         assert forked.poll() is None
         # ps and pgrep -f read the command, not the forkserver's
