@@ -34,7 +34,6 @@ FAST = [
     "actors.stats_interval_s=0.5",
     "generation.save_batch_size=4",
     "generation.partial_batch_quiet_s=0.3",
-    "generation.show_progress=false",
     "generation.report=false",  # about a second of CPU per launch; FAST_REPORTED keeps it, for the tests that check it
 ]
 FAST_REPORTED = [o for o in FAST if o != "generation.report=false"]  # FAST with the end-of-run report

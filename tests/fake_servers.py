@@ -9,6 +9,7 @@ with `llm=external 'llm.urls=[...]'`.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 import time
@@ -96,7 +97,9 @@ class RecordingProxy(Proc):
 
 
 def pids_where(proc_file: str, matches) -> list[int]:
-    """Pids whose /proc/<pid>/<proc_file> ("cmdline" or "environ"), split on NULs, satisfies matches."""
+    """Pids whose /proc/<pid>/<proc_file> ("cmdline" or "environ"), split on NULs, satisfies matches. A role
+    forked with verl preloaded (pipegen/launch/forks.py) carries its command as one process title, split here
+    into its words as `ps` and `pgrep -f` read it."""
     found = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -105,6 +108,8 @@ def pids_where(proc_file: str, matches) -> list[int]:
             fields = (d / proc_file).read_bytes().split(b"\0")
         except OSError:
             continue
+        if proc_file == "cmdline" and len([f for f in fields if f]) == 1:
+            fields = [word.encode() for word in shlex.split(fields[0].decode(errors="replace"))]
         if matches(fields):
             found.append(int(d.name))
     return found

@@ -39,7 +39,6 @@ BASE = [
     "actors.stats_interval_s=0.5",
     "generation.save_batch_size=4",
     "generation.partial_batch_quiet_s=0.3",
-    "generation.show_progress=false",
     "max_samples=-1",
     "llm.request_timeout_s=30",
 ]

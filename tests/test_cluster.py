@@ -145,11 +145,12 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     out = tmp_path / "run"
     workers = [add_generation_node(ray_cluster, NODE_RESOURCE) for _ in range(2)]
     ray_cluster.wait_for_nodes()
-    # 48 prompts x 2 samples, 24 tokens at 0.1 s each (~2.4 s a unit), 4 at a time per node: ~30 s on two
-    # nodes, long enough to lose one mid-run and have a new one join while work is left; answers in chunks of 8
-    # tokens, so the units in flight on the lost node and in the killed actor continue from their durable chunks
+    # 48 prompts x 2 samples, 24 tokens at 0.2 s each (~4.8 s a unit), 4 at a time per node: ~60 s on two
+    # nodes, long enough to lose one mid-run and have a new one join while work is left (its runner starts its
+    # server and forkserver, ~10 s, while the survivor's killed actor is back in milliseconds); answers in chunks
+    # of 8 tokens, so the units in flight on the lost node and in the killed actor continue from their durable chunks
     overrides = [o for o in FAST if not o.startswith(("max_samples=", "actors.concurrency="))] + [
-        "max_samples=48", "actors.concurrency=4", FAKE_ENGINE, "llm.engine_args=[--token-latency,0.1,--eos-prob,0]",
+        "max_samples=48", "actors.concurrency=4", FAKE_ENGINE, "llm.engine_args=[--token-latency,0.2,--eos-prob,0]",
         "actors.progress_chunk_tokens=8", "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}"]
     env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": ray_cluster.address}
     log = open(tmp_path / "launcher.log", "w+")
@@ -194,6 +195,7 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     print(f"removal -> last lost unit leased again: {last_released - removed_at:.1f}s; "
           f"{final['units_released']} unit(s) leased again")
     new_actors = {a: n for a, n in shard_lines(out).items() if a not in first_actors}
+    print(f"units written by the actors of the node that joined: {new_actors}")
     assert sum(new_actors.values()) > 0, (new_actors, final)  # the node that joined mid-run got work
     assert "queued again for this node's actors" in RunDir(out).role_log(f"runner_{survivor}").read_text()
     lost = [name for name, node in final["nodes"].items() if node["leases_lost"]]

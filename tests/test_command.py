@@ -86,7 +86,7 @@ def test_a_wheel_install_runs_a_job_from_its_own_package(tmp_path: Path, tiny_mo
 
     out = work / "run"
     keys = [f"output_dir={out}", f"model_path={tiny_model}", FAKE_ENGINE, "max_samples=2", "n=1",
-            "max_response_length=8", "generation.show_progress=false"]
+            "max_response_length=8"]
     run = subprocess.run([str(site / "bin" / "pipegen"), "run", *keys], cwd=work, capture_output=True, text=True,
                          timeout=240, env=env)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -33,7 +33,7 @@ ENV = {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
 def overrides(model: str, data: str, url: str, *extra: str) -> list[str]:
     return ["llm=external", f"llm.urls=[{url}]", f"model_path={model}", f"train_files={data}",
             "max_prompt_length=512", "max_response_length=160", "n=1", "max_samples=-1",
-            "generation.show_progress=false", "actor_rollout_ref.rollout.agent.default_agent_loop=external", *extra]
+            "actor_rollout_ref.rollout.agent.default_agent_loop=external", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_multi_turn_log_probs_agree_with_verls_recomputation(tiny_model, tmp_pat
     out = tmp_path / "run"
     result = launch(out, f"model_path={tiny_model}", f"train_files={data}", "max_prompt_length=128",
                     "max_response_length=64", "n=2", "max_samples=-1", "temperature=0.7", "llm.dtype=float32",
-                    "generation.show_progress=false", "actor_rollout_ref.rollout.agent.default_agent_loop=external",
+                    "actor_rollout_ref.rollout.agent.default_agent_loop=external",
                     "external.harness=gateway_harnesses:harness", env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     for rec in read_records(out):

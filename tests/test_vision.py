@@ -31,7 +31,7 @@ from test_verl_parity import verl_reference_for
 
 ROWS, N = 4, 2
 RUN = [f"n={N}", "max_response_length=16", "actors.concurrency=8", "actors.stats_interval_s=0.5",
-       "generation.save_batch_size=3", "generation.partial_batch_quiet_s=0.3", "generation.show_progress=false",
+       "generation.save_batch_size=3", "generation.partial_batch_quiet_s=0.3",
        "actors.scoring=false"]
 
 
@@ -174,7 +174,9 @@ def test_killed_writer_and_actor_then_the_same_command_give_the_clean_output(tmp
     clean, overrides = fake_vision_run
     out = tmp_path / "killed"
     cmd = [*overrides, "llm.engine_args=[--token-latency,0.3]"]
-    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *cmd], cwd=REPO,
+    # two units at a time: with all eight in flight they finish together, and the actor is gone before the kill
+    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *cmd,
+                                 "actors.concurrency=2"], cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_lines(launcher, out / "streams" / "rollouts" / "actor_0" / "000000.jsonl", 2, 180)

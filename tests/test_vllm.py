@@ -41,7 +41,7 @@ SERVER_MAX_RUNNING = 2  # the server's --max-num-seqs: 8 units queue several wav
 # load sample sees the queue (with 4, the queue of the first wave often drained between two samples)
 TOLD_MAX_RUNNING = 16  # what the runs tell pipegen (llm.max_running_requests)
 SMALL_RUN = ["max_samples=4", "n=2", "max_response_length=24", "actors.stats_interval_s=0.5",
-             "generation.show_progress=false", f"llm.max_running_requests={TOLD_MAX_RUNNING}"]
+             f"llm.max_running_requests={TOLD_MAX_RUNNING}"]
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +159,7 @@ def test_a_run_against_vllm_is_exact_follows_its_load_and_survives_a_stall(vllm_
 
 
 # llm=vllm with the config a user gets, but float32 (as the module's server) and temperature 0.7
-RUN = ["llm=vllm", "llm.dtype=float32", "temperature=0.7", "max_samples=2", "n=2", "max_response_length=24",
-       "generation.show_progress=false"]
+RUN = ["llm=vllm", "llm.dtype=float32", "temperature=0.7", "max_samples=2", "n=2", "max_response_length=24"]
 
 
 def test_llm_vllm_stops_cleanly_on_sigterm_and_resumes_to_a_complete_run(vllm_python, vllm_server, smollm2, tmp_path):

@@ -78,9 +78,6 @@ class StartupClock:
                      self.since("first_request", "server_ready") if "first_request" in self.times else float("nan"))
 
 
-# What building an actor imports: nearly all of its start-up (verl's agent loop pulls in torch and ray).
-ACTOR_IMPORTS = ("transformers", "verl.experimental.agent_loop.agent_loop", "verl.tools.tool_registry",
-                 "verl.utils.dataset.rl_dataset")
 
 
 async def _answers(session, pool, url: str) -> bool:

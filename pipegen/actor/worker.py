@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from pipegen.actor.rollout import UnitRunner
-from pipegen.actor.readiness import ACTOR_IMPORTS, StartupClock, wait_for_first_server
+from pipegen.actor.readiness import StartupClock, wait_for_first_server
 from pipegen.actor.units import FixedUnits, LeasedUnits, pending_units
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
-from pipegen.run.handshake import import_then_wait_for_manifest
+from pipegen.run.handshake import ACTOR_IMPORTS, import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.stats_line import ActorStats

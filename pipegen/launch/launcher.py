@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+from pipegen.launch.forks import call_forked
 from pipegen.launch.unit_manifest import build_manifest
 from pipegen.launch.placement import Placement
 from pipegen.launch.prepare import prepare
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             writer.start()  # it imports verl too, then waits for the manifest
         if not run.units_file.exists():
             log.info("reading the dataset %s", cfg.data.train_files)
-            rows = build_manifest(cfg, run)
+            rows = call_forked(build_manifest, cfg, run, log_path=run.role_log("launch"))  # verl imported there
             log.info("%d prompts x %d samples = %d units", rows, ready.n, rows * ready.n)
         placement.begin()
         with Console(cfg, run, run.total_units(ready.n), ready.num_actors, tracked=writer is not None) as console:

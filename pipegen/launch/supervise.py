@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipegen.launch.forks import ForkedRole, forkable
 from pipegen.observe.logs import PARENT_ENV, last_log_line
 from pipegen.run.diskfull import disk_full_message
 from pipegen.run.handshake import EXIT_DISK_FULL
@@ -58,7 +59,7 @@ class Role:
     standing_by: bool = False
     group: str | None = None  # roles that stand in for each other (LLM servers): one may be given up
     abandoned: bool = False
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedRole | None = None
     restarts: int = 0
     last_rc: int | None = None
     finished: bool = False
@@ -86,10 +87,13 @@ class Supervisor:
         with open(role.log_path, "ab") as logf:
             logf.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {role.name} =====\n".encode())
             logf.flush()
-            # A new session per child: Ctrl-C reaches only the launcher, which then stops each
-            # child's whole process group (servers spawn their own subprocesses).
-            role.proc = subprocess.Popen(role.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, stdin=subprocess.DEVNULL)
+            if forkable(role.argv):  # an actor or the writer: a fork that has verl imported (launch/forks.py)
+                role.proc = ForkedRole(role.argv, env, role.log_path)
+            else:
+                # A new session per child: Ctrl-C reaches only the launcher, which then stops each
+                # child's whole process group (servers spawn their own subprocesses).
+                role.proc = subprocess.Popen(role.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True, stdin=subprocess.DEVNULL)
         role.started_at = time.monotonic()
         role.restart_at = None
         role.standing_by = False

@@ -63,21 +63,32 @@ def watch_parent(poll_s: float = 1.0) -> None:
     """Exit at once when the process that started this one (the launcher, a node runner) dies, even by SIGKILL.
 
     Only active when the parent set PIPEGEN_PARENT_PID (launch/supervise.py does, for every child); a role restarted by hand has no parent to
-    watch. Hand-written because the portable alternative (prctl PDEATHSIG) is Linux-only ctypes and
-    fires on thread exit, not process exit.
+    watch. A role forked by the parent's forkserver (launch/forks.py) has the forkserver as its parent, which
+    exits with the launcher; either way the role is orphaned, so its parent pid changes. Hand-written because
+    the portable alternative (prctl PDEATHSIG) is Linux-only ctypes and fires on thread exit, not process exit.
     """
     parent = os.environ.get(PARENT_ENV)
     if not parent:
         return
-    parent_pid = int(parent)
+    parent_pid, first_ppid = int(parent), os.getppid()
 
     def loop() -> None:
         while True:
             time.sleep(poll_s)
-            if os.getppid() != parent_pid:
+            if os.getppid() != first_ppid or (first_ppid != parent_pid and not _alive(parent_pid)):
                 os._exit(3)
 
     threading.Thread(target=loop, name="parent-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class OncePerMessageFilter(logging.Filter):
@@ -110,12 +121,26 @@ def log_tail(path: Path | None, lines: int = 15) -> str:
     return "\n".join("    " + t for t in text)
 
 
+TAIL_BYTES = 65536  # a log's end is all an error quotes: a long-running role's log may be large
+
+
+def _last_lines(path: Path | None, lines: int) -> list[str]:
+    """The log's last `lines` lines, read from its last TAIL_BYTES only ([] without a log)."""
+    if path is None or not Path(path).exists():
+        return []
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES))
+        return f.read().decode(errors="replace").splitlines()[-lines:]
+
+
 def last_log_line(path: Path | None) -> str:
     """The log's last non-blank line, stripped ("" without a log): what a process said as it died."""
-    if path is None or not Path(path).exists():
-        return ""
-    return next((line.strip() for line in reversed(Path(path).read_text(errors="replace").splitlines())
-                 if line.strip()), "")
+    return next((line.strip() for line in reversed(_last_lines(path, 50)) if line.strip()), "")
+
+
+def log_tail(path: Path | None, lines: int = 15) -> str:
+    """The last lines of a role's log, indented for an error message ("" when there is no log yet)."""
+    return "\n".join("    " + t for t in _last_lines(path, lines))
 
 
 def with_log_tail(message: str, log_path: Path | None) -> str:

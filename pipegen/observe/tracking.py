@@ -33,6 +33,7 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from pipegen.run.checkpoint import load_checkpoint
+from pipegen.run.diskfull import is_disk_full
 from pipegen.run.layout import RunDir
 from pipegen.observe.gpu_busy import GpuBusy
 from pipegen.observe.stats import Rates, StatsAppender, actor_lines, flatten_numbers
@@ -190,8 +191,9 @@ class RunTracker:
         if self.stats is not None:
             try:
                 self.stats.append(LaunchStats(step=self.step, metrics=numbers))
-            except OSError as e:
-                log.warning("could not append launcher stats: %s", e)
+            except OSError as e:  # a full disk in words: the roles stop the run with its one line (run/diskfull.py)
+                log.warning("could not append launcher stats: %s",
+                            "no space left on the device" if is_disk_full(e) else e)
         if self.tracking is None:
             return
         try:

@@ -21,6 +21,13 @@ EXIT_FAILED_UNITS = 4  # settled, but some units failed in this launch: a restar
 EXIT_DAMAGED = 5  # the writer found a run-directory file damaged: refused with one line, a restart would too
 EXIT_DISK_FULL = 6  # a role could not write for lack of space (run/diskfull.py): the launcher stops the run
 
+# What each role imports before its work starts: nearly all of its start-up (verl's agent loop pulls in torch,
+# tensordict, transformers and ray: ~6 s of CPU). A role imports its list while the launcher reads the dataset;
+# a launcher's forkserver (launch/forks.py) imports them all once, and the roles it forks start with them loaded.
+ACTOR_IMPORTS = ("transformers", "verl.experimental.agent_loop.agent_loop", "verl.tools.tool_registry",
+                 "verl.utils.dataset.rl_dataset", "pipegen.actor.worker")
+WRITER_IMPORTS = ("transformers", "verl.protocol", "verl.utils", "pipegen.writer.commit")
+
 MANIFEST_WAIT_S = 1800.0  # as long as the slowest dataset read a launcher may do; a hand-started role gets a clear exit
 
 

@@ -48,7 +48,8 @@ from pipegen.run.checkpoint import (check_listed_batches, failure_reason, failur
 from pipegen.run.config import load_run_config
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.fingerprint import check_fingerprint
-from pipegen.run.handshake import EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, import_then_wait_for_manifest
+from pipegen.run.handshake import (EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, WRITER_IMPORTS,
+                                   import_then_wait_for_manifest)
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, output_dir_from_args
 from pipegen.run.ownership import DirectoryLock, LockHeld
@@ -56,9 +57,6 @@ from pipegen.run.stats_line import WriterStats
 from pipegen.run.stream import (FailureRecord, LineParser, RolloutRecord, ShardTailer, UnitKeys, parse_unit_label,
                                 read_head, unit_label)
 from pipegen.writer.committer import Committer
-
-# What the writer's start-up imports (its tokenizer and verl's DataProto): done while the launcher reads the dataset.
-WRITER_IMPORTS = ("transformers", "verl.protocol", "verl.utils")
 
 log = logging.getLogger("pipegen.writer")
 
