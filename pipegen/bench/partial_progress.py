@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import signal
 import subprocess
 import time
@@ -50,9 +51,11 @@ def actor_pids(out: Path) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+            argv = [a for a in Path(entry.path, "cmdline").read_bytes().split(b"\0") if a]
         except OSError:
             continue
+        if len(argv) == 1:  # a forked role carries its command as one process title (launch/forks.py)
+            argv = [w.encode() for w in shlex.split(argv[0].decode(errors="replace"))]
         if all(w in argv for w in want):
             pids.append(int(entry.name))
     return pids
