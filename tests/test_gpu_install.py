@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -21,6 +22,8 @@ import pytest
 from conftest import REPO, SERVER_RESOLVE
 
 SERVER_REQUIREMENTS = REPO / "requirements" / "sglang-server.txt"
+# launch.sh's pip_version: the pip every virtualenv gets, and so the one ServerResolve runs
+PIP = re.search(r'^pip_version="(.+)"$', (REPO / "launch.sh").read_text(), re.M).group(1)
 
 
 def dry_run_setup(tmp_path: Path, nvidia_smi: str | None, *args: str) -> list[list[str]]:
@@ -53,10 +56,12 @@ def test_launch_sh_takes_the_gpu_path_where_nvidia_smi_reports_a_gpu(tmp_path: P
     server_python = str(venvs / ".venv-sglang" / "bin" / "python")
     assert ["python3", "-m", "venv", str(venvs / ".venv-sglang")] in gpu
     server_install = [c for c in gpu if c[0] == server_python]
-    assert server_install == [[server_python, "-m", "pip", "install", "--disable-pip-version-check", "-q",
-                               "-r", str(SERVER_REQUIREMENTS)]]
+    pip_install = [server_python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    # a current pip first (see ServerResolve), then the server's pins
+    assert server_install == [pip_install + [PIP], pip_install + ["-r", str(SERVER_REQUIREMENTS)]]
     main_python = str(venvs / ".venv" / "bin" / "python")
     main_installs = [c for c in gpu if c[0] == main_python and "pip" in c]
+    assert main_installs[0][-1] == PIP
     assert [c for c in main_installs if f"{REPO}[test]" in c], main_installs  # pipegen itself, no sglang extra
     assert not any(a.startswith("torch==") for c in main_installs for a in c)  # the CUDA torch, not the CPU pin
     # the launcher is handed the server environment's python (pipegen/config/schema.py: llm.python)
@@ -95,33 +100,56 @@ PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(5, 36)] + [
 
 class ServerResolve:
     """pip's own resolver, in dry-run/report mode, for a Python 3.12 Linux GPU machine, run in the background.
-    `fast-deps` reads each wheel's metadata with HTTP range requests, so no CUDA wheel is downloaded (the
-    index here serves no PEP 658 metadata files). It waits on the network for ~3 minutes, so conftest starts
-    it when the test is collected and the wait overlaps the rest of the suite; the test collects it."""
+    It reads each wheel's metadata alone (PyPI's PEP 658 files, else `fast-deps` HTTP range requests), so no
+    CUDA wheel is downloaded: the pip that launch.sh installs into every virtualenv does that, while Python
+    3.11's bundled pip 23 fetched ~3.8 GB of wheels whole into its temp folder after resolving, and filled a
+    CI machine's disk. Its temp folder is watched to prove it. It waits on the network for up to a minute or
+    more, so conftest starts it when the test is collected and the wait overlaps the rest of the suite."""
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pipegen-sglang-resolve-"))
         self.report = self.dir / "report.json"
         self.target = self.dir / "never-written"
         self.cache = self.dir / "pip-cache"
+        self.tmp = self.dir / "tmp"
+        self.tmp.mkdir()
+        self.stderr = self.dir / "stderr.txt"
+        self.tmp_peak = 0
         cmd = [sys.executable, "-m", "pip", "install", "--isolated", "--dry-run", "--ignore-installed", "--quiet",
                "--use-feature=fast-deps", "--report", str(self.report), "--target", str(self.target),
                "--index-url", "https://pypi.org/simple", "--only-binary=:all:", "--implementation", "cp",
                "--python-version", "3.12", *[a for p in PLATFORMS for a in ("--platform", p)],
                "--cache-dir", str(self.cache), "-r", str(SERVER_REQUIREMENTS)]
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with self.stderr.open("w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                         env={**os.environ, "TMPDIR": str(self.tmp)})
 
     def result(self, timeout_s: float) -> tuple[int, str, float]:
+        """pip's exit code, stderr and seconds taken; `tmp_peak` is the most disk its temp folder used meanwhile."""
+        deadline = time.monotonic() + timeout_s
         try:
-            _, err = self.proc.communicate(timeout=timeout_s)
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                self.tmp_peak = max(self.tmp_peak, self.tmp_size())
+                time.sleep(0.5)
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
-        return self.proc.returncode, err, time.monotonic() - self.started
+                self.proc.wait()
+        return self.proc.returncode, self.stderr.read_text(), time.monotonic() - self.started
+
+    def tmp_size(self) -> int:
+        size = 0
+        for folder, _, files in os.walk(self.tmp):  # os.walk skips a folder pip removes while it is listed
+            for name in files:
+                try:
+                    size += os.lstat(os.path.join(folder, name)).st_blocks * 512  # fast-deps' files are sparse
+                except FileNotFoundError:  # pip removed it between the listing and the stat
+                    pass
+        return size
 
 
-@pytest.mark.slow  # pip resolves ~200 packages against PyPI (~3 min of network waits, overlapped: see ServerResolve)
+@pytest.mark.slow  # pip resolves ~200 packages against PyPI (network waits, overlapped: see ServerResolve)
 @pytest.mark.timeout(1500)  # network-bound and sequential in pip: the suite's 300 s default is too short for it
 @pytest.mark.skipif(not pypi_reachable(), reason="needs the package index (pypi.org) to resolve the SGLang server's pins")
 def test_sglang_server_requirements_resolve_against_the_index(request: pytest.FixtureRequest) -> None:
@@ -138,6 +166,7 @@ def test_sglang_server_requirements_resolve_against_the_index(request: pytest.Fi
         assert not job.target.exists()
         cache = sum(f.stat().st_size for f in job.cache.rglob("*") if f.is_file())
         assert cache < 200 << 20, f"pip downloaded {cache >> 20} MiB: CUDA wheels were fetched whole"
+        assert job.tmp_peak < 200 << 20, f"pip used {job.tmp_peak >> 20} MiB of disk in its temp folder: wheels fetched whole"
     finally:
         shutil.rmtree(job.dir, ignore_errors=True)
 

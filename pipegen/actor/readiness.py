@@ -78,8 +78,6 @@ class StartupClock:
                      self.since("first_request", "server_ready") if "first_request" in self.times else float("nan"))
 
 
-
-
 async def _answers(session, pool, url: str) -> bool:
     """The engine's health route answered 200 (refused connections, 503 and timeouts mean "still
     loading"). With `llm.protocol=auto`, the first server that answers names the pool's engine."""

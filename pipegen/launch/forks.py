@@ -5,7 +5,7 @@ Why: those imports are nearly all of a role's start-up, about 6 s of CPU each (t
 transformers, verl's agent loops). A launch paid them in the launcher, in every actor and in the writer, and again
 at every restart after a crash. A fork of a process that has imported them starts in milliseconds, and its pages
 are shared until written. Python's multiprocessing forkserver does the forking: a fresh interpreter, started
-before anything else of the launch, that imports the preload list and forks on request. Hand-written here is only
+with the first role of a launch (after its servers), that imports the preload list and forks on request. Hand-written here is only
 what makes a fork the `python -m` command it stands for: its own session, its log as stdout and stderr, stdin from
 /dev/null, its environment, working directory, argv and process title (`ps` and `pgrep -f` show the command).
 The command stays saved as DIR/logs/<role>.cmd.sh, and run by hand it behaves the same.

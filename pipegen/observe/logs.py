@@ -82,6 +82,8 @@ def watch_parent(poll_s: float = 1.0) -> None:
 
 
 def _alive(pid: int) -> bool:
+    # kill(0) alone, not run/ownership.pid_alive: that one also wants "pipegen" in the command line, and a node
+    # runner under Ray carries Ray's process title ("ray::NodeRunner")
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
