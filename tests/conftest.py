@@ -134,7 +134,7 @@ def assert_a_resumed_answer_is_one_answer(tmp_path: Path, model_path: str, promp
 
     sent: list[int] = []
 
-    async def send(ids, sampling_params, seed, pictures, crash_after=None):
+    async def send(ids, sampling_params, seed, pictures, keep, crash_after=None):
         if crash_after is not None and len(sent) >= crash_after:
             raise KeyboardInterrupt("the actor is killed")
         sent.append(len(ids))

@@ -40,13 +40,16 @@ class Engine:
         self.requests: list[tuple[list[int], dict, int | None]] = []
         self.tokens = 0
         self.crash_after: int | None = None  # raise on the request after this many
+        self.stream_every = 10  # a streamed request's answer so far goes to its keeper every this many tokens
+        self.crash_at_token: int | None = None  # raise once a request generated this many tokens
 
-    async def __call__(self, ids, params, seed, pictures):
+    async def __call__(self, ids, params, seed, pictures, keep=None):
         from pipegen.actor.continuation import token_output
 
         if self.crash_after is not None and len(self.requests) >= self.crash_after:
             raise KeyboardInterrupt("crash")
         self.requests.append((list(ids), dict(params), seed))
+        rid = f"rid-{len(self.requests)}"
         out, lps, reason = [], [], "length"
         ctx = list(ids)
         for _ in range(max_new_tokens_for(dict(params), len(ids), Budget())):  # the engine's budget rule
@@ -60,6 +63,11 @@ class Engine:
             if tok == EOS:
                 reason = "stop"
                 break
+            if keep is not None and len(out) % self.stream_every == 0:
+                keep(rid, list(out), list(lps))
+            if self.crash_at_token is not None and len(out) >= self.crash_at_token:
+                self.tokens += len(out)
+                raise KeyboardInterrupt("crash")
         self.tokens += len(out)
         return token_output(out, lps, reason)
 
@@ -139,6 +147,45 @@ def test_a_crashed_answer_continues_from_its_last_durable_chunk(tmp_path):
     assert progress.row_fields() == {RESUMED: True, RESUMED_AT_TOKEN: 64, "replayed_calls": 0}
     progress.discard()
     assert not path.exists()
+
+
+def test_a_streamed_answer_keeps_its_tokens_as_they_come_and_continues_from_them(tmp_path):
+    path = tmp_path / "2-0.jsonl"
+    engine = Engine()
+    engine.crash_at_token = 45  # killed after its answer so far reached the unit 4 times (every 10 tokens)
+    with pytest.raises(KeyboardInterrupt):
+        call(UnitProgress(path, 32, Budget(), streams=True), engine, [5, 6, 7])
+    # one request for the whole answer (verl's budget: 100), not chunks of 32
+    assert [r[1]["max_new_tokens"] for r in engine.requests] == [100]
+    assert progress_summary(tmp_path) == (1, 40)
+    durable = read_calls(path)[0].ids
+
+    engine = Engine()
+    progress = UnitProgress(path, 32, Budget(), streams=True)
+    out = call(progress, engine, [5, 6, 7])
+    assert [(len(r[0]), r[1]["max_new_tokens"]) for r in engine.requests] == [(3 + 40, 60)]
+    assert engine.tokens == 60 and len(out.token_ids) == 100 and len(out.log_probs) == 100
+    assert out.token_ids[:40] == durable and out.stop_reason == "length"
+    assert progress.row_fields() == {RESUMED: True, RESUMED_AT_TOKEN: 40, "replayed_calls": 0}
+
+    engine = Engine(eos_at=5)  # a short answer is one request, unstreamed, as today
+    call(UnitProgress(tmp_path / "4-0.jsonl", 128, Budget(), streams=True), engine, [5, 6, 7])
+    assert len(engine.requests) == 1 and not (tmp_path / "4-0.jsonl").exists()
+
+
+def test_a_resent_streamed_request_supersedes_what_its_failed_attempt_kept(tmp_path):
+    path = tmp_path / "0-0.jsonl"
+
+    async def send(ids, params, seed, pictures, keep):
+        keep("first", [11, 12, 13], [-0.1, -0.2, -0.3])
+        keep("first", [11, 12, 13, 14, 15], [-0.1, -0.2, -0.3, -0.4, -0.5])
+        keep("second", [21, 22], [-0.6, -0.7])  # the client re-sent the request: its answer starts again
+        raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(UnitProgress(path, 32, Budget(), streams=True).generate(send, [5, 6, 7], PARAMS, 7))
+    [kept] = read_calls(path)
+    assert kept.ids == [21, 22] and kept.logprobs == [-0.6, -0.7] and kept.end is None
 
 
 def test_a_rerun_answers_recorded_calls_from_the_record_until_one_differs(tmp_path):

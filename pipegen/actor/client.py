@@ -44,7 +44,7 @@ import aiohttp
 import orjson
 
 from pipegen.run.pictures import image_data_url
-from pipegen.engines import AUTO, Engine, EngineRequest, GroupRefused, engine, is_ready
+from pipegen.engines import AUTO, Engine, EngineRequest, GroupRefused, StreamError, engine, is_ready
 from pipegen.actor.admission import Admission, TokenClock, WatchdogLimits
 from pipegen.actor.limits import ClientLimits
 from pipegen.engines.request import RequestRejected
@@ -61,6 +61,10 @@ NO_TIMEOUT = aiohttp.ClientTimeout()  # no total, no socket timeouts (the sessio
 # admission round (a prompt's n samples among them) reach here within a few event-loop turns of each other
 GROUP_WINDOW_S = 0.002
 GROUP_GIVE_UP = 3  # grouped requests to one server failing as a whole in a row: it gets one request each from then
+
+
+class ProgressLost(RuntimeError):
+    """A streamed answer's tokens could not be handed on (EngineRequest.progress raised OSError): never retried."""
 
 
 class RetriesExhausted(Exception):
@@ -253,11 +257,16 @@ class ServerPool:
         sticky_key: Any = None,
         sampling_seed: int | None = None,
         image_data: list[Any] | None = None,
+        on_tokens: Callable[[str, list[int], list[float] | None], None] | None = None,
         **_: Any,
     ):
+        """One generation, re-sent on transient failures. `on_tokens`: where the answer so far goes while it
+        is generated, on an engine that streams (EngineRequest.progress); each attempt starts it afresh."""
         if image_data:  # verl's loops hand PIL images; the engines take PNG data URLs (run/pictures.py)
             image_data = [i if isinstance(i, str) else image_data_url(i) for i in image_data]
         request = self.engine.build(prompt_ids, sampling_params, self.limits, sampling_seed, image_data)
+        if on_tokens is not None and self.engine.streams:
+            request.progress = on_tokens
         key = sticky_key if sticky_key is not None else request_id
         tried: set[str] = set()
         errors: list[str] = []
@@ -512,15 +521,18 @@ class ServerPool:
         started = time.monotonic()
         server.http_requests += 1
         self.http_requests += 1
+        streamed = request.progress is not None
         try:
             async with self.session.post(
                 f"{server.url}{self.engine.generate_path}",
-                data=orjson.dumps(request.body),
+                data=orjson.dumps(self.engine.stream_body(request) if streamed else request.body),
                 headers=self._json_headers,
                 # no aiohttp timer: _watched bounds every attempt (stall deadline <= llm.request_timeout_s)
                 # and cancels it, so a second timer per request would only cost time
                 timeout=NO_TIMEOUT,
             ) as resp:
+                if streamed and resp.status == 200:
+                    return await self._read_stream(server, request, resp, started)
                 raw = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, OSError) as e:  # no aiohttp timer runs, so no timeout error either
@@ -537,6 +549,30 @@ class ServerPool:
             self._record_failure(server, "bad_response")
             return f"unreadable answer from {server.url}: {e}"
         return self._read_answer(server, request, answer, started)
+
+    async def _read_stream(self, server: ServerState, request: EngineRequest, resp: aiohttp.ClientResponse,
+                           started: float):
+        """A streamed answer: each unfinished chunk's tokens to `request.progress`, the last read as an answer."""
+        try:
+            async with contextlib.aclosing(self.engine.stream_chunks(resp)) as chunks:
+                async for chunk in chunks:
+                    if self.engine.finish_type(chunk) is not None:
+                        return self._read_answer(server, request, chunk, started)
+                    ids, logprobs = self.engine.partial(chunk, request)
+                    try:
+                        request.progress(request.rid, ids, logprobs)
+                    except OSError as e:  # keeping the tokens failed (the disk): the unit's failure, not the server's
+                        raise ProgressLost(f"the answer's tokens could not be kept: {e}") from e
+        except StreamError as e:  # SGLang's in-stream refusal (HTTP 200): as the status it names
+            if e.status >= 500 or e.status in RETRYABLE_4XX:
+                self._record_failure(server, f"http_{e.status}")
+                return f"HTTP {e.status} (in the stream) from {server.url}: {str(e)[:200]}"
+            raise RequestRejected(f"HTTP {e.status} (in the stream) from {server.url}: {str(e)[:300]}") from e
+        except (ValueError, TypeError, KeyError) as e:
+            self._record_failure(server, "bad_response")
+            return f"unreadable streamed answer from {server.url}: {e}"
+        self._record_failure(server, "bad_response")
+        return f"streamed answer from {server.url} ended before its last chunk"
 
     def _read_answer(self, server: ServerState, request: EngineRequest, answer: Any, started: float):
         """One generation's answer (alone, or a member's from a grouped request): the TokenOutput, or a string

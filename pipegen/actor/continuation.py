@@ -1,31 +1,40 @@
-"""A unit's model calls, kept so that a crash costs at most one chunk per unit in flight: long answers are
-generated in chunks and continued, and a rerun of a unit answers the calls it asks as before from the record.
+"""A unit's model calls, kept so that a crash costs little of the answers in flight: a long answer's tokens are kept
+as they come (or chunk by chunk) and continued, and a rerun of a unit answers the calls it asks as before from the
+record.
 
 Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
-- **chunks**: an answer whose token budget exceeds `actors.progress_chunk_tokens` is asked for in chunks of that
-  many tokens, each request the prompt plus the ids so far with `max_new_tokens` = what is left of the chunk and of
-  the answer's budget (the budget verl's rule gives the whole answer, engines/request.py). A chunk that ends before
-  its budget, or with a finish other than `length`, ends the answer, as the same stop would end an uninterrupted
-  answer; a chunk that fills its budget is written to the unit's progress file (run/unit_progress.py) before the next
-  chunk is asked. The first chunk keeps the call's seed (an answer shorter than a
-  chunk is today's answer); each
-  later chunk gets a seed derived from the call's and its first token's position, so a chunk does not replay the
-  previous chunk's random draws.
+- **long answers**: an answer whose token budget exceeds `actors.progress_chunk_tokens` keeps its tokens in the
+  unit's progress file (run/unit_progress.py) while it is generated.
+  - On an engine that streams (SGLang, pipegen's CPU server: `Engine.streams`) it is one request, streamed: each
+    chunk the engine sends (the answer so far) writes its new tokens as one line (`_keeper`), so a crash loses what
+    came after the engine's last chunk (SGLang: about 1/32 of the answer, engines/sglang.py's `stream_interval`;
+    the CPU server: at most 50 ms of generation). An attempt the client re-sends writes from the request's start
+    again.
+  - On one that does not (vLLM) it is asked for in chunks of that many tokens, each request the prompt plus the
+    ids so far with `max_new_tokens` = what is left of the chunk and of the answer's budget (the budget verl's rule
+    gives the whole answer, engines/request.py). A chunk that ends before its budget, or with a finish other than
+    `length`, ends the answer, as the same stop would end an uninterrupted answer; a chunk that fills its budget is
+    written before the next chunk is asked. A crash loses at most the chunk in flight.
+  The first request keeps the call's seed (an answer shorter than the threshold is today's answer); a continuation
+  gets a seed derived from the call's and its first token's position, so it does not replay the earlier random
+  draws.
 - **replay**: on a unit's next start, its calls are compared in order with the record: a call whose request
   (its digest) equals the recorded call's is answered from the record when that call was finished (no engine
   work; the same ids and log-probs), or continued from its recorded tokens when it was not. From the first call
   that differs (or is not recorded) every call goes to the engine, and the record beyond it is dropped.
 - **what is not chunked**: an answer asked with a penalty or minimum over its own tokens, or with stop strings
   (`continuable`), goes in one request as before: a continuation would not see them across the boundary.
-- **cost**: a unit with one call answered in one chunk writes nothing (one failed open() at its start, no unlink()
-  at its end). A finished call is written when the unit makes its next call (the last call's answer is the unit's
-  shard line). Each chunk past the first is one more request: its HTTP round, the prompt plus the ids so far sent,
-  checked and taken in again by the engine (from its prefix cache), and its line written: ~0.6 ms of the actor's CPU
-  and ~0.4 ms of the bench's instant fake server's, negligible beside a GPU's seconds a chunk (BENCHMARKS row 14).
+- **cost**: a unit with one short call writes nothing (one failed open() at its start, no unlink() at its end). A
+  finished call is written when the unit makes its next call (the last call's answer is the unit's shard line). A
+  streamed answer costs its chunks' parsing and one line each; an answer the CPU server generates within 50 ms is one
+  chunk. Each chunk past the first of a chunked answer is one more request: its HTTP round, the prompt plus the ids
+  so far sent, checked and taken in again by the engine (from its prefix cache), and its line written: ~0.6 ms of
+  the actor's CPU and ~0.4 ms of the bench's instant fake server's, negligible beside a GPU's seconds a chunk
+  (BENCHMARKS row 14).
 
-Owns: chunking an answer, what a resumed call is answered with, and what it tells the row (`resumed`,
-`resumed_at_token`, `replayed_calls`). Must never: re-tokenize, send a chunk before the previous one is durable,
-let a whole answer exceed the budget an uninterrupted request would have had.
+Owns: keeping a long answer's tokens (streamed or chunked), what a resumed call is answered with, and what it tells
+the row (`resumed`, `resumed_at_token`, `replayed_calls`). Must never: re-tokenize, send a chunk before the previous
+one is durable, let a whole answer exceed the budget an uninterrupted request would have had.
 """
 
 from __future__ import annotations
@@ -40,8 +49,11 @@ from pipegen.run.unit_progress import ProgressFile, RecordedCall, parse_calls, r
 if TYPE_CHECKING:
     from verl.workers.rollout.replica import TokenOutput
 
-# one engine request: (prompt ids, sampling params, seed, pictures) -> verl's TokenOutput
-Send = Callable[[list[int], dict[str, Any], "int | None", "list | None"], Awaitable["TokenOutput"]]
+# where a streamed answer's tokens so far go: (the attempt's rid, its ids so far, their log-probs or None)
+Keep = Callable[[str, list[int], "list[float] | None"], None]
+# one engine request: (prompt ids, sampling params, seed, pictures, where its tokens go as they come: None for none)
+# -> verl's TokenOutput
+Send = Callable[[list[int], dict[str, Any], "int | None", "list | None", "Keep | None"], Awaitable["TokenOutput"]]
 
 # the row's fields for a unit that continued from its record (AgentLoopOutput.extra_fields -> verl's non_tensor_batch)
 RESUMED = "resumed"
@@ -84,11 +96,12 @@ def token_output(ids: list[int], logprobs: list[float] | None, stop_reason: str 
 class UnitProgress:
     """One unit's calls against its record (run/unit_progress.py's file at `path`)."""
 
-    def __init__(self, path: Path, chunk_tokens: int, limits: TokenBudget):
+    def __init__(self, path: Path, chunk_tokens: int, limits: TokenBudget, streams: bool = False):
         data = read_progress(path)
         self.recorded = parse_calls(data or b"")
         self.file = ProgressFile(path, exists=data is not None)
         self.chunk_tokens = int(chunk_tokens)
+        self.streams = streams  # the engine streams answers: a long one is one request, its tokens kept as they come
         self.limits = limits
         self.calls = 0  # calls asked so far
         self.live = not self.recorded  # True from the first call the record cannot answer
@@ -145,7 +158,7 @@ class UnitProgress:
         params = dict(sampling_params)
         budget = max_new_tokens_for(params, len(prompt_ids), self.limits)  # the whole answer's, as verl's rule
         if not ids and (self.chunk_tokens <= 0 or budget <= self.chunk_tokens or not continuable(params)):
-            out = await send(prompt_ids, sampling_params, seed, image_data)  # today's request, unchanged
+            out = await send(prompt_ids, sampling_params, seed, image_data, None)  # today's request, unchanged
             self.tokens_generated += len(out.token_ids)
             # copies: a loop may extend the lists it was given before the next call writes this one
             self.pending = (call, RecordedCall(digest, list(out.token_ids),
@@ -157,13 +170,17 @@ class UnitProgress:
         durable = len(ids)
         out = None
         while True:
-            # chunking off (0) and a recorded unfinished call: the rest of the answer in one request
-            want = min(self.chunk_tokens if self.chunk_tokens > 0 else budget, budget - len(ids))
+            # streamed, chunking off (0), or a recorded unfinished call: the rest of the answer in one request
+            whole = self.streams or self.chunk_tokens <= 0
+            want = budget - len(ids) if whole else min(self.chunk_tokens, budget - len(ids))
             if want <= 0:  # resumed exactly at the end of the budget
                 stop_reason = "length"
                 break
+            if self.streams:
+                digest = digest or name()
+            keep = self._keeper(call, digest, len(ids)) if self.streams else None
             out = await send(prompt_ids + ids, {**params, "max_new_tokens": want}, chunk_seed(seed, len(ids)),
-                             image_data)
+                             image_data, keep)
             got = out.token_ids
             self.tokens_generated += len(got)
             if not ids and logprobs is None and out.log_probs is not None:
@@ -177,11 +194,31 @@ class UnitProgress:
             # the answer goes on: this chunk is durable before the next one is asked
             digest = digest or name()
             self.file.append(call, RecordedCall(digest, ids[durable:],
-                                                None if logprobs is None else logprobs[durable:], None))
+                                                None if logprobs is None else logprobs[durable:], None, at=durable))
             durable = len(ids)
+        # (a streamed request's lines are superseded from where it started: its last attempt may not be the one kept)
         self.pending = (call, RecordedCall(digest, ids[durable:], None if logprobs is None else logprobs[durable:],
-                                           stop_reason), name)
+                                           stop_reason, at=durable), name)
         return token_output(ids, logprobs, stop_reason, None if out is None else out.extra_fields)
+
+    def _keeper(self, call: int, digest: str, start: int) -> Keep:
+        """Where a streamed request's tokens so far go: each new piece one line, at its place in the answer (the
+        request starts at answer token `start`). A re-sent attempt starts from `start` again, superseding what an
+        earlier attempt of the request wrote."""
+        attempt, written = "", 0
+
+        def keep(rid: str, got: list[int], logprobs: list[float] | None) -> None:
+            nonlocal attempt, written
+            if rid != attempt:
+                attempt, written = rid, 0
+            if len(got) <= written:
+                return
+            self.file.append(call, RecordedCall(digest, got[written:],
+                                                None if logprobs is None else logprobs[written:], None,
+                                                at=start + written))
+            written = len(got)
+
+        return keep
 
     def close(self) -> None:
         self.file.close()

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipegen.inputs.dataset import dataset_indices, load_dataset, load_processor, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.detokenize import response_decoder
-from pipegen.actor.continuation import UnitProgress
+from pipegen.actor.continuation import Keep, UnitProgress
 from pipegen.actor.scoring import Scorer
 from pipegen.rewards.protocol import RewardFailure
 from pipegen.config.compose import CONF_DIR
@@ -227,9 +227,11 @@ class UnitServerManager:
         (pipegen/gateway/seam.py's UnitServer)."""
         self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
 
-        async def send(ids: list[int], params: dict[str, Any], chunk_seed: int | None, pictures: list | None):
+        async def send(ids: list[int], params: dict[str, Any], chunk_seed: int | None, pictures: list | None,
+                       keep: Keep | None):
             return await self.pool.generate(request_id, prompt_ids=ids, sampling_params=params,
-                                            sticky_key=self.sticky_key, sampling_seed=chunk_seed, image_data=pictures)
+                                            sticky_key=self.sticky_key, sampling_seed=chunk_seed, image_data=pictures,
+                                            on_tokens=keep)
 
         # one call may be several requests (the chunks of a long answer) or none (answered from the record)
         output = await self.progress.generate(send, prompt_ids, sampling_params, seed, image_data)
@@ -346,7 +348,8 @@ class UnitRunner:
 
     def unit_progress(self, pool, index: int, sample: int) -> UnitProgress:
         """The unit's record of its calls (actor/continuation.py), read back when a crash left one."""
-        return UnitProgress(self.run_dir.progress_file(index, sample), self.chunk_tokens, pool.limits)
+        return UnitProgress(self.run_dir.progress_file(index, sample), self.chunk_tokens, pool.limits,
+                            streams=pool.engine.streams)
 
     async def run(self, pool, pos: int, sample: int, slot, progress: UnitProgress, attempt: int = 0) -> RolloutRecord:
         """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot; `progress`:

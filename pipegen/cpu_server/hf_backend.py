@@ -261,6 +261,7 @@ class HFBackend(ModelBackend):
                     else self._rng.getrandbits(64)
                 req.started = now
                 rows.append(_Row(req=req, rng=random.Random(seed)))
+                req.live = rows[-1].result
                 if req.spec.top_logprobs_num > 0:
                     rows[-1].result.output_top_logprobs = []
                 if req.spec.token_ids_logprob is not None:

@@ -61,7 +61,7 @@ class BackendRequest:
     ``abort_requested`` is a plain attribute so a worker thread can poll it between decode steps.
     """
 
-    __slots__ = ("spec", "future", "loop", "abort_requested", "state", "created", "started", "done")
+    __slots__ = ("spec", "future", "loop", "abort_requested", "state", "created", "started", "done", "live")
 
     def __init__(self, spec: EntrySpec, loop: asyncio.AbstractEventLoop) -> None:
         self.spec = spec
@@ -72,6 +72,9 @@ class BackendRequest:
         self.created = time.monotonic()
         self.started: Optional[float] = None
         self.done = False
+        # the result the backend appends to while it generates, for a streamed answer's snapshots (server.py);
+        # read from the loop while a worker thread appends: a snapshot takes the first len(output_ids) of each list
+        self.live: Optional[GenerationResult] = None
 
     def finish(self, result: GenerationResult) -> None:
         """Resolve from any thread; later calls are ignored."""
@@ -130,7 +133,8 @@ class ModelBackend(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, req: BackendRequest) -> None:
-        """Queue a generation; must not block. The backend later calls ``req.finish(result)``."""
+        """Queue a generation; must not block. The backend later calls ``req.finish(result)``, and sets
+        ``req.live`` to the result it appends each token to while it generates (a streamed answer reads it)."""
 
     @abc.abstractmethod
     def abort(self, req: BackendRequest) -> None:

@@ -51,6 +51,7 @@ class ParsedRequest:
     entries: tuple[EntrySpec, ...]
     is_single: bool
     user_rids: bool  # True when the client's rids are used as-is (n == 1): in-flight duplicates are then 400
+    stream: bool = False  # answer as server-sent events (server.py: one generation only)
 
 
 def effective_max_new_tokens(requested: Optional[int], prompt_len: int, context_length: int) -> int:
@@ -206,9 +207,11 @@ def parse_generate_request(
     """
     prompts, is_single = _prompts(body)
     batch_size = len(prompts)
-    if body.get("stream"):
-        raise bad_request("pipegen reference server: stream=true is not supported; use the non-streaming /generate.")
     sp_list, n = _sampling_list(body, batch_size, is_single, unknown_key_status)
+    stream = bool(body.get("stream"))
+    if stream and not (is_single and n == 1):
+        raise bad_request("pipegen reference server: stream=true takes one generation (one input_ids list, n=1); "
+                          "send a batch without stream.")
     if n > 1:
         is_single = False
     rids, user_rids = _rids(body.get("rid"), batch_size, is_single, n, new_rid)
@@ -254,4 +257,4 @@ def parse_generate_request(
                 sample_index=j,
                 image_data=image_data[i],
             ))
-    return ParsedRequest(entries=tuple(entries), is_single=is_single and n == 1, user_rids=user_rids)
+    return ParsedRequest(entries=tuple(entries), is_single=is_single and n == 1, user_rids=user_rids, stream=stream)

@@ -9,8 +9,9 @@ benchmarks); lifecycle.py runs it as a process. A client disconnect aborts its r
 It always behaves as ``--skip-tokenizer-init``: token ids in, token ids + logprobs out, no ``text``.
 Must never: bind anything but the given host (loopback by default), do model work on the event loop, answer a
 request it did not validate, re-tokenize, or know a backend's constructor (backends build themselves from the
-parsed command line). Acceptable differences from SGLang: no streaming, no stop strings, ``cached_tokens``
-always 0, instant ``/health``, no ``/metrics``, ids >= vocab size rejected.
+parsed command line). Acceptable differences from SGLang: a stream (``stream: true``, one generation) sends the
+answer so far every STREAM_EVERY_S seconds while tokens come, not every ``stream_interval`` tokens; no stop
+strings, ``cached_tokens`` always 0, instant ``/health``, no ``/metrics``, ids >= vocab size rejected.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from typing import Any, Optional
 import orjson
 from aiohttp import web
 
-from pipegen.cpu_server.model_backend import HEALTH_CHECK_PREFIX, BackendRequest, ModelBackend, ModelFacts
+from pipegen.cpu_server.model_backend import (HEALTH_CHECK_PREFIX, BackendRequest, GenerationResult, ModelBackend,
+                                              ModelFacts)
 from pipegen.cpu_server.errors import ProtocolError, bad_request, service_unavailable, validation_error
 from pipegen.cpu_server.parse import SCHEDULER_INPUT_MARGIN, EntrySpec, parse_generate_request
 from pipegen.cpu_server.responses import WEIGHT_VERSION, build_output, finish_abort_waiting
@@ -37,6 +39,9 @@ log = logging.getLogger("pipegen.cpu_server")
 
 CRASH_EXIT_CODE = 86  # --crash-after: distinctive, so a supervisor's log says what happened
 HEALTH_PROBE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
+# A streamed answer's chunk at most this often: what a client that keeps tokens as they come loses in a crash
+# (at most this much of each answer's generation), while an answer that takes less time goes in one chunk
+STREAM_EVERY_S = 0.05
 SGLANG_VERSION = "0.5.12"
 
 
@@ -133,12 +138,16 @@ class ReferenceServer:
         reqs = [BackendRequest(e, loop) for e in parsed.entries]
         for r in reqs:
             self.inflight[r.spec.rid] = r
+        stream: Optional[web.StreamResponse] = None
         try:
             for r in reqs:
                 self.backend.submit(r)
+            if parsed.stream:
+                stream = await self._stream_progress(request, reqs[0], t0)
             results = await asyncio.gather(*(r.future for r in reqs))
-        except asyncio.CancelledError:
-            # Client disconnect (aiohttp cancels the handler): abort server-side, as SGLang does.
+        except (asyncio.CancelledError, ConnectionResetError):
+            # Client disconnect (aiohttp cancels the handler, or a streamed chunk finds the connection gone):
+            # abort server-side, as SGLang does.
             self.client_disconnects += 1
             for r in reqs:
                 if not r.done:
@@ -153,8 +162,11 @@ class ReferenceServer:
         for res in results:
             fr = res.finish_reason or {}
             if fr.get("type") == "abort" and fr.get("status_code") in (500, 503):
-                # A backend-side failure: SGLang raises HTTPException with that status.
+                # A backend-side failure: SGLang raises HTTPException with that status (in a stream: an error
+                # chunk under HTTP 200, as SGLang sends one)
                 status = int(fr["status_code"])
+                if stream is not None:
+                    return await self._end_stream(stream, {"error": {"message": fr.get("message"), "code": status}})
                 return self.error_response(bad_request(fr.get("message"), status))
         e2e = time.monotonic() - t0
         outs = []
@@ -166,7 +178,34 @@ class ReferenceServer:
             self.finish_reasons[kind] = self.finish_reasons.get(kind, 0) + 1
             outs.append(build_output(spec, res, e2e_latency=e2e))
         self.count_status(200)
+        if stream is not None:
+            return await self._end_stream(stream, outs[0])
         return self.json_response(outs[0] if parsed.is_single else outs)
+
+    async def _stream_progress(self, request: web.Request, req: BackendRequest, t0: float) -> web.StreamResponse:
+        """A streamed answer until its generation ends: SGLang's server-sent events, each chunk the answer so far
+        (cumulative `output_ids` and log-prob triples, `finish_reason` null), sent every STREAM_EVERY_S while
+        new tokens came, not every `stream_interval` tokens (accepted, not used: see the module docstring)."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        sent = 0
+        while not req.future.done():
+            await asyncio.wait((req.future,), timeout=STREAM_EVERY_S)
+            live = req.live
+            n = len(live.output_ids) if live is not None and not req.future.done() else 0
+            if n > sent:
+                # the backend may be appending in another thread: the first n of each list are settled
+                snapshot = GenerationResult(live.output_ids[:n], None, live.output_logprobs[:n],
+                                            live.output_logprob_ids[:n])
+                chunk = build_output(req.spec, snapshot, e2e_latency=time.monotonic() - t0)
+                await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                sent = n
+        return resp
+
+    async def _end_stream(self, resp: web.StreamResponse, last: dict) -> web.StreamResponse:
+        await resp.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def _hang(self, raw: bytes) -> web.Response:
         """A request the scheduler accepted and never works on (SGLang has shipped such hangs while /health

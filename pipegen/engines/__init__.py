@@ -30,12 +30,13 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING
 
-from pipegen.engines.base import Engine, EngineRequest, GroupRefused, LoadUnavailable
+from pipegen.engines.base import Engine, EngineRequest, GroupRefused, LoadUnavailable, StreamError
 
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["AUTO", "PROTOCOLS", "Engine", "EngineRequest", "GroupRefused", "LoadUnavailable", "UnknownEngine", "detect_protocol",
+__all__ = ["AUTO", "PROTOCOLS", "Engine", "EngineRequest", "GroupRefused", "LoadUnavailable", "StreamError",
+           "UnknownEngine", "detect_protocol",
            "engine", "is_ready", "ready_problem"]
 
 PROTOCOLS = ("sglang", "vllm")

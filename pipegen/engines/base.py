@@ -13,7 +13,7 @@ per-request state beyond an `EngineRequest`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Hashable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Hashable, Protocol
 
 if TYPE_CHECKING:
     import aiohttp
@@ -29,6 +29,9 @@ class EngineRequest:
     rid: str  # this attempt's id (renewed for every re-send and hedge copy)
     max_new_tokens: int
     return_logprob: bool
+    # where the answer so far goes while it is generated (actor/continuation.py keeps it on disk): called with
+    # the attempt's rid, its ids so far and their log-probs (None without); None: the answer is read whole
+    progress: Callable[[str, list[int], "list[float] | None"], None] | None = None
 
 
 class Engine(Protocol):
@@ -37,6 +40,20 @@ class Engine(Protocol):
     name: str
     generate_path: str  # POST the body here
     health_path: str  # GET: 200 once the server generates
+    streams: bool  # whether `stream_body` and `stream_chunks` work: an answer read as it is generated
+
+    def stream_body(self, request: EngineRequest) -> dict[str, Any]:
+        """The body that asks for `request` streamed (only where `streams`)."""
+        ...
+
+    def stream_chunks(self, resp: "aiohttp.ClientResponse") -> AsyncIterator[dict[str, Any]]:
+        """A streamed answer's chunks in order (only where `streams`); the last has a finish reason. An error
+        chunk raises StreamError."""
+        ...
+
+    def partial(self, chunk: dict[str, Any], request: EngineRequest) -> tuple[list[int], "list[float] | None"]:
+        """An unfinished chunk's ids so far and their log-probs (None when the request asked for none)."""
+        ...
 
     def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "TokenBudget",
               sampling_seed: int | None, image_data: list[str] | None = None) -> EngineRequest:
@@ -85,6 +102,14 @@ class Engine(Protocol):
         """(position in the group, finished answer) for each member as it finishes. Raises GroupRefused when
         the server refused the group as a whole (each member is then sent on its own)."""
         ...
+
+
+class StreamError(Exception):
+    """An error chunk inside a streamed answer (SGLang sends its 400s so, under HTTP 200); `status` its code."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class GroupRefused(Exception):

@@ -19,7 +19,10 @@ served by pipegen's CPU reference server (with the real model or the bench's fak
   member sends its first token's chunk and its final one, never a chunk per token. `n > 1` is never used: that
   path first runs a prefill-only copy and then sends the copies one by one. A group of images goes one by one
   (SGLang tokenizes those one at a time anyway). pipegen's CPU reference server (`pipegen_reference_server` in
-  its `/get_server_info`) does not stream: it gets one request per generation.
+  its `/get_server_info`) streams no batch: it gets one request per generation.
+- streamed answers: a generation whose tokens are kept as they come (a long answer, actor/continuation.py) goes
+  alone with `stream: true` and a `stream_interval` of about 1/STREAM_CHUNKS of its budget; each chunk holds the
+  answer so far, which `partial` reads.
 
 The body and the answer are built and read here (`build_request`, `parse_response`), as verl's SGLang
 server does.
@@ -37,7 +40,7 @@ from typing import Any, AsyncIterator, Hashable
 import aiohttp
 import orjson
 
-from pipegen.engines.base import EngineRequest, GroupRefused, LoadUnavailable
+from pipegen.engines.base import EngineRequest, GroupRefused, LoadUnavailable, StreamError
 from pipegen.engines.request import TokenBudget, checked_prompt_ids, max_new_tokens_for, new_rid
 
 
@@ -86,6 +89,7 @@ class SGLang:
     name = "sglang"
     generate_path = "/generate"
     health_path = "/health_generate"
+    streams = True
 
     def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,
               sampling_seed: int | None, image_data: list[str] | None = None) -> EngineRequest:
@@ -135,13 +139,44 @@ class SGLang:
 
     def group_key(self, request: EngineRequest) -> Hashable | None:
         body = request.body
-        return None if body.get("image_data") else ("logprob", bool(body["return_logprob"]))
+        # an answer read as it comes goes alone: a group's members send only their first and last chunks
+        if body.get("image_data") or request.progress is not None:
+            return None
+        return ("logprob", bool(body["return_logprob"]))
 
     def group_body(self, requests: list[EngineRequest]) -> dict[str, Any]:
         return group_request([r.body for r in requests])
 
     def group_answers(self, resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
         return finished_members(resp)
+
+    def stream_body(self, request: EngineRequest) -> dict[str, Any]:
+        body = request.body
+        return {**body, "stream": True,
+                "sampling_params": {**body["sampling_params"], "stream_interval": stream_interval(request.max_new_tokens)}}
+
+    def stream_chunks(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+        return sse_chunks(resp)
+
+    def partial(self, chunk: dict[str, Any], request: EngineRequest) -> tuple[list[int], list[float] | None]:
+        ids = chunk.get("output_ids") or []
+        if not request.return_logprob:
+            return ids, None
+        triples = (chunk.get("meta_info") or {}).get("output_token_logprobs") or []
+        n = min(len(ids), len(triples))
+        return ids[:n], list(map(_FIRST, triples[:n]))
+
+
+# A streamed answer's chunks: SGLang sends one every `stream_interval` tokens, each holding the whole answer so far
+# (without --incremental-streaming-output, which pipegen never sets), so an answer costs its client about
+# chunks/2 times its final chunk's parsing. About STREAM_CHUNKS chunks an answer, never one per fewer than
+# STREAM_MIN_TOKENS tokens: a crash loses at most 1/STREAM_CHUNKS of each answer in flight.
+STREAM_CHUNKS = 32
+STREAM_MIN_TOKENS = 64
+
+
+def stream_interval(max_new_tokens: int) -> int:
+    return max(STREAM_MIN_TOKENS, -(-int(max_new_tokens) // STREAM_CHUNKS))
 
 
 def build_request(
@@ -191,6 +226,23 @@ async def finished_members(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[
         for index, answer in enumerate(answers if isinstance(answers, list) else [answers]):
             yield index, answer
         return
+    try:
+        async for chunk in sse_chunks(resp):
+            meta = chunk.get("meta_info") or {}
+            if meta.get("finish_reason") is not None:
+                yield int(chunk["index"]), chunk
+    except StreamError as e:
+        raise GroupRefused(str(e)) from e
+
+
+async def sse_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """A streamed /generate answer's chunks (`data: <json>` events) until `data: [DONE]`; an error chunk (SGLang's
+    in-stream 400, sent with HTTP 200) raises StreamError. A server that answers at once (JSON): that answer.
+    Lines are cut by hand: a chunk of a long answer (its cumulative ids and log-prob triples) can exceed
+    aiohttp's line limit."""
+    if resp.content_type == "application/json":
+        yield orjson.loads(await resp.read())
+        return
     buffer = b""
     async for data in resp.content.iter_any():
         buffer += data
@@ -209,10 +261,10 @@ async def finished_members(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[
                 raise ValueError(f"expected a JSON object in the stream, got {type(chunk).__name__}")
             if "error" in chunk:
                 error = chunk["error"]
-                raise GroupRefused(str(error.get("message") if isinstance(error, dict) else error))
-            meta = chunk.get("meta_info") or {}
-            if meta.get("finish_reason") is not None:
-                yield int(chunk["index"]), chunk
+                message = error.get("message") if isinstance(error, dict) else error
+                code = error.get("code") if isinstance(error, dict) else None
+                raise StreamError(str(message), int(code) if isinstance(code, int) else 400)
+            yield chunk
 
 
 def parse_response(body: dict[str, Any], return_logprob: bool):

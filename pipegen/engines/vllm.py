@@ -69,6 +69,7 @@ NO_IMAGES = ("vLLM's /v1/completions takes token ids without images: this prompt
 class VLLM:
     name = "vllm"
     generate_path = "/v1/completions"
+    streams = False  # its answers are read whole: long answers keep their progress in chunks (actor/continuation.py)
     health_path = "/health"
 
     def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,

@@ -4,18 +4,22 @@ unit runs so that a crash costs at most one chunk of an answer per unit in fligh
 One file per unit that holds progress, `streams/progress/<index>-<sample>.jsonl` (layout.py names the folder),
 one line per piece of an answer:
 
-    {"call": c, "digest": "...", "ids": [...], "logprobs": [...] | null, "end": null | "stop" | "length" | ...}
+    {"call": c, "digest": "...", "ids": [...], "logprobs": [...] | null, "end": null | "stop" | "length" | ...,
+     "at": k | null}
 
 `call` counts the unit's model calls from 0; `digest` names the call's request (`request_digest`: the prompt ids,
 sampling params, seed and pictures), so a rerun can tell whether it asks the same thing; a call's answer is its
-lines' `ids` (and `logprobs`) in order; the call is complete when its last line has an `end` (the engine's finish
-reason). Only the unit's last call may be incomplete.
+lines' `ids` (and `logprobs`) in order, each line placed at answer token `at` (what an earlier line held from there
+on is superseded: a streamed request re-sent after a failure writes its answer again from where it started; null:
+after what came before); the call is complete when its last line has an `end` (the engine's finish reason). Only
+the unit's last call may be incomplete.
 
-When a line is written (actor/continuation.py decides): a chunk of an answer that goes on, and a complete call once the
-unit makes its next call. A unit that makes one call and answers it in one chunk writes nothing (its shard line is
+When a line is written (actor/continuation.py decides): the new tokens of a long answer each time a streaming engine
+sends its answer so far, a chunk of a long answer that goes on (an engine that does not stream), and a complete
+call once the unit makes its next call. A unit that makes one call and answers it in one chunk writes nothing (its shard line is
 its record), so a run of short single-turn answers costs what it cost without this file.
 
-Durability: each line is one `write()` on an O_APPEND file (a line holds a chunk, `actors.progress_chunk_tokens`
+Durability: each line is one `write()` on an O_APPEND file (a line holds a streamed piece, a chunk, `actors.progress_chunk_tokens`
 tokens, or a whole model call), so a SIGKILL or any other crash of the process loses nothing written. The lines
 are never fsync'd: an fsync per chunk cost the e2e bench's actor a third of its rate at 1k-token answers on a
 2-core box, and one on a timer over every open file more, for files that are unlinked within minutes. A machine
@@ -76,6 +80,7 @@ class RecordedCall:
     ids: list[int]
     logprobs: list[float] | None
     end: str | None
+    at: int | None = None  # a written piece's place in its answer (what came after it before is superseded)
 
 
 def read_progress(path: Path) -> bytes | None:
@@ -101,20 +106,26 @@ def parse_calls(data: bytes) -> list[RecordedCall]:
         try:
             line = orjson.loads(raw)
             call, digest, ids = int(line["call"]), str(line["digest"]), list(map(int, line["ids"]))
-            logprobs, end = line.get("logprobs"), line.get("end")
+            logprobs, end, at = line.get("logprobs"), line.get("end"), line.get("at")
             logprobs = None if logprobs is None else list(map(float, logprobs))  # ints and floats, as the engine's
+            at = None if at is None else int(at)
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             break
         if logprobs is not None and len(logprobs) != len(ids):
             break
         if call == len(calls) - 1 and calls[-1].end is None and calls[-1].digest == digest \
-                and (calls[-1].logprobs is None) == (logprobs is None):
-            last = calls[-1]  # the next piece of the unfinished call
+                and (calls[-1].logprobs is None) == (logprobs is None) \
+                and (at is None or 0 <= at <= len(calls[-1].ids)):
+            last = calls[-1]  # the next piece of the unfinished call, from its place in the answer
+            if at is not None:
+                del last.ids[at:]
+                if last.logprobs is not None:
+                    del last.logprobs[at:]
             last.ids += ids
             if logprobs is not None:
                 last.logprobs += logprobs
             last.end = end
-        elif call == len(calls) and (not calls or calls[-1].end is not None):
+        elif call == len(calls) and (not calls or calls[-1].end is not None) and not at:
             calls.append(RecordedCall(digest, ids, logprobs, end))
         else:
             break
@@ -123,7 +134,7 @@ def parse_calls(data: bytes) -> list[RecordedCall]:
 
 def _line(call: int, piece: RecordedCall) -> bytes:
     return orjson.dumps({"call": call, "digest": piece.digest, "ids": piece.ids, "logprobs": piece.logprobs,
-                         "end": piece.end}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+                         "end": piece.end, "at": piece.at}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
 
 
 class ProgressFile:

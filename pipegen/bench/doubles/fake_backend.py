@@ -276,6 +276,7 @@ class FakeBackend(ModelBackend):
     async def _generate(self, req: BackendRequest) -> GenerationResult:
         spec = req.spec
         st = self._begin(spec)
+        req.live = st["res"]
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         lat = self.token_latency
@@ -311,6 +312,7 @@ class FakeBackend(ModelBackend):
                 req.state = "running"
                 req.started = time.monotonic()
                 running.append((req, self._begin(req.spec)))
+                req.live = running[-1][1]["res"]
             self._running = len(running)
             self._max_running = max(self._max_running, self._running)
             if not running:
