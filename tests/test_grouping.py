@@ -95,6 +95,29 @@ def test_members_finish_at_different_times_and_each_is_answered_when_it_ends(fak
     assert max(ended[1], ended[3]) < 0.5 * min(ended[2], ended[4]), ended
 
 
+def test_an_answer_kept_as_it_comes_goes_alone_streamed_and_its_chunks_reach_its_keeper(fakes):
+    """A long answer whose tokens the unit keeps (actor/continuation.py): one streamed request of its own, never a
+    group member (a member sends only its first and last chunks), and each unfinished chunk's ids and log-probs so
+    far reach the keeper, a prefix of the answer."""
+    fake, before = steady(fakes)
+    kept: list[tuple[str, list[int], list[float] | None]] = []
+
+    async def body(pool):
+        await pool.learn_group_limits()
+        return await asyncio.gather(
+            pool.generate("long", prompt_ids=[10, 11, 12], sampling_params={**PARAMS, "max_new_tokens": 12},
+                          sticky_key="p", sampling_seed=1, on_tokens=lambda *a: kept.append(a)),
+            gen(pool, "p", 2, max_new=4), gen(pool, "p", 3, max_new=4))
+
+    (long, *_), pool = pool_run([fake.url], body)
+    after = fake.stats()
+    assert len(long.token_ids) == 12 and long.stop_reason == "length"
+    assert kept and all(ids == long.token_ids[:len(ids)] and lps == long.log_probs[:len(ids)]
+                        for _, ids, lps in kept)
+    # the two short ones went together, the long one alone
+    assert after["batch_requests"] - before["batch_requests"] == 1 and after["http_requests"] - before["http_requests"] == 2
+
+
 def test_a_group_partly_aborted_aborts_only_those_members_by_their_own_rids(fakes):
     fake, before = steady(fakes)
 

@@ -9,6 +9,7 @@ All servers start at once (module fixture) so their startup overlaps; everything
 
 from __future__ import annotations
 
+import http.client
 import json
 import sys
 import threading
@@ -492,6 +493,45 @@ def test_client_disconnect_aborts_and_flush_cache(slow: Server) -> None:
     status, _, text = call(slow, "POST", "/flush_cache?timeout=5")
     assert status == 200 and text.startswith("Cache flushed.")
     box["thread"].join(5)
+
+
+def test_a_streamed_answer_sends_the_answer_so_far_then_the_same_answer_unstreamed(slow: Server) -> None:
+    """stream=true (what the actor asks for a long answer whose tokens it keeps): SGLang's server-sent events, each
+    unfinished chunk the answer so far (cumulative ids and log-prob triples, finish_reason null), every 50 ms while
+    tokens come (0.01 s a token: ~5 tokens a chunk); the last chunk is the answer the same request gives unstreamed.
+    A batch streamed is refused in one line; a client gone mid-stream aborts the generation."""
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "sampling_seed": 3},
+            "return_logprob": True}
+    req = urllib.request.Request(f"{slow.url}/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=20) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = [e for e in resp.read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    last, partial = chunks[-1], chunks[:-1]
+    whole = gen(slow, body)
+    assert last["output_ids"] == whole["output_ids"] and len(whole["output_ids"]) == 40
+    assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
+    assert len(partial) >= 3 and all(c["meta_info"]["finish_reason"] is None for c in partial)
+    sizes = [len(c["output_ids"]) for c in partial]
+    assert sizes == sorted(set(sizes)) and max(sizes) < 40
+    for c in partial:
+        n = len(c["output_ids"])
+        assert c["output_ids"] == whole["output_ids"][:n]
+        assert c["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"][:n]
+
+    refused = gen(slow, {**body, "input_ids": [PROMPT, PROMPT], "stream": True}, expect=400)
+    assert "stream=true takes one generation" in err_message(refused)
+
+    before = slow.stats()["client_disconnects"]
+    conn = http.client.HTTPConnection("127.0.0.1", slow.port, timeout=20)
+    conn.request("POST", "/generate", json.dumps({**_long("streamed-gone"), "stream": True}),
+                 {"Content-Type": "application/json"})
+    assert conn.getresponse().read1().startswith(b"data: ")  # the first chunk came: the client goes
+    conn.close()
+    wait_until(lambda: slow.stats()["client_disconnects"] == before + 1, what="disconnect noticed")
+    wait_until(lambda: slow.stats()["running"] == 0, timeout=2, what="aborted stream released its slot")
 
 
 def test_slots_bound_running_requests(slow: Server) -> None:

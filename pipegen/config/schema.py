@@ -96,12 +96,12 @@ class Actors:
                               choices=(True, False))
     stats_interval_s: float = key(2.0, "how often each actor appends a line to streams/stats/", above=0)
     progress_chunk_tokens: int = key(
-        1024, "long answers: generate an answer longer than this in chunks of this many tokens, each continued "
-              "from the prompt plus the tokens so far, each finished chunk (ids and log-probs, one write) kept under "
-              "streams/progress/ until the unit's line is written, so the next launch continues an answer a crash "
-              "cut off, losing at most one chunk per unit in flight (an answer that fits one chunk is one request, "
-              "as before; smaller chunks lose less to a crash and cost one request more each; 0: one request per "
-              "answer; a multi-turn unit's finished model calls are kept either way)", at_least=0)
+        1024, "long answers: an answer whose budget exceeds this keeps its tokens under streams/progress/ while it is "
+              "generated, so the next launch continues an answer a crash cut off: on an engine that streams (SGLang, "
+              "the CPU server) as each streamed chunk arrives, on one that does not (vLLM) in chunks of this many "
+              "tokens, each continued from the prompt plus the tokens so far (smaller chunks lose less to a crash and "
+              "cost one request more each); an answer within it is one request, as before; 0: off (a multi-turn "
+              "unit's finished model calls are kept either way)", at_least=0)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The CPU reference server's HTTP side: an aiohttp app that speaks SGLang 0.5.12's native protocol.
 
-Owns: ``POST|PUT /generate`` (single, batch, ``n > 1``; the in-flight duplicate-rid check), ``GET /health``
+Owns: ``POST|PUT /generate`` (single, batch, ``n > 1``, one generation streamed; the in-flight duplicate-rid check), ``GET /health``
 and ``GET /health_generate`` (503 with an empty body until the model backend is loaded), ``GET /get_model_info`` and
 ``/model_info`` (answer during startup too), ``GET /get_server_info``, ``GET /v1/models``,
 ``GET|POST /flush_cache``, ``POST /abort_request`` (rid prefix semantics), ``GET /get_load`` (SGLang's
