@@ -1,6 +1,6 @@
-"""Progress inside a sample (actor/continuation.py, run/unit_progress.py): long answers generated in chunks, each chunk
-durable before the next is asked; after a crash a unit continues from its last durable tokens, and a rerun of a
-multi-turn unit answers the calls it asks as before from the record.
+"""Progress inside a sample (actor/continuation.py, run/unit_progress.py): a long answer's tokens kept as a streaming
+engine sends them, or generated in chunks each durable before the next is asked; after a crash a unit continues
+from its last durable tokens, and a rerun of a multi-turn unit answers the calls it asks as before from the record.
 
 The unit-level tests drive `UnitProgress` with an engine double that answers like SGLang's /generate would (a
 deterministic token function of the request, `max_new_tokens`, an end-of-sequence id); the pipeline test SIGKILLs
@@ -225,23 +225,26 @@ def test_tidy_drops_the_progress_of_done_units_only(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_actors_continue_long_answers_from_their_durable_chunks(tmp_path):
-    """The bench's `resume` scenario (pipegen/bench/partial_progress.py) at a cheap size: SIGKILLs while the
-    actor generates, each restart continues the units from their last chunk. `python -m pipegen.bench --only
-    resume` measures it with 5 kills and 2,000-token answers (BENCHMARKS.md)."""
+def test_killed_actors_continue_long_answers_from_their_streamed_tokens(tmp_path):
+    """The bench's `resume` scenario (pipegen/bench/partial_progress.py) at a cheap size, with the default settings:
+    answers past actors.progress_chunk_tokens are streamed from the CPU server and their tokens kept as they come;
+    a SIGKILL while the actor generates, and the restart continues the units from their kept tokens. `python -m
+    pipegen.bench --only resume` measures it with 5 kills and 2,000-token answers (BENCHMARKS.md)."""
     from conftest import assert_verified, load_trajectories
     from pipegen.bench.partial_progress import crash_run
 
-    figures = crash_run(tmp_path, units=4, answer_tokens=600, chunk_tokens=25, kills=1, token_latency=0.002, seed=1)
+    answer = 1200  # past the default actors.progress_chunk_tokens (1,024)
+    figures = crash_run(tmp_path, units=4, answer_tokens=answer, chunk_tokens=None, kills=1, token_latency=0.002,
+                        seed=1)
     out = tmp_path / "run"
     assert_verified(out)  # every unit exactly once; no committed unit keeps progress (status --verify)
     data = load_trajectories(out / "trajectories.pkl")  # verl's own reader
     units = sorted(zip(map(int, data.non_tensor_batch["index"]), map(int, data.non_tensor_batch["sample"])))
     assert len(units) == len(set(units)) == 4
-    assert (data.batch["response_mask"].sum(-1) == 600).all()  # the whole answer, as an uninterrupted one
+    assert (data.batch["response_mask"].sum(-1) == answer).all()  # the whole answer, as an uninterrupted one
     assert figures.resumed_rows >= 1
     resumed = [r for r, at in zip(data.non_tensor_batch["resumed"], data.non_tensor_batch["resumed_at_token"]) if r]
-    assert resumed and all(0 < at < 600 for at in data.non_tensor_batch["resumed_at_token"] if at is not None)
+    assert resumed and all(0 < at < answer for at in data.non_tensor_batch["resumed_at_token"] if at is not None)
     assert figures.ratio <= 1.10, figures
     assert not list((out / "streams" / "progress").glob("*.jsonl"))
 
