@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -310,7 +311,9 @@ class ServerPool:
                     if now - last_sent >= hedge_after:
                         # a copy may hang too: the newest one gets the same grace before the next copy
                         hedge_server = self.pick(key, {srv.url for srv, _ in copies.values()}) or server
-                        hedge = self.engine.renewed(request)
+                        # a hedge copy streams nothing to the unit: two attempts would supersede each other's
+                        # tokens at every chunk; the answer that wins is kept whole either way
+                        hedge = dataclasses.replace(self.engine.renewed(request), progress=None)
                         copies[self._start(hedge_server, hedge)] = (hedge_server, hedge)
                         self.hedges += 1
                         last_sent = now
