@@ -133,6 +133,7 @@ def servers(tiny_model: str, tmp_path_factory: pytest.TempPathFactory):
                      "--dtype", "float32", "--startup-delay", "1.0"),
         "fake": Server("fake", tmp, *fake),
         "slow": Server("slow", tmp, *fake, "--slots", "2", "--token-latency", "0.01"),
+        "pieces": Server("pieces", tmp, *fake, "--token-latency", "0.01", "--incremental-streaming-output"),
         "faults": Server("faults", tmp, *fake, "--fail-rate", "0.2", "--hang-rate", "0.05"),
         "crash": Server("crash", tmp, *fake, "--crash-after", "3"),
         "script": Server("script", tmp, *fake, "--script", str(script)),
@@ -532,6 +533,33 @@ def test_a_streamed_answer_sends_the_answer_so_far_then_the_same_answer_unstream
     conn.close()
     wait_until(lambda: slow.stats()["client_disconnects"] == before + 1, what="disconnect noticed")
     wait_until(lambda: slow.stats()["running"] == 0, timeout=2, what="aborted stream released its slot")
+
+
+def test_an_incremental_stream_sends_new_tokens_and_the_actor_reads_the_whole_answer(servers) -> None:
+    """--incremental-streaming-output (how the launcher starts the CPU server): each chunk carries only its new ids
+    and log-prob triples, its completion_tokens the answer's length so far; the actor's reader (engines/sglang.py)
+    makes the same answer of them as the request gives unstreamed."""
+    from pipegen.engines.sglang import StreamedAnswer
+
+    pieces = servers["pieces"].wait_ready()
+    assert call(pieces, "GET", "/get_server_info")[1]["incremental_streaming_output"] is True
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True, "sampling_seed": 3},
+            "return_logprob": True}
+    req = urllib.request.Request(f"{pieces.url}/generate", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=20) as resp:
+        chunks = [json.loads(e[len("data: "):]) for e in resp.read().decode().split("\n\n") if e.startswith("data: {")]
+    whole = gen(pieces, body)
+    assert len(chunks) >= 3 and sum(len(c["output_ids"]) for c in chunks) == 40
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == \
+        [sum(len(c["output_ids"]) for c in chunks[:k + 1]) for k in range(len(chunks))]
+    answer = StreamedAnswer(return_logprob=True)
+    for c in chunks[:-1]:
+        answer.add(c)
+        assert answer.ids == whole["output_ids"][:len(answer.ids)] and len(answer.logprobs) == len(answer.ids)
+    made = answer.whole(chunks[-1])
+    assert made["output_ids"] == whole["output_ids"]
+    assert made["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
 
 
 def test_slots_bound_running_requests(slow: Server) -> None:

@@ -556,14 +556,15 @@ class ServerPool:
     async def _read_stream(self, server: ServerState, request: EngineRequest, resp: aiohttp.ClientResponse,
                            started: float):
         """A streamed answer: each unfinished chunk's tokens to `request.progress`, the last read as an answer."""
+        answer = self.engine.streamed(request)
         try:
             async with contextlib.aclosing(self.engine.stream_chunks(resp)) as chunks:
                 async for chunk in chunks:
                     if self.engine.finish_type(chunk) is not None:
-                        return self._read_answer(server, request, chunk, started)
-                    ids, logprobs = self.engine.partial(chunk, request)
+                        return self._read_answer(server, request, answer.whole(chunk), started)
+                    answer.add(chunk)
                     try:
-                        request.progress(request.rid, ids, logprobs)
+                        request.progress(request.rid, answer.ids, answer.logprobs)
                     except OSError as e:  # keeping the tokens failed (the disk): the unit's failure, not the server's
                         raise ProgressLost(f"the answer's tokens could not be kept: {e}") from e
         except StreamError as e:  # SGLang's in-stream refusal (HTTP 200): as the status it names

@@ -337,7 +337,8 @@ def reference_server(folder: Path, args: list[str], name: str = "server", ready_
     folder.mkdir(parents=True, exist_ok=True)
     port_file = folder / f"{name}.port"
     argv = [sys.executable, "-m", "pipegen.cpu_server", "--host", "127.0.0.1", "--port", "0",
-            "--port-file", str(port_file), "--stats-interval", "0", "--log-level", "warning", *args]
+            "--port-file", str(port_file), "--stats-interval", "0", "--log-level", "warning",
+            "--incremental-streaming-output", *args]  # as the launcher starts it (launch/servers.py)
     server = ServerProcess(argv, folder / f"{name}.log", port_file=port_file,
                            env={"OMP_NUM_THREADS": str(threads)}, cwd=REPO)
     try:

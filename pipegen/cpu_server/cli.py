@@ -53,6 +53,9 @@ def build_parser(engine: str) -> argparse.ArgumentParser:
                    help="auto = bfloat16 where the CPU has avx512_bf16/amx_bf16, else float32")
     p.add_argument("--max-batch", type=int, default=CpuServers.max_batch, help="max requests running together")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="a streamed answer's chunks carry only their new ids and log-probs (SGLang's flag); "
+                        "without it each chunk holds the answer so far")
     p.add_argument("--unknown-key-status", type=int, choices=(400, 500), default=400,
                    help="unknown sampling_params key: 400 (SGLang 0.5.23) or bare 500 (0.5.12)")
     faults = p.add_argument_group("fault injection")

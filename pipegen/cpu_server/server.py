@@ -10,7 +10,8 @@ It always behaves as ``--skip-tokenizer-init``: token ids in, token ids + logpro
 Must never: bind anything but the given host (loopback by default), do model work on the event loop, answer a
 request it did not validate, re-tokenize, or know a backend's constructor (backends build themselves from the
 parsed command line). Acceptable differences from SGLang: a stream (``stream: true``, one generation) sends the
-answer so far every STREAM_EVERY_S seconds while tokens come, not every ``stream_interval`` tokens; no stop
+answer so far (or, with ``--incremental-streaming-output``, its new tokens) every STREAM_EVERY_S seconds while tokens
+come, not every ``stream_interval`` tokens; no stop
 strings, ``cached_tokens`` always 0, instant ``/health``, no ``/metrics``, ids >= vocab size rejected.
 """
 
@@ -179,7 +180,7 @@ class ReferenceServer:
             outs.append(build_output(spec, res, e2e_latency=e2e))
         self.count_status(200)
         if stream is not None:
-            return await self._end_stream(stream, outs[0])
+            return await self._end_stream(stream, self._tail(outs[0], stream))
         return self.json_response(outs[0] if parsed.is_single else outs)
 
     async def _stream_progress(self, request: web.Request, req: BackendRequest, t0: float) -> web.StreamResponse:
@@ -188,6 +189,7 @@ class ReferenceServer:
         new tokens came, not every `stream_interval` tokens (accepted, not used: see the module docstring)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        incremental = self.args.incremental_streaming_output
         sent = 0
         while not req.future.done():
             await asyncio.wait((req.future,), timeout=STREAM_EVERY_S)
@@ -195,12 +197,26 @@ class ReferenceServer:
             n = len(live.output_ids) if live is not None and not req.future.done() else 0
             if n > sent:
                 # the backend may be appending in another thread: the first n of each list are settled
-                snapshot = GenerationResult(live.output_ids[:n], None, live.output_logprobs[:n],
-                                            live.output_logprob_ids[:n])
+                first = sent if incremental else 0
+                snapshot = GenerationResult(live.output_ids[first:n], None, live.output_logprobs[first:n],
+                                            live.output_logprob_ids[first:n])
                 chunk = build_output(req.spec, snapshot, e2e_latency=time.monotonic() - t0)
+                chunk["meta_info"]["completion_tokens"] = n  # the answer's length so far, as SGLang's chunks say
                 await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 sent = n
+        resp.pipegen_sent = sent  # type: ignore[attr-defined]  (what _tail leaves out of the last chunk)
         return resp
+
+    def _tail(self, answer: dict, resp: web.StreamResponse) -> dict:
+        """A stream's last chunk: the whole answer, or with --incremental-streaming-output only what the earlier
+        chunks did not carry (its meta_info's completion_tokens still the whole answer's)."""
+        sent = getattr(resp, "pipegen_sent", 0)
+        if not self.args.incremental_streaming_output or not sent:
+            return answer
+        meta = dict(answer["meta_info"])
+        if "output_token_logprobs" in meta:
+            meta["output_token_logprobs"] = meta["output_token_logprobs"][sent:]
+        return {**answer, "output_ids": answer["output_ids"][sent:], "meta_info": meta}
 
     async def _end_stream(self, resp: web.StreamResponse, last: dict) -> web.StreamResponse:
         await resp.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
@@ -302,6 +318,7 @@ class ReferenceServer:
             "max_req_input_len": c - SCHEDULER_INPUT_MARGIN,
             "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}}],
             "version": SGLANG_VERSION,
+            "incremental_streaming_output": bool(a.incremental_streaming_output),
             "pipegen_reference_server": True,
             "engine": self.backend.name,
             "vocab_size": self.backend.vocab_size,

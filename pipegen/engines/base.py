@@ -51,8 +51,23 @@ class Engine(Protocol):
         chunk raises StreamError."""
         ...
 
-    def partial(self, chunk: dict[str, Any], request: EngineRequest) -> tuple[list[int], "list[float] | None"]:
-        """An unfinished chunk's ids so far and their log-probs (None when the request asked for none)."""
+    def streamed(self, request: EngineRequest) -> "StreamedAnswer":
+        """What reads `request`'s streamed chunks into its answer (only where `streams`)."""
+        ...
+
+
+class StreamedAnswer(Protocol):
+    """One streamed answer, read chunk by chunk."""
+
+    ids: list[int]  # the answer's ids so far
+    logprobs: "list[float] | None"  # theirs (None when the request asked for none)
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        """An unfinished chunk."""
+        ...
+
+    def whole(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk as the whole answer, as an unstreamed request would have it."""
         ...
 
     def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: "TokenBudget",

@@ -158,13 +158,51 @@ class SGLang:
     def stream_chunks(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
         return sse_chunks(resp)
 
-    def partial(self, chunk: dict[str, Any], request: EngineRequest) -> tuple[list[int], list[float] | None]:
+    def streamed(self, request: EngineRequest) -> StreamedAnswer:
+        return StreamedAnswer(request.return_logprob)
+
+
+class StreamedAnswer:
+    """A streamed /generate answer read chunk by chunk. A chunk holds the answer so far, or, from a server started
+    with --incremental-streaming-output (pipegen starts its CPU server so), only its new ids and log-prob triples;
+    its meta_info's `completion_tokens` (the answer's length so far) says which."""
+
+    def __init__(self, return_logprob: bool):
+        self.ids: list[int] = []
+        self.logprobs: list[float] | None = [] if return_logprob else None
+        self._triples: list[Any] = []
+        self._pieces = False  # the chunks came as pieces: the last one is made whole
+
+    def add(self, chunk: dict[str, Any]) -> None:
         ids = chunk.get("output_ids") or []
-        if not request.return_logprob:
-            return ids, None
-        triples = (chunk.get("meta_info") or {}).get("output_token_logprobs") or []
-        n = min(len(ids), len(triples))
-        return ids[:n], list(map(_FIRST, triples[:n]))
+        meta = chunk.get("meta_info") or {}
+        triples = (meta.get("output_token_logprobs") or []) if self.logprobs is not None else []
+        total = meta.get("completion_tokens")
+        if self.ids and isinstance(total, int) and len(ids) < total and len(self.ids) + len(ids) == total:
+            self._pieces = True  # the new tokens only
+            self.ids += ids
+            self._triples += triples
+            if self.logprobs is not None:
+                self.logprobs += map(_FIRST, triples)
+            return
+        self.ids = list(ids)
+        self._triples = list(triples)
+        if self.logprobs is not None:
+            self.logprobs = list(map(_FIRST, triples))
+        if len(self._triples) != len(self.ids) and self.logprobs is not None:  # a chunk cut mid-token: its ids only
+            n = min(len(self.ids), len(self._triples))
+            del self.ids[n:], self._triples[n:], self.logprobs[n:]
+
+    def whole(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        if not self._pieces and not self.ids:
+            return chunk
+        self.add(chunk)
+        if not self._pieces:
+            return chunk
+        meta = dict(chunk.get("meta_info") or {})
+        if self.logprobs is not None:
+            meta["output_token_logprobs"] = self._triples
+        return {**chunk, "output_ids": self.ids, "meta_info": meta}
 
 
 # A streamed answer's chunks: SGLang sends one every `stream_interval` tokens, each holding the whole answer so far

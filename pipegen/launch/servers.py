@@ -52,6 +52,8 @@ def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: in
         "--dtype", str(llm["dtype"]),
         "--max-batch", str(llm["max_batch"]),
         "--seed", str(seed),
+        # a long answer the actor keeps as it comes is streamed: each chunk its new tokens only, not the answer so far
+        "--incremental-streaming-output",
         *[str(a) for a in llm["engine_args"]],
     ]
     return argv, {"OMP_NUM_THREADS": str(llm["threads"])}
