@@ -6,6 +6,10 @@ Grouping: an engine whose server takes several generations in one HTTP request, 
 (`group_body`) and reads each member's answer as it finishes (`group_answers`); an engine that cannot answers
 `group_limit` with 1 and the client sends one request per generation.
 
+Streaming: an engine whose server can stream one answer (`streams`) builds the streamed body (`stream_body`), reads
+its chunks (`stream_chunks`) and makes the answer of them (`streamed`: a `StreamedAnswer`), so the client can hand
+the tokens so far to `EngineRequest.progress` while the answer is generated (actor/continuation.py keeps them).
+
 Owns: the shape of an engine. Must never: import an engine (sglang.py, vllm.py import it), or hold
 per-request state beyond an `EngineRequest`.
 """
