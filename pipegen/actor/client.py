@@ -23,7 +23,12 @@ Owns:
   abort (by its own id) and retries; each is answered as its own answer arrives in the stream. A grouped
   request that fails as a whole (connection, 5xx) fails each member, which each retries on its own; one the
   server refuses as a whole (4xx, an in-stream error) is sent again member by member, so only a faulty
-  member is refused. The group's connection is closed only once none of its members is waited for.
+  member is refused. The group's connection is closed only once none of its members is waited for;
+- streaming: a request given `on_tokens` (a long answer whose unit keeps its tokens, actor/continuation.py) goes
+  alone and streamed where the engine streams (`Engine.streams`); each unfinished chunk's tokens so far go to
+  `on_tokens` with the attempt's id (a re-sent attempt starts again; a hedge copy sends none), and the last chunk is
+  read as an answer. An in-stream error is treated as its status would be; a failure to keep the tokens
+  (`ProgressLost`) fails the unit, never the server.
 Must never: re-tokenize anything (ids in, ids out), retry a 4xx other than 408/429 (a client bug would
 retry forever), send an id outside the vocabulary, or fabricate an output when the retry budget is spent
 (it raises `RetriesExhausted`; the actor records the unit as failed).
