@@ -7,8 +7,8 @@ Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
   unit's progress file (run/unit_progress.py) while it is generated.
   - On an engine that streams (SGLang, pipegen's CPU server: `Engine.streams`) it is one request, streamed: each
     chunk the engine sends (the answer so far) writes its new tokens as one line (`_keeper`), so a crash loses what
-    came after the engine's last chunk (SGLang: about 1/32 of the answer, engines/sglang.py's `stream_interval`;
-    the CPU server: at most 50 ms of generation). An attempt the client re-sends writes from the request's start
+    came after the engine's last chunk (SGLang: up to 1/32 of the budget or 64 tokens, engines/sglang.py's
+    `stream_interval`; the CPU server: at most 50 ms of generation). An attempt the client re-sends writes from the request's start
     again.
   - On one that does not (vLLM) it is asked for in chunks of that many tokens, each request the prompt plus the
     ids so far with `max_new_tokens` = what is left of the chunk and of the answer's budget (the budget verl's rule
