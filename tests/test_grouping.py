@@ -118,6 +118,27 @@ def test_an_answer_kept_as_it_comes_goes_alone_streamed_and_its_chunks_reach_its
     assert after["batch_requests"] - before["batch_requests"] == 1 and after["http_requests"] - before["http_requests"] == 2
 
 
+def test_tokens_that_cannot_be_kept_fail_the_request_once_and_never_the_server(fakes):
+    """The unit's progress file cannot be written (a full disk): the request fails at once with ProgressLost, is
+    never re-sent, and the server stays in rotation (the next request is answered)."""
+    from pipegen.actor.client import ProgressLost
+
+    fake, before = steady(fakes)
+
+    def full_disk(*_):
+        raise OSError(28, "No space left on device")
+
+    async def body(pool):
+        with pytest.raises(ProgressLost, match="No space left on device"):
+            await pool.generate("long", prompt_ids=[10, 11, 12], sampling_params={**PARAMS, "max_new_tokens": 12},
+                                sticky_key="p", sampling_seed=1, on_tokens=full_disk)
+        return await gen(pool, "p", 2, max_new=4)
+
+    after_out, pool = pool_run([fake.url], body)
+    assert len(after_out.token_ids) == 4 and pool.retries == 0
+    assert fake.stats()["http_requests"] - before["http_requests"] == 2
+
+
 def test_a_group_partly_aborted_aborts_only_those_members_by_their_own_rids(fakes):
     fake, before = steady(fakes)
 
