@@ -140,11 +140,12 @@ class ReferenceServer:
         for r in reqs:
             self.inflight[r.spec.rid] = r
         stream: Optional[web.StreamResponse] = None
+        sent = 0  # a stream's tokens in the chunks before its last
         try:
             for r in reqs:
                 self.backend.submit(r)
             if parsed.stream:
-                stream = await self._stream_progress(request, reqs[0], t0)
+                stream, sent = await self._stream_progress(request, reqs[0], t0)
             results = await asyncio.gather(*(r.future for r in reqs))
         except (asyncio.CancelledError, ConnectionResetError):
             # Client disconnect (aiohttp cancels the handler, or a streamed chunk finds the connection gone):
@@ -180,13 +181,16 @@ class ReferenceServer:
             outs.append(build_output(spec, res, e2e_latency=e2e))
         self.count_status(200)
         if stream is not None:
-            return await self._end_stream(stream, self._tail(outs[0], stream))
+            return await self._end_stream(stream, self._tail(outs[0], sent))
         return self.json_response(outs[0] if parsed.is_single else outs)
 
-    async def _stream_progress(self, request: web.Request, req: BackendRequest, t0: float) -> web.StreamResponse:
+    async def _stream_progress(self, request: web.Request, req: BackendRequest,
+                               t0: float) -> tuple[web.StreamResponse, int]:
         """A streamed answer until its generation ends: SGLang's server-sent events, each chunk the answer so far
-        (cumulative `output_ids` and log-prob triples, `finish_reason` null), sent every STREAM_EVERY_S while
-        new tokens came, not every `stream_interval` tokens (accepted, not used: see the module docstring)."""
+        (cumulative `output_ids` and log-prob triples; with --incremental-streaming-output only the new ones;
+        `finish_reason` null, `completion_tokens` the length so far), sent every STREAM_EVERY_S while new tokens
+        came, not every `stream_interval` tokens (accepted, not used: see the module docstring). Returns the
+        response and how many tokens its chunks carried."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         incremental = self.args.incremental_streaming_output
@@ -204,13 +208,11 @@ class ReferenceServer:
                 chunk["meta_info"]["completion_tokens"] = n  # the answer's length so far, as SGLang's chunks say
                 await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 sent = n
-        resp.pipegen_sent = sent  # type: ignore[attr-defined]  (what _tail leaves out of the last chunk)
-        return resp
+        return resp, sent
 
-    def _tail(self, answer: dict, resp: web.StreamResponse) -> dict:
+    def _tail(self, answer: dict, sent: int) -> dict:
         """A stream's last chunk: the whole answer, or with --incremental-streaming-output only what the earlier
-        chunks did not carry (its meta_info's completion_tokens still the whole answer's)."""
-        sent = getattr(resp, "pipegen_sent", 0)
+        chunks (`sent` tokens) did not carry (its meta_info's completion_tokens still the whole answer's)."""
         if not self.args.incremental_streaming_output or not sent:
             return answer
         meta = dict(answer["meta_info"])
