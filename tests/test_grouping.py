@@ -5,8 +5,10 @@ batched protocol, each member's chunks tagged with its `index`, per-rid abort) i
   the others are answered on the same connection;
 - a group whose server dies mid-request: each unit is retried once on the other server, none twice;
 - a group whose members finish at different times: each unit is answered when its own member ends;
-- a server that refuses groups (pipegen's CPU server: no streaming): each member alone, then no groups;
-- the whole pipeline on the fake: every unit once in the output, its requests grouped.
+- a server that refuses groups (pipegen's CPU server: it streams no batch): each member alone, then no groups;
+- the whole pipeline on the fake: every unit once in the output, its requests grouped;
+- a long answer whose tokens its unit keeps: alone and streamed, its chunks to its keeper; a keeper that
+  cannot write fails the request once, never the server.
 """
 
 from __future__ import annotations
