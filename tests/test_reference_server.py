@@ -3,7 +3,8 @@
 Covers SGLang 0.5.12's behaviour wherever a client can see it: field names and shapes, meta_info key order,
 finish reasons, max_new_tokens default / null / 0, batch and n > 1 ordering and rids, the context-length and
 sampling errors with SGLang's texts, the unknown-key 400, text-only rejection, /health_generate 503 then 200, /abort_request prefix semantics,
-client disconnect = abort, fault knobs, determinism, and that concurrent requests really share forward passes.
+client disconnect = abort, a streamed answer (the answer so far, or with --incremental-streaming-output its new
+tokens, every 50 ms), fault knobs, determinism, and that concurrent requests really share forward passes.
 All servers start at once (module fixture) so their startup overlaps; everything binds 127.0.0.1 only.
 """
 
