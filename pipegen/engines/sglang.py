@@ -206,9 +206,10 @@ class StreamedAnswer:
 
 
 # A streamed answer's chunks: SGLang sends one every `stream_interval` tokens, each holding the whole answer so far
-# (without --incremental-streaming-output, which pipegen never sets), so an answer costs its client about
-# chunks/2 times its final chunk's parsing. About STREAM_CHUNKS chunks an answer, never one per fewer than
-# STREAM_MIN_TOKENS tokens: a crash loses at most 1/STREAM_CHUNKS of each answer in flight.
+# (pipegen starts SGLang without --incremental-streaming-output: its grouped answers are read from their last chunk
+# alone), so an answer costs its client about chunks/2 times its final chunk's parsing. About STREAM_CHUNKS chunks an
+# answer, never one per fewer than STREAM_MIN_TOKENS tokens: a crash loses at most 1/STREAM_CHUNKS of each answer's
+# budget in flight, or STREAM_MIN_TOKENS tokens. (pipegen's CPU server streams on a timer and ignores the interval.)
 STREAM_CHUNKS = 32
 STREAM_MIN_TOKENS = 64
 
