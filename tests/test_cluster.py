@@ -145,13 +145,15 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     out = tmp_path / "run"
     workers = [add_generation_node(ray_cluster, NODE_RESOURCE) for _ in range(2)]
     ray_cluster.wait_for_nodes()
-    # 48 prompts x 2 samples, 24 tokens at 0.2 s each (~4.8 s a unit), 4 at a time per node: ~60 s on two
+    # 48 prompts x 2 samples, 1,100 tokens at 4.4 ms each (~4.8 s a unit), 4 at a time per node: ~60 s on two
     # nodes, long enough to lose one mid-run and have a new one join while work is left (its runner starts its
-    # server and forkserver, ~10 s, while the survivor's killed actor is back in milliseconds); answers in chunks
-    # of 8 tokens, so the units in flight on the lost node and in the killed actor continue from their durable chunks
-    overrides = [o for o in FAST if not o.startswith(("max_samples=", "actors.concurrency="))] + [
-        "max_samples=48", "actors.concurrency=4", FAKE_ENGINE, "llm.engine_args=[--token-latency,0.2,--eos-prob,0]",
-        "actors.progress_chunk_tokens=8", "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}"]
+    # server and forkserver, ~10 s, while the survivor's killed actor is back in milliseconds); answers past the
+    # default actors.progress_chunk_tokens (1,024), so they are streamed and kept as they come, and the units in
+    # flight on the lost node and in the killed actor continue from their durable tokens
+    answer = 1100
+    overrides = [o for o in FAST if not o.startswith(("max_samples=", "actors.concurrency=", "max_response_length="))] + [
+        "max_samples=48", "actors.concurrency=4", f"max_response_length={answer}", FAKE_ENGINE,
+        "llm.engine_args=[--token-latency,0.0044,--eos-prob,0]", "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}"]
     env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": ray_cluster.address}
     log = open(tmp_path / "launcher.log", "w+")
     launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}",
@@ -171,8 +173,8 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         # and an actor of the surviving node crashes: the units it held go back to its node's queue
         survivor = next(name for name, node in cluster_line(out)["nodes"].items() if not node["leases_lost"])
         actor_stats = next(RunDir(out).stats.glob(f"actor_{survivor}-*.jsonl"))
-        # once its units hold durable chunks (the new node's actor is still starting: the files are the survivor's)
-        wait_for(lambda: any(RunDir(out).progress.glob("*.jsonl")), 60, "units holding durable chunks", launcher)
+        # once its units hold durable tokens (the new node's actor is still starting: the files are the survivor's)
+        wait_for(lambda: any(RunDir(out).progress.glob("*.jsonl")), 60, "units holding durable tokens", launcher)
         os.kill(orjson.loads(actor_stats.read_bytes().splitlines()[-1])["pid"], signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0
     finally:
@@ -183,11 +185,11 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         console = log.read()
     data = load_trajectories(out / "trajectories.pkl")
     assert units_of(data) == [(i, s) for i in range(48) for s in range(2)], console[-3000:]  # each unit once
-    # units cut off mid-answer went on elsewhere from their last durable chunk, whole answers as uninterrupted ones
+    # units cut off mid-answer went on elsewhere from their last durable tokens, whole answers as uninterrupted ones
     resumed_at = [at for r, at in zip(data.non_tensor_batch.get("resumed", []),
                                       data.non_tensor_batch.get("resumed_at_token", [])) if r]
-    assert resumed_at and all(0 < at < 24 for at in resumed_at), console[-3000:]
-    assert (data.batch["response_mask"].sum(-1) == 24).all()
+    assert resumed_at and all(0 < at < answer for at in resumed_at), console[-3000:]
+    assert (data.batch["response_mask"].sum(-1) == answer).all()
     assert not list((out / "streams" / "progress").glob("*.jsonl"))
     final = cluster_line(out)
     releases = [r for r in final["releases"] if r["units"]]
