@@ -151,9 +151,11 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     # default actors.progress_chunk_tokens (1,024), so they are streamed and kept as they come, and the units in
     # flight on the lost node and in the killed actor continue from their durable tokens
     answer = 1100
-    overrides = [o for o in FAST if not o.startswith(("max_samples=", "actors.concurrency=", "max_response_length="))] + [
+    replaced = ("max_samples=", "actors.concurrency=", "max_response_length=")
+    overrides = [o for o in FAST if not o.startswith(replaced)] + [
         "max_samples=48", "actors.concurrency=4", f"max_response_length={answer}", FAKE_ENGINE,
-        "llm.engine_args=[--token-latency,0.0044,--eos-prob,0]", "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}"]
+        "llm.engine_args=[--token-latency,0.0044,--eos-prob,0]", "cluster=ray",
+        f"cluster.node_resource={NODE_RESOURCE}"]
     env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": ray_cluster.address}
     log = open(tmp_path / "launcher.log", "w+")
     launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}",

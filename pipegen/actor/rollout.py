@@ -202,7 +202,7 @@ class UnitServerManager:
     def __init__(self, pool: ServerPool, sticky_key: Hashable, sampling_seed: int | None, slot: UnitSlot,
                  gateway: Gateway, progress: UnitProgress):
         self.pool = pool
-        self.progress = progress  # the unit's record: chunks of long answers, calls a rerun answers from it
+        self.progress = progress  # the unit's record: long answers' kept tokens, calls a rerun answers from it
         self.sticky_key = sticky_key
         self.sampling_seed = sampling_seed
         self.slot = slot
@@ -233,7 +233,8 @@ class UnitServerManager:
                                             sticky_key=self.sticky_key, sampling_seed=chunk_seed, image_data=pictures,
                                             on_tokens=keep)
 
-        # one call may be several requests (the chunks of a long answer) or none (answered from the record)
+        # one call may be several requests (a long answer's chunks on an engine that does not stream) or none
+        # (answered from the record)
         output = await self.progress.generate(send, prompt_ids, sampling_params, seed, image_data)
         await self.slot.answered()
         return output
