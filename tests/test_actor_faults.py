@@ -54,7 +54,7 @@ def pool_run(urls: list[str], body, **limit_kw):
     import aiohttp
 
     from pipegen.actor.admission import Admission, WatchdogLimits
-    from pipegen.actor.client import ClientLimits, ServerPool
+    from pipegen.actor.attempts import ClientLimits, ServerPool
 
     async def main():
         kw = dict(request_timeout_s=10.0, max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05,
@@ -189,7 +189,7 @@ def test_the_hedge_threshold_follows_the_recent_p90_latency():
 
 
 def test_budget_spent_raises_and_client_errors_are_not_retried(servers):
-    from pipegen.actor.client import RequestRejected, RetriesExhausted
+    from pipegen.actor.attempts import RequestRejected, RetriesExhausted
 
     bad, a = servers["always503"], servers["a"]
     before = bad.stats()["requests_total"]

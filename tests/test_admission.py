@@ -55,7 +55,7 @@ def test_gpu_like_engine_reports_its_limits_and_load_and_aborts_like_sglang(tiny
 
 def test_controller_grows_to_fill_the_batch_and_shrinks_a_long_queue():
     from pipegen.engines.sglang import parse_load
-    from pipegen.actor.admission import ConcurrencyControl
+    from pipegen.actor.concurrency import ConcurrencyControl
 
     control = ConcurrencyControl(["http://s"], "auto", sharing=1, memory_cap_units=10_000)
     s = control.servers[0]
@@ -151,7 +151,8 @@ def test_hedging_waits_for_the_tail_and_idle_capacity():
     """A slow request is hedged only once nothing is left to admit and a slot is idle: before the tail a
     second copy would take a slot from a unit that has not started yet. The pool learns when the tail
     starts through `Admission.tail_started` (its watched requests wake at once), nothing set on the pool."""
-    from pipegen.actor.admission import Admission, ConcurrencyControl, WatchdogLimits
+    from pipegen.actor.admission import Admission, WatchdogLimits
+    from pipegen.actor.concurrency import ConcurrencyControl
 
     async def main():
         admission = Admission(WatchdogLimits(hedge=True, hedge_min_s=1.0),

@@ -7,8 +7,8 @@ batched protocol, each member's chunks tagged with its `index`, per-rid abort) i
 - a group whose members finish at different times: each unit is answered when its own member ends;
 - a server that refuses groups (pipegen's CPU server: it streams no batch): each member alone, then no groups;
 - the whole pipeline on the fake: every unit once in the output, its requests grouped;
-- a long answer whose tokens its unit keeps: alone and streamed, its chunks to its keeper; a keeper that
-  cannot write fails the request once, never the server.
+- a long answer whose tokens its unit keeps: a member of its group like any other, streamed, its chunks to its
+  keeper; a keeper that cannot write fails the request once, never the server.
 """
 
 from __future__ import annotations
@@ -50,21 +50,22 @@ def steady(fakes):
 def test_the_group_body_keeps_each_members_ids_seed_and_rid():
     from pipegen.actor.limits import ClientLimits
     from pipegen.engines import engine
+    from pipegen.engines.request import Generation
 
     sglang = engine("sglang")
     limits = ClientLimits(prompt_length=64, response_length=16, max_model_len=128, vocab_size=1000)
-    reqs = [sglang.build([5, 6, i], {**PARAMS, "max_new_tokens": 4 + i}, limits, sampling_seed=100 + i)
+    reqs = [sglang.build(Generation.of([5, 6, i], {**PARAMS, "max_new_tokens": 4 + i}, limits, seed=100 + i))
             for i in range(3)]
     assert len({sglang.group_key(r) for r in reqs}) == 1
-    body = sglang.group_body(reqs)
+    body = sglang.group_body(reqs, [r.max_new_tokens + 2 for r in reqs])
     assert body["rid"] == [r.rid for r in reqs] and body["stream"] is True and body["return_logprob"] is True
     assert body["input_ids"] == [[5, 6, 0], [5, 6, 1], [5, 6, 2]]
     assert [p["sampling_seed"] for p in body["sampling_params"]] == [100, 101, 102]
     assert [p["max_new_tokens"] for p in body["sampling_params"]] == [4, 5, 6]
-    # one chunk at the first token and one at the end, never one per token
-    assert all(p["stream_interval"] > p["max_new_tokens"] for p in body["sampling_params"])
+    # each member's own chunk interval (a member that is not kept: its first token's chunk and its last)
+    assert [p["stream_interval"] for p in body["sampling_params"]] == [6, 7, 8]
     assert "n" not in body["sampling_params"][0]
-    images = sglang.build([5, 6], PARAMS, limits, None, image_data=["data:image/png;base64,AAAA"])
+    images = sglang.build(Generation.of([5, 6], PARAMS, limits, pictures=["data:image/png;base64,AAAA"]))
     assert sglang.group_key(images) is None  # pictures go one request each
 
 
@@ -97,10 +98,10 @@ def test_members_finish_at_different_times_and_each_is_answered_when_it_ends(fak
     assert max(ended[1], ended[3]) < 0.5 * min(ended[2], ended[4]), ended
 
 
-def test_an_answer_kept_as_it_comes_goes_alone_streamed_and_its_chunks_reach_its_keeper(fakes):
-    """A long answer whose tokens the unit keeps (actor/continuation.py): one streamed request of its own, never a
-    group member (a member sends only its first and last chunks), and each unfinished chunk's ids and log-probs so
-    far reach the keeper, a prefix of the answer."""
+def test_an_answer_kept_as_it_comes_streams_inside_its_group_and_its_chunks_reach_its_keeper(fakes):
+    """A long answer whose tokens the unit keeps (actor/continuation.py) goes in the same grouped request as the
+    short ones ready with it (a user's default 4,096-token job gets both grouping and kept tokens), and each
+    unfinished chunk's ids and log-probs so far reach the keeper, a prefix of the answer."""
     fake, before = steady(fakes)
     kept: list[tuple[str, list[int], list[float] | None]] = []
 
@@ -116,14 +117,15 @@ def test_an_answer_kept_as_it_comes_goes_alone_streamed_and_its_chunks_reach_its
     assert len(long.token_ids) == 12 and long.stop_reason == "length"
     assert kept and all(ids == long.token_ids[:len(ids)] and lps == long.log_probs[:len(ids)]
                         for _, ids, lps in kept)
-    # the two short ones went together, the long one alone
-    assert after["batch_requests"] - before["batch_requests"] == 1 and after["http_requests"] - before["http_requests"] == 2
+    # the three went together
+    assert after["batch_requests"] - before["batch_requests"] == 1 and after["http_requests"] - before["http_requests"] == 1
+    assert pool.grouped == 3
 
 
 def test_tokens_that_cannot_be_kept_fail_the_request_once_and_never_the_server(fakes):
     """The unit's progress file cannot be written (a full disk): the request fails at once with ProgressLost, is
     never re-sent, and the server stays in rotation (the next request is answered)."""
-    from pipegen.actor.client import ProgressLost
+    from pipegen.actor.attempts import ProgressLost
 
     fake, before = steady(fakes)
 
@@ -215,7 +217,7 @@ def test_a_server_that_refuses_groups_gets_each_member_alone_then_no_more_groups
     refusals in a row the server gets one request per generation."""
     from verl.workers.rollout.replica import TokenOutput  # noqa: F401  (its first import outlasts a deadline here)
 
-    from pipegen.actor.client import GROUP_GIVE_UP
+    from pipegen.actor.sending import GROUP_GIVE_UP
 
     server = FakeServer("cpu", tmp_path, tiny_model, "--token-latency", "0.001").wait_ready()
 

@@ -28,7 +28,7 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.utils.dataset.rl_dataset import collate_fn
 
-    from pipegen.actor.client import ClientLimits, ServerPool
+    from pipegen.actor.attempts import ClientLimits, ServerPool
     from pipegen.inputs.dataset import load_dataset, load_processor, load_tokenizer
     from pipegen.run.pictures import load_pictures
 

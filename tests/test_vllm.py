@@ -30,7 +30,7 @@ import pytest
 
 from conftest import REPO, assert_verl_agrees, load_trajectories
 from fake_servers import RecordingProxy, launch_external, pids_where, read_records
-from pipegen.actor.admission import HEADROOM
+from pipegen.actor.concurrency import HEADROOM
 from pipegen.launch.servers import ServerNotReady, ServerProcess, vllm_server_command
 from pipegen.launch.world import ServerPlan, free_port
 from pipegen.config.schema import llm_defaults

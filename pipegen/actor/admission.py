@@ -1,62 +1,47 @@
 """Admission: how many of an actor's units run at once, and how long each of their requests may take.
 
 The one owner of the actor's concurrency policy. The actor's loop asks it which units to start
-(`Admission.run`); the server pool (client.py) asks it, through `Admission`'s small interface, how long a
-request may take on a server and whether a request may be hedged now. Nothing else decides either.
+(`Admission.run`); the server pool (attempts.py) asks it, through `Admission`'s small interface, when to look at a
+request on a server (the evidence then decides whether it stalled) and whether the tail has begun, when a request
+may be hedged. Nothing else decides either.
 
 - `TokenClock`: what one server has shown - seconds per output token, as the ratio of sums of recent
   request latencies over their output tokens (queue wait included, so a busy server earns longer
   deadlines), and the recent latencies for the tail's hedging threshold.
-- the stall deadline: a request's deadline from what it asks for and what its server has shown:
-  `floor + margin * max_new_tokens * seconds_per_token`, doubled for each stall the request already had
-  (a deadline that was too short for a server slower than it looked corrects itself instead of cutting
-  the same long generation again). Before a server has answered anything, a slow prior stands in.
-- `ConcurrencyControl` (the controller): units waiting on servers per actor. A fixed number when
-  `actors.concurrency` is one; with `auto` (the default) it reads each server's limit on running requests
-  from its engine (SGLang's `/get_server_info`; vLLM reports none, so `llm.max_running_requests` the
-  launcher gave it), starts at twice that (a batch running and a batch queued behind it, split over the
-  node's actors, which share the servers), then follows the engine's running and waiting counts once a
-  second (SGLang's `/get_load`, vLLM's `/metrics`): grow while the server's waiting queue is empty and its
-  running batch has room, shrink when more than a batch queues. Units are counted as the engine schedules
-  them, one sequence each, whether they travel alone or inside a grouped request (client.py). Bounded by `actors.max_memory_mb` over a
-  conservative per-unit size.
+- the stall deadline: when attempts.py first looks at a request's evidence, from what it asks for and what its
+  server has shown: `floor + margin * max_new_tokens * seconds_per_token`, doubled for each stall the request already
+  had. Before a server has answered anything, a slow prior stands in. Only a server that reports no load has its
+  requests judged by this clock alone.
+- `ConcurrencyControl` (concurrency.py): how many units may wait on the servers at once.
 - `Slots` (the hold): which units count against that number (those waiting on a server: a unit frees its
   slot when answered) and the order after an answer (the replacement's request goes out before the
   answered unit builds its record, at most ANSWER_HOLD_S later).
-- hedging: in the tail (nothing left to admit and capacity idle), a request older than a few times the
-  recent p90 latency may be sent once more; the pool sends the copy and aborts the loser.
+- hedging: in the tail (nothing left to admit and capacity idle), a request older than the recent p90 latency
+  (`hedge_after`) may get a copy; attempts.py sends it only to a measurably faster server, and aborts the loser.
 
 Owns: these estimates, the slot counts, the controller's polling (through engines/, read-only), the
 admission loop, and when the tail starts.
-Must never: send, abort or resend a request (client.py does), write a shard (the worker does), or hold a
+Must never: send, abort or resend a request (attempts.py does), write a shard (the worker does), or hold a
 unit longer than ANSWER_HOLD_S.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import contextlib
-import math
+import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterator, Protocol
+from typing import Awaitable, Callable, Iterator, Protocol
 
 import aiohttp
 
-from pipegen.engines import Engine, LoadUnavailable
-
+from pipegen.actor.concurrency import ConcurrencyControl
 from pipegen.config.schema import Actors, Servers
+from pipegen.engines import Engine
 
 log = logging.getLogger("pipegen.actor")
 
-DEFAULT_MAX_RUNNING = 256  # a server that reports no limit, and none is configured (llm.max_running_requests)
-# in flight per server over its running slots: a whole batch waits behind the running one. An engine ends its
-# answers in waves (one decode step finishes every sequence that reached its length; grouped requests and fixed
-# lengths make the waves larger), and the next wave must already be queued while the actor builds the records
-# of the last: with 1.1 the fake SGLang of `python -m pipegen.bench --only grouping` ran at 0.62 of its
-# ceiling, with 2.0 at 1.0
-HEADROOM = 2.0
 MIN_OBSERVATIONS = 4  # answers before a server's own token time replaces the prior
 P90_REFRESH = 32  # a full latency window is sorted again for its p90 after 1/32 of it is new
 
@@ -66,7 +51,7 @@ class WatchdogLimits:
     stall_floor_s: float = Servers.stall_floor_s  # fixed part of every deadline: prefill, a short queue, the network
     stall_margin: float = Servers.stall_margin  # x the expected decode time (max_new_tokens x observed s/token)
     prior_s_per_token: float = 0.1  # before a server answered anything: a slow GPU under a full batch
-    hedge: bool = Actors.hedge  # re-send the oldest requests to idle capacity when nothing else is left to run
+    hedge: bool = Actors.hedge  # in the tail, copy a request on a slow server to a faster one (attempts.py)
     hedge_factor: float = 1.0  # in the tail, a request older than the recent p90 latency may be hedged
     hedge_min_s: float = 1.0
 
@@ -116,106 +101,6 @@ def stall_deadline(clock: TokenClock, max_new_tokens: int, limits: WatchdogLimit
     if spt is None:
         spt = limits.prior_s_per_token
     return (limits.stall_floor_s + limits.stall_margin * max(1, max_new_tokens) * spt) * (2 ** stalls)
-
-
-def unit_memory_bytes(prompt_length: int, response_length: int) -> int:
-    """A conservative size of one unit in flight: Python ints and floats for every token id and log-prob
-    (about 100 bytes a token with the lists around them), the agent loop, the request and the record."""
-    return (prompt_length + response_length) * 100 + 64 * 1024
-
-
-@dataclass
-class ServerPace:
-    url: str
-    max_running: int = DEFAULT_MAX_RUNNING
-    limit: int = 1  # units this actor keeps in flight towards this server
-    running: int | None = None  # from the engine's load signal (None: the server does not report it)
-    waiting: int | None = None
-
-
-class ConcurrencyControl:
-    """Units in flight for one actor: fixed, or following each server's limits and load."""
-
-    def __init__(self, urls: list[str], setting: Any, sharing: int, memory_cap_units: int,
-                 interval_s: float = 1.0, configured_max_running: int | None = None):
-        self.auto = str(setting).strip().lower() == "auto"
-        self.fixed = None if self.auto else int(setting)
-        if self.fixed is not None and self.fixed < 1:
-            raise ValueError(f"actors.concurrency must be 'auto' or at least 1, got {setting}")
-        self.sharing = max(1, sharing)
-        self.memory_cap = max(1, memory_cap_units)
-        self.interval_s = interval_s
-        self.servers = [ServerPace(u.rstrip("/"), configured_max_running or DEFAULT_MAX_RUNNING) for u in urls]
-        self.changed = asyncio.Event()  # set when a limit changes (the actor also sets it when a unit ends)
-
-    def total(self) -> int:
-        if self.fixed is not None:
-            return self.fixed
-        return max(1, min(self.memory_cap, sum(s.limit for s in self.servers)))
-
-    def by_server(self) -> dict[str, int]:
-        if self.fixed is not None:
-            return {}
-        return {s.url: s.limit for s in self.servers}
-
-    def _start_limit(self, s: ServerPace) -> int:
-        return max(1, math.ceil(s.max_running * HEADROOM / self.sharing))
-
-    async def discover(self, session: aiohttp.ClientSession, engine: Engine) -> None:
-        """Read each server's running-request limit from its engine (else the configured or default one)."""
-        if not self.auto:
-            return
-        for s in self.servers:
-            try:
-                reported = await engine.max_running(session, s.url)
-                if reported:
-                    s.max_running = reported
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-                log.warning("no running-request limit from %s (%s): assuming %d running requests", s.url, e,
-                            s.max_running)
-            s.limit = self._start_limit(s)
-        log.info("concurrency auto: %s (memory bound %d units)",
-                 ", ".join(f"{s.url} max_running_requests={s.max_running} -> {s.limit}" for s in self.servers),
-                 self.memory_cap)
-        self.changed.set()
-
-    def adapt(self, s: ServerPace, running: int, waiting: int, binding: bool) -> None:
-        """One control step for one server from its load."""
-        s.running, s.waiting = running, waiting
-        # the batch queued on purpose is the batch the engine really runs: a server told (or assumed, 256 for
-        # vLLM) to run more than it does would otherwise let its queue grow to the told size unanswered
-        batch = min(running, s.max_running) if running > 0 else s.max_running
-        target_queue = max(2, math.ceil((HEADROOM - 1) * batch))
-        old = s.limit
-        if waiting > target_queue:
-            s.limit = max(1, s.limit - max(1, (waiting - target_queue) // self.sharing))
-        elif waiting == 0 and running < s.max_running and binding:
-            s.limit = s.limit + max(1, (s.max_running - running) // self.sharing)
-        cap = max(1, 4 * s.max_running // self.sharing)  # never far past what the server can hold
-        s.limit = min(s.limit, cap)
-        if s.limit != old:
-            self.changed.set()
-
-    async def follow(self, session: aiohttp.ClientSession, engine: Engine, units_in_flight: Callable[[], int]) -> None:
-        """Poll the engine's load and adapt, until cancelled. A server without one keeps its start limit."""
-        if not self.auto:
-            return
-        silent: set[str] = set()
-        while True:
-            await asyncio.sleep(self.interval_s)
-            binding = units_in_flight() >= self.total()
-            for s in self.servers:
-                if s.url in silent:
-                    continue
-                try:
-                    running, waiting = await engine.load(session, s.url)
-                except LoadUnavailable as e:
-                    silent.add(s.url)
-                    log.info("%s: its concurrency stays at %d", e, s.limit)
-                    continue
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-                    continue
-                self.adapt(s, running, waiting, binding)
 
 
 ANSWER_HOLD_S = 0.05  # longest an answered unit waits for the units admitted in its place to send
@@ -372,7 +257,7 @@ class Admission:
         self.draining = False  # nothing left to admit
         self._tail: asyncio.Future | None = None  # resolved when draining starts: wakes watched requests
 
-    # ---- asked by the server pool (client.py) ----
+    # ---- asked by the server pool (attempts.py) ----
     def stall_deadline(self, server_clock: TokenClock, max_new_tokens: int, stalls: int = 0) -> float:
         """Seconds a request may take on a server before it counts as stalled."""
         return stall_deadline(server_clock, max_new_tokens, self.watchdog, stalls)

@@ -39,34 +39,24 @@ one is durable, let a whole answer exceed the budget an uninterrupted request wo
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from pipegen.engines.request import TokenBudget, max_new_tokens_for
+from pipegen.engines.request import Generation, Keep, TokenBudget, continuation_seed
+from pipegen.run.pictures import image_data_url
 from pipegen.run.unit_progress import ProgressFile, RecordedCall, parse_calls, read_progress, request_digest
 
 if TYPE_CHECKING:
     from verl.workers.rollout.replica import TokenOutput
 
-# where a streamed answer's tokens so far go: (the attempt's rid, its ids so far, their log-probs or None)
-Keep = Callable[[str, list[int], "list[float] | None"], None]
-# one engine request: (prompt ids, sampling params, seed, pictures, where its tokens go as they come: None for none)
-# -> verl's TokenOutput
-Send = Callable[[list[int], dict[str, Any], "int | None", "list | None", "Keep | None"], Awaitable["TokenOutput"]]
+# one engine request (the unit's server manager sends it through the actor's ServerPool) -> verl's TokenOutput
+Send = Callable[[Generation], Awaitable["TokenOutput"]]
 
 # the row's fields for a unit that continued from its record (AgentLoopOutput.extra_fields -> verl's non_tensor_batch)
 RESUMED = "resumed"
 RESUMED_AT_TOKEN = "resumed_at_token"
 REPLAYED_CALLS = "replayed_calls"
-
-
-def chunk_seed(seed: int | None, offset: int) -> int | None:
-    """The seed of the chunk starting at answer token `offset`: the call's own for the first chunk."""
-    if seed is None or offset == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 # what an engine applies to the answer so far only: a chunk would start them afresh, so such answers go in one request
@@ -155,10 +145,12 @@ class UnitProgress:
                 self.live = True
                 ids, logprobs = list(record.ids), record.logprobs
                 self.resumed_at = len(ids)
-        params = dict(sampling_params)
-        budget = max_new_tokens_for(params, len(prompt_ids), self.limits)  # the whole answer's, as verl's rule
-        if not ids and (self.chunk_tokens <= 0 or budget <= self.chunk_tokens or not continuable(params)):
-            out = await send(prompt_ids, sampling_params, seed, image_data, None)  # today's request, unchanged
+        pictures = [i if isinstance(i, str) else image_data_url(i) for i in image_data] if image_data else None
+        # the whole answer's request, its budget computed once (verl's rule); a chunk or a continuation is its rest
+        whole = Generation.of(prompt_ids, sampling_params, self.limits, seed, pictures)
+        budget = whole.max_new_tokens
+        if not ids and (self.chunk_tokens <= 0 or budget <= self.chunk_tokens or not continuable(whole.params)):
+            out = await send(whole)  # today's request, unchanged
             self.tokens_generated += len(out.token_ids)
             # copies: a loop may extend the lists it was given before the next call writes this one
             self.pending = (call, RecordedCall(digest, list(out.token_ids),
@@ -179,8 +171,8 @@ class UnitProgress:
             if self.streams:
                 digest = digest or name()
             keep = self._keeper(call, digest, len(ids)) if self.streams else None
-            out = await send(prompt_ids + ids, {**params, "max_new_tokens": want}, chunk_seed(seed, len(ids)),
-                             image_data, keep)
+            rest = whole.continued(ids, continuation_seed(seed, len(ids)))
+            out = await send(dataclasses.replace(rest, max_new_tokens=want, on_tokens=keep))
             got = out.token_ids
             self.tokens_generated += len(got)
             if not ids and logprobs is None and out.log_probs is not None:

@@ -3,7 +3,7 @@
 The request itself (the token budget rule, the ids check, each engine's body and answer) is
 pipegen/engines/'s; the limits here add the client's timing knobs to the token budget engines read (a request's stall
 deadline and hedging are the actor's admission policy: admission.py).
-Owns: `ClientLimits`. Must never: do I/O (client.py sends and retries).
+Owns: `ClientLimits`. Must never: do I/O (sending.py sends, attempts.py retries).
 """
 
 from __future__ import annotations

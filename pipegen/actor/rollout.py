@@ -4,7 +4,7 @@ actor's shard.
 `UnitRunner` is built once per actor process: it loads the tokenizer, the dataset (verl's
 RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
-(loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (client.py), checks
+(loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (attempts.py), checks
 what the loop returned, scores it, packs it into a `RolloutRecord` (run/stream.py) and appends its line to
 the actor's shard (or a `FailureRecord` to its failures shard). A unit whose reward fails keeps its generated
 record, unscored, in its FailureRecord; the next launch scores that record (`rescore`) instead of generating.
@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipegen.inputs.dataset import dataset_indices, load_dataset, load_processor, load_tokenizer
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.detokenize import response_decoder
-from pipegen.actor.continuation import Keep, UnitProgress
+from pipegen.actor.continuation import UnitProgress
 from pipegen.actor.scoring import Scorer
 from pipegen.rewards.protocol import RewardFailure
 from pipegen.config.compose import CONF_DIR
@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from verl.workers.rollout.replica import TokenOutput
 
     from pipegen.actor.admission import UnitSlot
-    from pipegen.actor.client import ServerPool
+    from pipegen.actor.attempts import ServerPool
+    from pipegen.engines.request import Generation
     from pipegen.gateway.http_server import Gateway
 
 
@@ -211,7 +212,7 @@ class UnitServerManager:
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: list | None = None, video_data: list | None = None,
                        audio_data: list | None = None, **_verl_only: Any) -> TokenOutput:
-        """verl's generate call, with the unit's seed. image_data (PIL images) travels to the engine (client.py);
+        """verl's generate call, with the unit's seed. image_data (PIL images) travels to the engine (attempts.py);
         videos and audio, which no engine pipegen speaks takes, fail the unit in one line (refused at launch
         already). Not sent: `priority` (admission.py orders the units) and `mm_processor_kwargs`/
         `mm_processor_output` (the pictures are already at the processor's size; verl's SGLang server sends
@@ -227,11 +228,8 @@ class UnitServerManager:
         (pipegen/gateway/seam.py's UnitServer)."""
         self.slot.ask()  # a failed request leaves the unit holding its slot until it ends (worker.run_unit)
 
-        async def send(ids: list[int], params: dict[str, Any], chunk_seed: int | None, pictures: list | None,
-                       keep: Keep | None):
-            return await self.pool.generate(request_id, prompt_ids=ids, sampling_params=params,
-                                            sticky_key=self.sticky_key, sampling_seed=chunk_seed, image_data=pictures,
-                                            on_tokens=keep)
+        async def send(generation: Generation) -> TokenOutput:
+            return await self.pool.send(generation, self.sticky_key)
 
         # one call may be several requests (a long answer's chunks on an engine that does not stream) or none
         # (answered from the record)

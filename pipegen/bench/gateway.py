@@ -32,7 +32,7 @@ async def _measure(url: str, model: str, prompts: int, concurrency: int, reps: i
     from verl.experimental.agent_loop.tool_parser import ToolParser
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
-    from pipegen.actor.client import ClientLimits, ServerPool
+    from pipegen.actor.attempts import ClientLimits, ServerPool
     from pipegen.gateway.http_server import Gateway
     from pipegen.gateway.session import Renderer, Session
 

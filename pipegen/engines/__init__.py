@@ -1,6 +1,6 @@
 """The inference engines pipegen speaks, one module per protocol, behind one small interface.
 
-`Engine` is what the actor's client.py, admission.py and readiness.py (and the launcher's readiness wait) ask
+`Engine` is what the actor's request path (routing.py, sending.py, attempts.py), admission.py and readiness.py (and the launcher's readiness wait) ask
 of a server: build the body for one generation (token ids in, a per-unit seed, stop ids, the request's own
 id), read the answer back as verl's `TokenOutput` (ids and one log-prob per id, never re-tokenized) with
 its finish reason as `stop` / `length` / `abort`, abort a stalled request, report readiness, the
@@ -18,7 +18,7 @@ sglang.py and vllm.py import: this module imports them, never the reverse.
 
 Owns: the registry of engines, how a URL's engine is recognised, and the one readiness probe (a server is
 ready when its engine's health route answers 200): blocking for the launcher's watches, async for the actor.
-Must never: hold per-request state (an `EngineRequest` carries it) or decide retries (client.py does).
+Must never: hold per-request state (an `EngineRequest` carries it) or decide retries (actor/attempts.py does).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING
 
-from pipegen.engines.base import Engine, EngineRequest, GroupRefused, LoadUnavailable, StreamError
+from pipegen.engines.base import Engine, EngineRequest, GroupRefused, LoadUnavailable, NotStreamed, StreamError
 
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["AUTO", "PROTOCOLS", "Engine", "EngineRequest", "GroupRefused", "LoadUnavailable", "StreamError",
+__all__ = ["AUTO", "PROTOCOLS", "Engine", "EngineRequest", "GroupRefused", "LoadUnavailable", "NotStreamed", "StreamError",
            "UnknownEngine", "detect_protocol",
            "engine", "is_ready", "ready_problem"]
 

@@ -1,6 +1,8 @@
-"""What every engine's request shares: the token budget (`max_new_tokens`, verl's SGLang rule), the prompt
-ids checked against the vocabulary before sending (SGLang does not check them), a fresh request id, and
-`RequestRejected` for a request that retrying cannot help.
+"""What every engine's request shares: `Generation`, the one value a model call travels as from verl's call to
+the engine's body (prompt ids, sampling params, the token budget computed once, the seed, the pictures, where its
+tokens go as they come); the token budget rule (`max_new_tokens`, verl's SGLang rule); the prompt ids checked
+against the vocabulary before sending (SGLang does not check them); a fresh request id; and `RequestRejected` for
+a request that retrying cannot help.
 
 `limits` is anything with the token budget's four numbers (`prompt_length`, `response_length`,
 `max_model_len`, `vocab_size`): the actor's ClientLimits, or a bench's.
@@ -9,8 +11,16 @@ Owns: those rules. Must never: do I/O, or re-tokenize anything (ids in, ids out)
 
 from __future__ import annotations
 
+import hashlib
 import os
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+# where an answer's tokens so far go while it is generated: (the attempt's rid, its ids so far, their log-probs or
+# None); actor/continuation.py keeps them on disk
+Keep = Callable[[str, list[int], "list[float] | None"], None]
+# the sampling keys that carry the token budget (verl's and OpenAI's spellings): read once, into Generation
+BUDGET_KEYS = ("max_new_tokens", "max_tokens")
 
 
 class TokenBudget(Protocol):
@@ -25,20 +35,59 @@ class RequestRejected(Exception):
 
 
 def max_new_tokens_for(sampling_params: dict[str, Any], prompt_len: int, limits: TokenBudget) -> int:
-    """verl's SGLang rule (async_sglang_server.generate): caller's value, else the remaining budget, clamped."""
+    """verl's SGLang rule (async_sglang_server.generate): caller's value, else the remaining budget, clamped.
+    Reads `sampling_params`, never changes it."""
     max_possible = limits.max_model_len - prompt_len - 1
     if max_possible < 0:
         raise RequestRejected(
             f"prompt of {prompt_len} tokens exceeds the model's maximum context length ({limits.max_model_len})"
         )
     if "max_new_tokens" in sampling_params:
-        wanted = sampling_params.pop("max_new_tokens")
-        sampling_params.pop("max_tokens", None)
+        wanted = sampling_params["max_new_tokens"]
     elif "max_tokens" in sampling_params:
-        wanted = sampling_params.pop("max_tokens")
+        wanted = sampling_params["max_tokens"]
     else:
         wanted = min(limits.response_length, limits.prompt_length + limits.response_length - prompt_len)
     return max(0, min(int(wanted), max_possible))
+
+
+@dataclass
+class Generation:
+    """One model call as it travels from verl's `generate` to an engine's body: built once (`Generation.of`), read
+    by every layer (continuation, the client's attempts, the engine), never re-derived."""
+
+    prompt_ids: list[int]  # checked against the vocabulary
+    params: dict[str, Any]  # verl's sampling params without the budget keys (BUDGET_KEYS)
+    max_new_tokens: int  # the token budget, verl's rule, computed once
+    seed: int | None = None  # the engine's sampling seed (SGLang's sampling_seed, vLLM's seed)
+    pictures: list[str] | None = None  # the prompt's pictures as PNG data URLs (run/pictures.py)
+    on_tokens: Keep | None = field(default=None, compare=False)  # None: the answer is read whole
+
+    @property
+    def return_logprob(self) -> bool:
+        return bool(self.params.get("logprobs", False))
+
+    @classmethod
+    def of(cls, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,
+           seed: int | None = None, pictures: list[str] | None = None, on_tokens: Keep | None = None) -> "Generation":
+        ids = checked_prompt_ids(prompt_ids, limits)
+        budget = max_new_tokens_for(sampling_params, len(ids), limits)
+        params = {k: v for k, v in sampling_params.items() if k not in BUDGET_KEYS}
+        return cls(ids, params, budget, seed, list(pictures) if pictures else None, on_tokens)
+
+    def continued(self, ids: list[int], seed: int | None) -> "Generation":
+        """The rest of this answer after its first `ids`: the prompt plus them, the budget less them."""
+        return Generation(self.prompt_ids + list(ids), self.params, max(0, self.max_new_tokens - len(ids)), seed,
+                          self.pictures, None)
+
+
+def continuation_seed(seed: int | None, offset: int) -> int | None:
+    """The seed of an answer's rest from its token `offset` on (a chunk, a resumed answer, a hedge copy): the call's
+    own at 0; after that a seed derived from it, so the rest does not replay the earlier random draws."""
+    if seed is None or offset == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
 def new_rid() -> str:

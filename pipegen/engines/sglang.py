@@ -14,15 +14,18 @@ served by pipegen's CPU reference server (with the real model or the bench's fak
   with `stream: true`. SGLang 0.5.12 sends such a batch (token ids only, no pictures, no DP attention) to its
   scheduler as one `BatchTokenizedGenerateReqInput` (`TokenizerManager._handle_batch_request` ->
   `_send_batch_request`), the path its offline benchmark takes, and pays its per-request front-end cost once;
-  streamed, each member's chunks carry its `index` (`_stream_batch_responses`), so each member is read when it
-  finishes, not when the slowest one does. Each member's `stream_interval` is past its token budget, so a
-  member sends its first token's chunk and its final one, never a chunk per token. `n > 1` is never used: that
-  path first runs a prefill-only copy and then sends the copies one by one. A group of images goes one by one
-  (SGLang tokenizes those one at a time anyway). pipegen's CPU reference server (`pipegen_reference_server` in
-  its `/get_server_info`) streams no batch: it gets one request per generation.
-- streamed answers: a generation whose tokens are kept as they come (a long answer, actor/continuation.py) goes
-  alone with `stream: true` and a `stream_interval` of about 1/STREAM_CHUNKS of its budget; each chunk holds the
-  answer so far, which `partial` reads.
+  streamed, each member's chunks carry its `index` (`_stream_batch_responses`), so each member is read as its
+  chunks come and answered when it finishes, not when the slowest one does. A member whose tokens are kept as they
+  come (a long answer, actor/continuation.py) streams a chunk every `stream_interval` tokens, chosen by time
+  (STREAM_MIN_TOKENS below); the others send their first token's chunk (the engine has started them: supervision's
+  evidence) and their final one. `n > 1` is never used: that path first runs a prefill-only copy and then sends
+  the copies one by one. A group of images goes one by one (SGLang tokenizes those one at a time anyway).
+  pipegen's CPU reference server (`pipegen_reference_server` in its `/get_server_info`) streams no batch: it gets
+  one request per generation.
+- streamed answers: a generation alone (the CPU server, a picture, a server that refused groups) whose tokens are
+  kept goes with `stream: true` and the same `stream_interval`; `StreamedAnswer` reads its chunks, whether each
+  holds the answer so far or (--incremental-streaming-output, which pipegen passes to the servers it starts) only
+  its new ids and log-probs.
 
 The body and the answer are built and read here (`build_request`, `parse_response`), as verl's SGLang
 server does.
@@ -40,8 +43,8 @@ from typing import Any, AsyncIterator, Hashable
 import aiohttp
 import orjson
 
-from pipegen.engines.base import EngineRequest, GroupRefused, LoadUnavailable, StreamError
-from pipegen.engines.request import TokenBudget, checked_prompt_ids, max_new_tokens_for, new_rid
+from pipegen.engines.base import Engine, EngineRequest, GroupRefused, LoadUnavailable, StreamError
+from pipegen.engines.request import Generation, new_rid
 
 
 _FIRST = operator.itemgetter(0)
@@ -85,19 +88,15 @@ def parse_load(body: Any) -> tuple[int, int]:
     return max(0, reqs - waiting), waiting
 
 
-class SGLang:
+class SGLang(Engine):
     name = "sglang"
     generate_path = "/generate"
     health_path = "/health_generate"
     streams = True
 
-    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,
-              sampling_seed: int | None, image_data: list[str] | None = None) -> EngineRequest:
-        body = build_request(prompt_ids, sampling_params, limits, sampling_seed)
-        if image_data:  # SGLang's /generate: the pictures beside input_ids, whose placeholder spans they fill
-            body["image_data"] = list(image_data)
-        return EngineRequest(body, body["rid"], int(body["sampling_params"]["max_new_tokens"]),
-                             body["return_logprob"])
+    def build(self, generation: Generation) -> EngineRequest:
+        body = build_request(generation)
+        return EngineRequest(body, body["rid"], generation)
 
     def renewed(self, request: EngineRequest) -> EngineRequest:
         rid = new_rid()  # re-sending an in-flight rid is a 400 in SGLang
@@ -138,22 +137,19 @@ class SGLang:
         return max(1, min(GROUP_MAX, mrr)) if mrr else GROUP_MAX
 
     def group_key(self, request: EngineRequest) -> Hashable | None:
-        body = request.body
-        # an answer read as it comes goes alone: a group's members send only their first and last chunks
-        if body.get("image_data") or request.progress is not None:
+        if request.body.get("image_data"):  # SGLang tokenizes pictures one request at a time anyway
             return None
-        return ("logprob", bool(body["return_logprob"]))
+        return ("logprob", bool(request.body["return_logprob"]))
 
-    def group_body(self, requests: list[EngineRequest]) -> dict[str, Any]:
-        return group_request([r.body for r in requests])
+    def group_body(self, requests: list[EngineRequest], intervals: list[int]) -> dict[str, Any]:
+        return group_request([r.body for r in requests], intervals)
 
-    def group_answers(self, resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        return finished_members(resp)
+    def group_chunks(self, resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        return member_chunks(resp)
 
-    def stream_body(self, request: EngineRequest) -> dict[str, Any]:
+    def stream_body(self, request: EngineRequest, interval: int) -> dict[str, Any]:
         body = request.body
-        return {**body, "stream": True,
-                "sampling_params": {**body["sampling_params"], "stream_interval": stream_interval(request.max_new_tokens)}}
+        return {**body, "stream": True, "sampling_params": {**body["sampling_params"], "stream_interval": int(interval)}}
 
     def stream_chunks(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
         return sse_chunks(resp)
@@ -180,11 +176,18 @@ class StreamedAnswer:
         total = meta.get("completion_tokens")
         if self.ids and isinstance(total, int) and len(ids) < total and len(self.ids) + len(ids) == total:
             self._pieces = True  # the new tokens only
+            if len(triples) == total:  # ids sliced, log-probs still the whole answer so far: their new part
+                triples = triples[len(self.ids):]
+            if self.logprobs is not None and len(triples) != len(ids):
+                raise ValueError(f"a streamed piece of {len(ids)} ids carries {len(triples)} log-probs")
             self.ids += ids
             self._triples += triples
             if self.logprobs is not None:
                 self.logprobs += map(_FIRST, triples)
             return
+        if self._pieces:
+            raise ValueError(f"a streamed piece does not continue the answer ({len(self.ids)} ids so far, "
+                             f"{len(ids)} more, completion_tokens {total})")
         self.ids = list(ids)
         self._triples = list(triples)
         if self.logprobs is not None:
@@ -205,61 +208,48 @@ class StreamedAnswer:
         return {**chunk, "output_ids": self.ids, "meta_info": meta}
 
 
-# A streamed answer's chunks: SGLang sends one every `stream_interval` tokens, each holding the whole answer so far
-# (pipegen starts SGLang without --incremental-streaming-output: its grouped answers are read from their last chunk
-# alone), so an answer costs its client about chunks/2 times its final chunk's parsing. About STREAM_CHUNKS chunks an
-# answer, never one per fewer than STREAM_MIN_TOKENS tokens: a crash loses at most 1/STREAM_CHUNKS of each answer's
-# budget in flight, or STREAM_MIN_TOKENS tokens. (pipegen's CPU server streams on a timer and ignores the interval.)
-STREAM_CHUNKS = 32
-STREAM_MIN_TOKENS = 64
+# How often a streamed answer's tokens come back is chosen by time, not by a fraction of its budget (the client's
+# sending.py asks for a chunk about every KEEP_EVERY_S of the server's observed generation time, `stream_interval`
+# tokens): a crash then loses about the same time of generation whatever the budget. Never a chunk per fewer than
+# STREAM_MIN_TOKENS tokens: each chunk costs its parsing and a line in the unit's progress file. pipegen starts
+# SGLang with --incremental-streaming-output, so a chunk holds only its new ids and log-probs (StreamedAnswer reads
+# either shape); pipegen's CPU server streams on a timer and ignores the interval.
+STREAM_MIN_TOKENS = 32
 
 
-def stream_interval(max_new_tokens: int) -> int:
-    return max(STREAM_MIN_TOKENS, -(-int(max_new_tokens) // STREAM_CHUNKS))
-
-
-def build_request(
-    prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget, sampling_seed: int | None
-) -> dict[str, Any]:
+def build_request(generation: Generation) -> dict[str, Any]:
     """The JSON body for SGLang's POST /generate (single form)."""
-    ids = checked_prompt_ids(prompt_ids, limits)
-    params = dict(sampling_params)
-    max_new = max_new_tokens_for(params, len(ids), limits)
-    return_logprob = bool(params.pop("logprobs", False))
-    params.pop("prompt_logprobs", None)
-    params["max_new_tokens"] = max_new
-    if sampling_seed is not None:
-        params["sampling_seed"] = int(sampling_seed)
-    return {
+    params = {k: v for k, v in generation.params.items() if k not in ("logprobs", "prompt_logprobs")}
+    params["max_new_tokens"] = generation.max_new_tokens
+    if generation.seed is not None:
+        params["sampling_seed"] = int(generation.seed)
+    body = {
         "rid": new_rid(),  # fresh per attempt: re-sending an in-flight rid is a 400 in SGLang
-        "input_ids": ids,
+        "input_ids": generation.prompt_ids,
         "sampling_params": params,
-        "return_logprob": return_logprob,
+        "return_logprob": generation.return_logprob,
     }
+    if generation.pictures:  # SGLang's /generate: the pictures beside input_ids, whose placeholder spans they fill
+        body["image_data"] = list(generation.pictures)
+    return body
 
 
-def group_request(bodies: list[dict[str, Any]]) -> dict[str, Any]:
-    """One streamed batch /generate for several single bodies of one `return_logprob` (see the header)."""
-    params = []
-    for b in bodies:
-        sp = b["sampling_params"]
-        # a chunk at the first token and at the end only (SGLang sends when len(output) % interval == 1)
-        params.append({**sp, "stream_interval": int(sp["max_new_tokens"]) + 2})
+def group_request(bodies: list[dict[str, Any]], intervals: list[int]) -> dict[str, Any]:
+    """One streamed batch /generate for several single bodies of one `return_logprob` (see the header), member i
+    streaming every `intervals[i]` tokens."""
     return {
         "rid": [b["rid"] for b in bodies],
         "input_ids": [b["input_ids"] for b in bodies],
-        "sampling_params": params,
+        "sampling_params": [{**b["sampling_params"], "stream_interval": int(n)} for b, n in zip(bodies, intervals)],
         "return_logprob": bool(bodies[0]["return_logprob"]),
         "stream": True,
     }
 
 
-async def finished_members(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-    """Each member's final chunk of a streamed batch answer, as `(index, answer)`, in the order they finish
-    (a server that ignores `stream` and answers the list at once: each of its items, in order).
-    Intermediate chunks (no finish reason yet) are skipped; an `error` chunk (SGLang's in-stream 400, sent
-    with HTTP 200) raises GroupRefused. Lines are cut by hand: a chunk of a long answer (its cumulative ids and
-    log-prob triples) can exceed aiohttp's line limit."""
+async def member_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """Each chunk of a streamed batch answer as `(index, chunk)`, in the order they come (a server that ignores
+    `stream` and answers the list at once: each of its items, in order). An `error` chunk (SGLang's in-stream 400,
+    sent with HTTP 200) raises GroupRefused."""
     if resp.content_type == "application/json":  # a server that answers the batch at once, unstreamed
         answers = orjson.loads(await resp.read())
         for index, answer in enumerate(answers if isinstance(answers, list) else [answers]):
@@ -267,9 +257,7 @@ async def finished_members(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[
         return
     try:
         async for chunk in sse_chunks(resp):
-            meta = chunk.get("meta_info") or {}
-            if meta.get("finish_reason") is not None:
-                yield int(chunk["index"]), chunk
+            yield int(chunk.get("index", 0)), chunk
     except StreamError as e:
         raise GroupRefused(str(e)) from e
 

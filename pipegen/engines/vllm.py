@@ -31,12 +31,12 @@ Owns: vLLM's endpoints and their answers. Must never: retry, or re-tokenize anyt
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Hashable
+from typing import Any, AsyncIterator, Hashable
 
 import aiohttp
 
-from pipegen.engines.base import EngineRequest, LoadUnavailable
-from pipegen.engines.request import TokenBudget, checked_prompt_ids, max_new_tokens_for, new_rid
+from pipegen.engines.base import Engine, EngineRequest, LoadUnavailable, NotStreamed, StreamedAnswer
+from pipegen.engines.request import Generation, new_rid
 
 RUNNING_METRIC = "vllm:num_requests_running"
 WAITING_METRIC = "vllm:num_requests_waiting"
@@ -66,32 +66,28 @@ NO_IMAGES = ("vLLM's /v1/completions takes token ids without images: this prompt
              "the model with SGLang (llm.protocol=sglang) or drop the dataset's image column")
 
 
-class VLLM:
+class VLLM(Engine):
     name = "vllm"
     generate_path = "/v1/completions"
     streams = False  # its answers are read whole: long answers keep their progress in chunks (actor/continuation.py)
     health_path = "/health"
 
-    def build(self, prompt_ids: list[int], sampling_params: dict[str, Any], limits: TokenBudget,
-              sampling_seed: int | None, image_data: list[str] | None = None) -> EngineRequest:
-        if image_data:  # refused at launch for llm=vllm (inputs/media.py); this catches llm.protocol=auto
+    def build(self, generation: Generation) -> EngineRequest:
+        if generation.pictures:  # refused at launch for llm=vllm (inputs/media.py); this catches llm.protocol=auto
             raise ValueError(NO_IMAGES)
-        ids = checked_prompt_ids(prompt_ids, limits)
-        params = dict(sampling_params)
-        max_new = max_new_tokens_for(params, len(ids), limits)
-        return_logprob = bool(params.pop("logprobs", False))
+        params = generation.params
         rid = new_rid()
         body: dict[str, Any] = {k: params[k] for k in SAMPLING_KEYS if params.get(k) is not None}
         # return_tokens_as_token_ids: the answer's per-token strings (which pipegen never reads) are written as
         # "token_id:N" instead of each being detokenized in vLLM's API server; a server without a tokenizer
         # (--skip-tokenizer-init, how pipegen starts vLLM) refuses log-probs without it
-        body.update(prompt=ids, max_tokens=max_new, return_token_ids=True, return_tokens_as_token_ids=True,
-                    request_id=rid)
-        if return_logprob:
+        body.update(prompt=generation.prompt_ids, max_tokens=generation.max_new_tokens, return_token_ids=True,
+                    return_tokens_as_token_ids=True, request_id=rid)
+        if generation.return_logprob:
             body["logprobs"] = 0  # the sampled token's own log-prob, no alternatives
-        if sampling_seed is not None:
-            body["seed"] = int(sampling_seed)
-        return EngineRequest(body, rid, max_new, return_logprob)
+        if generation.seed is not None:
+            body["seed"] = int(generation.seed)
+        return EngineRequest(body, rid, generation)
 
     def renewed(self, request: EngineRequest) -> EngineRequest:
         rid = new_rid()
@@ -143,3 +139,20 @@ class VLLM:
 
     def group_key(self, request: EngineRequest) -> Hashable | None:
         return None
+
+    def group_body(self, requests: list[EngineRequest], intervals: list[int]) -> dict[str, Any]:
+        raise ValueError("vLLM takes no grouped request (group_limit is 1)")
+
+    def group_chunks(self, resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        raise ValueError("vLLM takes no grouped request (group_limit is 1)")
+
+    # Not streamed: its /v1/completions stream would need token ids per chunk, not checked against vLLM 0.32; a long
+    # answer's tokens are kept in chunks instead (actor/continuation.py), and supervision reads /metrics.
+    def stream_body(self, request: EngineRequest, interval: int) -> dict[str, Any]:
+        raise NotStreamed("vLLM's answers are read whole here (streams is False)")
+
+    def stream_chunks(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+        raise NotStreamed("vLLM's answers are read whole here (streams is False)")
+
+    def streamed(self, request: EngineRequest) -> StreamedAnswer:
+        raise NotStreamed("vLLM's answers are read whole here (streams is False)")

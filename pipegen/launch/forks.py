@@ -40,7 +40,7 @@ FORKED_MODULES = frozenset({"pipegen.actor", "pipegen.writer"})
 # lazily on its way to work, and the dataset read's (launch/unit_manifest.py).
 PRELOAD = tuple(dict.fromkeys((
     *ACTOR_IMPORTS, *WRITER_IMPORTS,
-    "pipegen.actor.client", "pipegen.actor.admission", "pipegen.writer.batches", "pipegen.inputs.dataset",
+    "pipegen.actor.attempts", "pipegen.actor.admission", "pipegen.writer.batches", "pipegen.inputs.dataset",
     "pipegen.inputs.media", "pipegen.launch.unit_manifest", "aiohttp", "uvloop",
     "transformers.models.auto.tokenization_auto",
 )))

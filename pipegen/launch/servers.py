@@ -102,6 +102,10 @@ def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed:
         "--mem-fraction-static", str(llm["mem_fraction_static"]),
         "--random-seed", str(seed),
         "--skip-tokenizer-init",
+        # a streamed chunk (a kept answer's, a grouped member's) carries its new ids and log-probs only, not the
+        # answer so far: reading ~1/KEEP_EVERY_S chunks a second costs each token once (engines/sglang.py reads
+        # either shape and refuses a piece whose log-probs do not match its ids)
+        "--incremental-streaming-output",
     ]
     if int(llm["dp"]) > 1:
         argv += ["--dp-size", str(llm["dp"])]
