@@ -134,15 +134,16 @@ def assert_a_resumed_answer_is_one_answer(tmp_path: Path, model_path: str, promp
 
     sent: list[int] = []
 
-    async def send(ids, sampling_params, seed, pictures, keep, crash_after=None):
+    async def send(generation, crash_after=None):
         if crash_after is not None and len(sent) >= crash_after:
             raise KeyboardInterrupt("the actor is killed")
-        sent.append(len(ids))
-        return send_one(ids, sampling_params, seed)
+        sent.append(len(generation.prompt_ids))
+        return send_one(generation.prompt_ids, {**generation.params, "max_new_tokens": generation.max_new_tokens},
+                        generation.seed)
 
     path = tmp_path / "0-0.jsonl"
     with pytest.raises(KeyboardInterrupt):
-        asyncio.run(UnitProgress(path, 8, limits).generate(lambda *a: send(*a, crash_after=1), prompt, params, 11))
+        asyncio.run(UnitProgress(path, 8, limits).generate(lambda g: send(g, crash_after=1), prompt, params, 11))
     resumed = UnitProgress(path, 8, limits)
     out = asyncio.run(resumed.generate(send, prompt, params, 11))
     ids = list(out.token_ids)

@@ -12,7 +12,7 @@ from fake_servers import FakeServer
 from pipegen.engines import UnknownEngine, detect_protocol, engine
 from pipegen.engines.vllm import parse_metrics
 from pipegen.actor.limits import ClientLimits
-from pipegen.engines.request import RequestRejected
+from pipegen.engines.request import Generation, RequestRejected
 from pipegen.launch.servers import vllm_server_command
 from pipegen.launch.world import plan_world
 from pipegen.config.schema import llm_defaults
@@ -23,7 +23,7 @@ PARAMS = dict(temperature=0.7, top_p=1.0, top_k=-1, repetition_penalty=1.0, logp
 
 def test_vllm_body_carries_ids_seed_and_stop_ids_and_each_attempt_its_own_id():
     vllm = engine("vllm")
-    request = vllm.build([5, 6, 7], {**PARAMS, "stop_token_ids": [9]}, LIMITS, sampling_seed=42)
+    request = vllm.build(Generation.of([5, 6, 7], {**PARAMS, "stop_token_ids": [9]}, LIMITS, seed=42))
     body = request.body
     assert body["prompt"] == [5, 6, 7] and body["seed"] == 42 and body["stop_token_ids"] == [9]
     assert body["return_token_ids"] is True and body["logprobs"] == 0 and body["max_tokens"] == 16
@@ -31,17 +31,52 @@ def test_vllm_body_carries_ids_seed_and_stop_ids_and_each_attempt_its_own_id():
     again = vllm.renewed(request)
     assert again.rid != request.rid and again.body["request_id"] == again.rid and again.body["prompt"] == [5, 6, 7]
     with pytest.raises(RequestRejected, match="outside the vocabulary"):
-        vllm.build([5, 5000], PARAMS, LIMITS, None)
+        vllm.build(Generation.of([5, 5000], PARAMS, LIMITS))
 
 
 def test_vllm_answer_becomes_verls_token_output_with_the_ids_vllm_returned():
     vllm = engine("vllm")
-    request = vllm.build([5, 6, 7], PARAMS, LIMITS, sampling_seed=1)
+    request = vllm.build(Generation.of([5, 6, 7], PARAMS, LIMITS, seed=1))
     answer = {"choices": [{"text": "ignored", "token_ids": [11, 12, 2], "finish_reason": "stop",
                            "logprobs": {"token_logprobs": [-0.5, -1.25, -0.01]}}]}
     out = vllm.parse(answer, request)
     assert out.token_ids == [11, 12, 2] and out.log_probs == [-0.5, -1.25, -0.01] and out.stop_reason == "stop"
     assert vllm.finish_type({"choices": [{"finish_reason": "abort", "token_ids": []}]}) == "abort"
+
+
+def every_engine() -> list[type]:
+    """Every Engine pipegen ships: the subclasses of the interface, found by importing each protocol's module."""
+    from pipegen.engines import PROTOCOLS
+    from pipegen.engines.base import Engine
+
+    for protocol in PROTOCOLS:
+        engine(protocol)
+    return Engine.__subclasses__()
+
+
+def test_every_engine_implements_the_whole_interface():
+    """The conformance check: an engine that lacks a method of `Engine` (or an attribute the client reads) cannot
+    be made, and this names it. Removing a method from any engine fails here."""
+    import inspect
+
+    from pipegen.engines.base import Engine
+
+    engines = every_engine()
+    assert {e.__name__ for e in engines} >= {"SGLang", "VLLM"}
+    wanted = {n for n, v in vars(Engine).items() if getattr(v, "__isabstractmethod__", False)}
+    assert len(wanted) >= 14  # build ... streamed: the interface as ARCHITECTURE.md's request path lists it
+    for cls in engines:
+        assert not inspect.isabstract(cls), f"{cls.__name__} lacks {sorted(cls.__abstractmethods__)}"
+        for name in ("name", "generate_path", "health_path", "streams"):
+            assert isinstance(getattr(cls, name, None), (str, bool)), f"{cls.__name__} lacks {name}"
+        for name in wanted:  # each method the engine's own or a deliberate inheritance, with the interface's arguments
+            ours, theirs = inspect.signature(getattr(cls, name)), inspect.signature(getattr(Engine, name))
+            assert list(ours.parameters) == list(theirs.parameters), f"{cls.__name__}.{name}{ours} vs {theirs}"
+
+        for name in wanted:  # what dropping that method from the engine would leave: refused at creation
+            without = type(f"{cls.__name__}Without", (cls,), {name: getattr(Engine, name)})
+            with pytest.raises(TypeError, match=name):
+                without()
 
 
 def test_vllm_load_is_read_from_its_metrics_page():

@@ -43,8 +43,11 @@ class Engine:
         self.stream_every = 10  # a streamed request's answer so far goes to its keeper every this many tokens
         self.crash_at_token: int | None = None  # raise once a request generated this many tokens
 
-    async def __call__(self, ids, params, seed, pictures, keep=None):
+    async def __call__(self, generation):
         from pipegen.actor.continuation import token_output
+
+        ids, seed, keep = generation.prompt_ids, generation.seed, generation.on_tokens
+        params = {**generation.params, "max_new_tokens": generation.max_new_tokens}
 
         if self.crash_after is not None and len(self.requests) >= self.crash_after:
             raise KeyboardInterrupt("crash")
@@ -84,7 +87,8 @@ def test_a_short_answer_is_todays_one_request_and_writes_nothing(tmp_path):
     path = tmp_path / "0-0.jsonl"
     engine = Engine(eos_at=10)  # a budget (response_length=100) within one chunk: today's request, unchanged
     out = call(UnitProgress(path, 128, Budget()), engine, [5, 6, 7])
-    assert len(engine.requests) == 1 and engine.requests[0][1] == PARAMS and engine.requests[0][2] == 7
+    assert len(engine.requests) == 1 and engine.requests[0][2] == 7
+    assert engine.requests[0][1] == {**PARAMS, "max_new_tokens": 100}  # the budget verl's rule gives, computed once
     assert out.token_ids[-1] == EOS and out.stop_reason == "stop" and len(out.token_ids) == 11
     out = call(UnitProgress(path, 32, Budget()), engine, [5, 6, 7])  # a longer budget, an answer within a chunk
     assert len(engine.requests) == 2 and engine.requests[1][1] == {**PARAMS, "max_new_tokens": 32}
@@ -176,7 +180,8 @@ def test_a_streamed_answer_keeps_its_tokens_as_they_come_and_continues_from_them
 def test_a_resent_streamed_request_supersedes_what_its_failed_attempt_kept(tmp_path):
     path = tmp_path / "0-0.jsonl"
 
-    async def send(ids, params, seed, pictures, keep):
+    async def send(generation):
+        keep = generation.on_tokens
         keep("first", [11, 12, 13], [-0.1, -0.2, -0.3])
         keep("first", [11, 12, 13, 14, 15], [-0.1, -0.2, -0.3, -0.4, -0.5])
         keep("second", [21, 22], [-0.6, -0.7])  # the client re-sent the request: its answer starts again

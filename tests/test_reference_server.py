@@ -752,11 +752,12 @@ def test_hf_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answe
     from types import SimpleNamespace
 
     from conftest import assert_a_resumed_answer_is_one_answer
+    from pipegen.engines.request import Generation
     from pipegen.engines.sglang import build_request, parse_response
 
     limits = SimpleNamespace(prompt_length=64, response_length=24, max_model_len=8192, vocab_size=None)
     params = dict(temperature=0.7, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
     assert_a_resumed_answer_is_one_answer(
         tmp_path, tiny_model, PROMPT, params, limits,
-        lambda ids, sampling_params, seed: parse_response(gen(hf, build_request(ids, sampling_params, limits, seed)),
-                                                          True))
+        lambda ids, sampling_params, seed: parse_response(
+            gen(hf, build_request(Generation.of(ids, sampling_params, limits, seed))), True))

@@ -236,10 +236,12 @@ def test_images_with_vllm_are_refused_at_launch(tmp_path, vision_parquet):
 
 def test_vllm_engine_never_drops_images():
     from pipegen.actor.limits import ClientLimits
+    from pipegen.engines.request import Generation
     from pipegen.engines.vllm import NO_IMAGES, VLLM
 
     with pytest.raises(ValueError, match="cannot be sent") as refused:
-        VLLM().build([1, 2, 3], {"max_tokens": 4}, ClientLimits(16, 8, 64), None, image_data=["data:image/png;base64,"])
+        VLLM().build(Generation.of([1, 2, 3], {"max_tokens": 4}, ClientLimits(16, 8, 64),
+                                   pictures=["data:image/png;base64,"]))
     assert str(refused.value) == NO_IMAGES
 
 

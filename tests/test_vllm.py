@@ -220,6 +220,7 @@ def test_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answer(v
     from transformers import AutoTokenizer
 
     from conftest import assert_a_resumed_answer_is_one_answer
+    from pipegen.engines.request import Generation
     from pipegen.engines.vllm import VLLM
 
     engine = VLLM()
@@ -229,7 +230,7 @@ def test_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answer(v
     prompt = AutoTokenizer.from_pretrained(smollm2)("Two plus three is five. Four plus four is").input_ids
 
     def send_one(ids, sampling_params, seed):
-        request = engine.build(ids, sampling_params, limits, seed)
+        request = engine.build(Generation.of(ids, sampling_params, limits, seed))
         post = urllib.request.Request(f"{vllm_server.url}{engine.generate_path}", data=orjson.dumps(request.body),
                                       headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(post, timeout=120) as resp:

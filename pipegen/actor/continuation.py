@@ -147,10 +147,10 @@ class UnitProgress:
                 self.resumed_at = len(ids)
         pictures = [i if isinstance(i, str) else image_data_url(i) for i in image_data] if image_data else None
         # the whole answer's request, its budget computed once (verl's rule); a chunk or a continuation is its rest
-        whole = Generation.of(prompt_ids, sampling_params, self.limits, seed, pictures)
-        budget = whole.max_new_tokens
-        if not ids and (self.chunk_tokens <= 0 or budget <= self.chunk_tokens or not continuable(whole.params)):
-            out = await send(whole)  # today's request, unchanged
+        call_gen = Generation.of(prompt_ids, sampling_params, self.limits, seed, pictures)
+        budget = call_gen.max_new_tokens
+        if not ids and (self.chunk_tokens <= 0 or budget <= self.chunk_tokens or not continuable(call_gen.params)):
+            out = await send(call_gen)  # today's request, unchanged
             self.tokens_generated += len(out.token_ids)
             # copies: a loop may extend the lists it was given before the next call writes this one
             self.pending = (call, RecordedCall(digest, list(out.token_ids),
@@ -171,7 +171,7 @@ class UnitProgress:
             if self.streams:
                 digest = digest or name()
             keep = self._keeper(call, digest, len(ids)) if self.streams else None
-            rest = whole.continued(ids, continuation_seed(seed, len(ids)))
+            rest = call_gen.continued(ids, continuation_seed(seed, len(ids)))
             out = await send(dataclasses.replace(rest, max_new_tokens=want, on_tokens=keep))
             got = out.token_ids
             self.tokens_generated += len(got)

@@ -38,6 +38,7 @@ from pipegen.actor.admission import Admission
 from pipegen.actor.routing import Routing, ServerState
 from pipegen.engines import EngineRequest, GroupRefused, StreamError
 from pipegen.engines.request import RequestRejected
+from pipegen.engines.sglang import STREAM_MIN_TOKENS
 
 if TYPE_CHECKING:
     from verl.workers.rollout.replica import TokenOutput
@@ -61,7 +62,6 @@ PRIOR_S_PER_TOKEN = 0.02  # before a server has answered anything: a GPU decodin
 
 class Reason(enum.Enum):
     """Why an attempt failed without an answer (a closed set: retries, rotation and the stats read it)."""
-
     CONNECTION = "connection"  # refused, reset, gone mid-answer
     HTTP = "http"  # a 5xx, 408 or 429 (the kind names the status)
     BAD_RESPONSE = "bad_response"  # an answer that cannot be read
@@ -72,6 +72,7 @@ class Reason(enum.Enum):
 
 @dataclass(frozen=True)
 class Failure:
+    """An attempt that ended without an answer."""
     reason: Reason
     text: str
     kind: str = ""  # the server's error counter it was recorded under (e.g. "http_503"); "" when not recorded
@@ -87,7 +88,6 @@ class ProgressLost(RuntimeError):
 @dataclass(eq=False)
 class Live:
     """What one attempt in flight has shown."""
-
     server: ServerState
     request: EngineRequest
     sent_at: float
@@ -98,7 +98,6 @@ class Live:
 @dataclass(eq=False)
 class Member:
     """One generation inside a grouped request: its request and the future its outcome settles."""
-
     request: EngineRequest
     future: asyncio.Future
     group: "Group | None" = None
@@ -107,7 +106,6 @@ class Member:
 @dataclass(eq=False)
 class Group:
     """Generations sent as one grouped request, and the task that reads their chunks."""
-
     members: list[Member]
     task: asyncio.Task | None = None
 
@@ -115,7 +113,6 @@ class Group:
 @dataclass
 class Pending:
     """A server's members waiting for the grouping window."""
-
     by_key: dict[Hashable, list[Member]] = field(default_factory=dict)
     flush: asyncio.TimerHandle | None = None
 
@@ -182,7 +179,7 @@ class Sender:
             pending.flush = loop.call_later(GROUP_WINDOW_S, self._flush_all, server)
         return member.future
 
-    def _left(self, server: ServerState, request: EngineRequest) -> None:
+    def _left(self, server: ServerState, request: EngineRequest) -> None:  # the attempt settled
         server.in_flight -= 1
         server.sent_at.pop(request.rid, None)
         self.live.pop(request.rid, None)
@@ -190,8 +187,6 @@ class Sender:
     def interval(self, server: ServerState, request: EngineRequest) -> int:
         """Tokens between a streamed attempt's chunks: about KEEP_EVERY_S of this server's generation for an answer
         whose tokens are kept, else past its budget (its first token's chunk and its last only)."""
-        from pipegen.engines.sglang import STREAM_MIN_TOKENS
-
         if request.progress is None:
             return request.max_new_tokens + 2
         spt = server.clock.seconds_per_token() or PRIOR_S_PER_TOKEN
@@ -207,8 +202,7 @@ class Sender:
             self._group_asks[server.url] = asyncio.get_running_loop().create_task(self.learn_group_limit(server))
 
     async def learn_group_limit(self, server: ServerState) -> int:
-        """Ask the server's engine how many generations one grouped request may carry (1 on any failure:
-        one request each, as before grouping)."""
+        """How many generations one grouped request to `server` may carry (1 on any failure: one request each)."""
         try:
             limit = await self.engine.group_limit(self.routing.session, server.url)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
@@ -252,8 +246,8 @@ class Sender:
             m.future.add_done_callback(lambda f, t=task: t.cancel() if f.cancelled() else None)
 
     def _member_done(self, server: ServerState, member: Member) -> None:
-        """A member was answered or abandoned: it leaves its server's count; a group none of whose members is
-        waited for any more is cancelled, which closes its connection (the server aborts what is left)."""
+        """A member settled: it leaves its server's count; a group none of whose members is waited for any more is
+        cancelled, which closes its connection (the server aborts what is left)."""
         self._left(server, member.request)
         group = member.group
         if (member.future.cancelled() and group is not None and group.task is not None and not group.task.done()
@@ -325,8 +319,8 @@ class Sender:
         server.group_failures = 0
 
     def _group_failed(self, server: ServerState, what: str) -> None:
-        """A grouped request failed as a whole; after GROUP_GIVE_UP in a row the server (a router or another
-        server that speaks /generate but not its batched, streamed form) gets one request per generation."""
+        """A grouped request failed as a whole; after GROUP_GIVE_UP in a row the server (a router, a server that speaks
+        /generate but not its batched, streamed form) gets one request per generation."""
         server.group_failures += 1
         if server.group_failures >= GROUP_GIVE_UP and (server.group_limit or 1) > 1:
             server.group_limit = 1
@@ -369,8 +363,7 @@ class Sender:
         return self.read_answer(server, request, answer, started)
 
     def _chunk(self, request: EngineRequest, answer: "StreamedAnswer") -> Callable[[dict[str, Any]], None]:
-        """What an unfinished chunk of `request` does: it joins the answer, marks the attempt as making progress,
-        and hands the tokens so far on."""
+        """An unfinished chunk of `request`: joins the answer, shows progress, hands the tokens so far on."""
         def take(chunk: dict[str, Any]) -> None:
             answer.add(chunk)
             self.chunks += 1
@@ -459,8 +452,7 @@ def _settle_from(future: asyncio.Future, task: asyncio.Task) -> None:
         future.set_result(task.result())
 
 
-def _fail(members: list[Member], failure: Failure) -> None:
-    """Each member still waited for fails with `failure` (a transient one: its unit retries it)."""
+def _fail(members: list[Member], failure: Failure) -> None:  # a transient failure: each member's unit retries it
     for m in members:
         if not m.future.done():
             m.future.set_result(failure)

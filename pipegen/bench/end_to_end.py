@@ -104,6 +104,7 @@ def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
     """The bodies the actor sent for the units in its shard (SGLang's /generate, or another engine's), built
     by the same function from the prompt ids and seeds it recorded (a fresh request id each)."""
     from pipegen.engines import engine
+    from pipegen.engines.request import Generation
     from pipegen.actor.limits import ClientLimits
     from pipegen.run.config import load_run_config
     from pipegen.run.stream import RolloutRecord, TrajectoryKeys
@@ -115,7 +116,8 @@ def raw_bodies(run, protocol: str = "sglang") -> list[dict]:
                   repetition_penalty=1.0, logprobs=rollout.calculate_log_probs)
     records = [RolloutRecord.from_line(line) for line in c.shard_lines(run.rollouts)]
     build = engine(protocol).build
-    return [build(r.trajectories[0][TrajectoryKeys.PROMPT_IDS], params, limits, r.seed).body for r in records]
+    return [build(Generation.of(r.trajectories[0][TrajectoryKeys.PROMPT_IDS], params, limits, r.seed)).body
+            for r in records]
 
 
 def run_raw(url: str, bodies: list[dict], concurrency: int) -> list[float]:
