@@ -39,6 +39,8 @@ def servers(tiny_model, tmp_path_factory):
         "b": FakeServer("b", tmp, tiny_model, "--token-latency", "0.01", "--slots", "64"),
         "always503": FakeServer("always503", tmp, tiny_model, "--fail-rate", "1.0"),
         "hangs": FakeServer("hangs", tmp, tiny_model, "--hang-rate", "1.0"),
+        "oneslot": FakeServer("oneslot", tmp, tiny_model, "--token-latency", "0.05", "--slots", "1"),
+        "slow": FakeServer("slow", tmp, tiny_model, "--token-latency", "0.05", "--slots", "64"),
     }
     try:
         for p in procs.values():
@@ -153,6 +155,77 @@ def test_stalled_request_is_aborted_on_its_server_and_retried_elsewhere(servers)
     assert state[hangs.url].errors == {"stalled": 1} and state[a.url].requests == 1
     assert pool.stalled == 1 and pool.aborts_sent == 1
     assert hangs.stats()["hung_aborted"] == before + 1 and hangs.stats()["hung_pending"] == 0
+
+
+def test_a_request_waiting_in_the_engines_queue_is_never_called_stalled(servers):
+    """Queued is not stalled: a server that runs one request at a time holds four, so the last waits ~1.2 s in its
+    queue, well past its first look (0.5 s + 3 x 8 tokens x the observed time a token). Its load says it holds
+    every request this actor sent there: nothing is aborted, nothing re-sent, the server stays in rotation."""
+    from pipegen.actor.admission import WatchdogLimits
+
+    one = servers["oneslot"]
+    before = one.stats()["requests_total"]
+
+    async def body(pool):
+        return await asyncio.gather(*(gen(pool, "k", seed=s) for s in range(4)))
+
+    outs, pool = pool_run([one.url], body, watchdog=WatchdogLimits(stall_floor_s=0.5, hedge=False))
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert pool.stalled == 0 and pool.aborts_sent == 0 and pool.retries == 0 and pool.servers[0].healthy
+    assert one.stats()["requests_total"] - before == 4
+
+
+def test_a_tail_request_on_a_slower_server_is_hedged_elsewhere_from_its_streamed_tokens(servers):
+    """A hedge that can win: in the tail, a long answer streaming from a server five times slower per token than
+    another gets a copy there, which continues from the tokens already streamed (prompt plus those ids), not from
+    token 0; the copy's answer completes the first's, the slow one is aborted. On the fastest server nothing is
+    hedged: a copy there could only lose."""
+    from pipegen.actor.admission import Admission, WatchdogLimits
+    from pipegen.actor.concurrency import ConcurrencyControl
+
+    fast, slow = servers["a"], servers["slow"]
+    kept: list[list[int]] = []
+
+    async def body(pool):
+        from pipegen.actor.admission import TokenClock
+
+        for rnd in range(2):  # a server's first answers pay its start-up: measure the second round only
+            for srv in pool.servers:
+                srv.clock = TokenClock()
+            pool.admission.answers = TokenClock(window=1024)
+            for s in range(10):  # each server's time per token (4 answers each at least), the latencies' p90
+                await gen(pool, f"warm{rnd}-{s}", seed=s)
+        pool.admission.draining = True  # the tail: nothing left to admit, capacity idle
+        pool._sticky["long"] = next(srv for srv in pool.servers if srv.url == slow.url)
+        out = await pool.generate("long", prompt_ids=[10, 11, 12], sticky_key="long", sampling_seed=5,
+                                  sampling_params={**PARAMS, "max_new_tokens": 60, "ignore_eos": True},
+                                  on_tokens=lambda rid, ids, lps: kept.append(list(ids)))
+        # the same on the fastest server: no server is measurably faster, so no copy can win and none is sent
+        pool._sticky["again"] = next(srv for srv in pool.servers if srv.url == fast.url)
+        await pool.generate("again", prompt_ids=[10, 11, 12], sticky_key="again", sampling_seed=5,
+                            sampling_params={**PARAMS, "max_new_tokens": 60, "ignore_eos": True})
+        return out
+
+    async def main():
+        import aiohttp
+
+        from pipegen.actor.attempts import ClientLimits, ServerPool
+
+        limits = ClientLimits(prompt_length=64, response_length=8, max_model_len=8192, vocab_size=2048)
+        control = ConcurrencyControl([fast.url, slow.url], 4, sharing=1, memory_cap_units=100)
+        admission = Admission(WatchdogLimits(hedge=True, hedge_min_s=0.3, hedge_factor=1.0), control)
+        async with aiohttp.ClientSession() as session:
+            pool = ServerPool([fast.url, slow.url], limits, session, admission=admission)
+            try:
+                return await body(pool), pool
+            finally:
+                pool.close()
+
+    out, pool = asyncio.run(main())
+    assert pool.hedges == 1 and pool.hedge_wins == 1 and len(out.token_ids) == 60 and out.stop_reason == "length"
+    prefix = max((ids for ids in kept if out.token_ids[:len(ids)] == ids), key=len)
+    assert 0 < len(prefix) < 60  # the copy continued after streamed tokens, not from token 0
+    assert len(out.log_probs) == 60
 
 
 def test_deadline_follows_what_the_request_asks_and_what_the_server_showed():

@@ -249,6 +249,8 @@ class Actor:
                 aborts_sent=pool.aborts_sent,
                 hedges=pool.hedges,
                 hedge_wins=pool.hedge_wins,
+                hedge_tokens=pool.hedge_tokens,
+                http_requests=pool.http_requests,
                 concurrency=control.total() if control else None,
                 concurrency_by_server=control.by_server() if control else {},
                 server_load=({s.url: {"running": s.running, "waiting": s.waiting} for s in control.servers}

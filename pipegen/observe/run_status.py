@@ -262,7 +262,7 @@ def render(st: RunStatus) -> str:
     if any(m.get(f"requests/{k}") for k in ("stalled", "aborts_sent", "hedges")):
         out.append(f"  watchdog   stalled {m.get('requests/stalled', 0)} | aborted on servers "
                    f"{m.get('requests/aborts_sent', 0)} | hedged {m.get('requests/hedges', 0)} "
-                   f"(won {m.get('requests/hedge_wins', 0)})")
+                   f"(won {m.get('requests/hedge_wins', 0)}, {m.get('requests/hedge_tokens', 0)} extra tokens)")
     if any(k.startswith("writer/") for k in m):
         out.append(f"  writer     duplicates dropped {m.get('writer/duplicates', 0)} | torn lines skipped "
                    f"{m.get('writer/torn_lines', 0)} | buffered {m.get('writer/buffered', 0)} | "

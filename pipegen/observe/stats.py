@@ -227,6 +227,8 @@ def aggregate(roles: dict[str, StatsLine], live_only_in_flight: bool = True) -> 
     out["requests/aborts_sent"] = sum(a.aborts_sent for a in actors)
     out["requests/hedges"] = sum(a.hedges for a in actors)
     out["requests/hedge_wins"] = sum(a.hedge_wins for a in actors)
+    out["requests/hedge_tokens"] = sum(a.hedge_tokens for a in actors)
+    out["requests/http"] = sum(a.http_requests for a in actors)
     # the concurrency each server is driven at: units in flight the actors allow towards it (their
     # latest line: a finished run shows what it ran at)
     for url, limit in _summed([a.concurrency_by_server for a in actors]).items():

@@ -128,10 +128,12 @@ class ActorStats(StatsLine):
     mean_reward: float | None = None
     errors: dict[str, int] = field(default_factory=dict)  # by kind
     servers_out_of_rotation: list[str] = field(default_factory=list)
-    stalled: int = 0  # requests past their deadline (aborted and re-sent)
+    stalled: int = 0  # attempts the engine's evidence showed stalled (aborted and re-sent)
     aborts_sent: int = 0
-    hedges: int = 0
+    hedges: int = 0  # tail copies sent to a faster server
     hedge_wins: int = 0
+    hedge_tokens: int = 0  # tokens the losing copies had streamed: the tail's extra work
+    http_requests: int = 0  # generation POSTs (a grouped request counts once)
     concurrency: int | None = None  # units admission allows at once (None: before it started)
     concurrency_by_server: dict[str, int] = field(default_factory=dict)  # concurrency=auto only
     server_load: dict[str, dict[str, int]] = field(default_factory=dict)  # url -> {"running", "waiting"}
