@@ -262,61 +262,59 @@ class Sender:
         self.http_requests += 1
         body = self.engine.group_body([m.request for m in members], [self.interval(server, m.request)
                                                                        for m in members])
-        answers: dict[int, StreamedAnswer] = {}
+        readers: dict[int, tuple[StreamedAnswer, Callable[[dict[str, Any]], None]]] = {}
         try:
             async with self.routing.session.post(f"{server.url}{self.engine.generate_path}", data=orjson.dumps(body),
                                                  headers=self._json_headers, timeout=NO_TIMEOUT) as resp:
                 if resp.status != 200:
-                    raw = await resp.read()
-                    self._group_failed(server, f"HTTP {resp.status}")
+                    raw = (await resp.read())[:200].decode(errors="replace")
                     if resp.status >= 500 or resp.status in RETRYABLE_4XX:
-                        kind = f"http_{resp.status}"
-                        self.routing.record_failure(server, kind)
-                        _fail(members, Failure(Reason.HTTP, f"HTTP {resp.status} from {server.url}: "
-                                                             f"{raw[:200].decode(errors='replace')}", kind))
-                    else:  # refused as a whole, maybe for one member's sake: each goes alone and answers for itself
-                        self._send_each(server, members)
-                    return
+                        return self._group_lost(server, members, Reason.HTTP,
+                                                f"HTTP {resp.status} from {server.url}: {raw}", f"http_{resp.status}")
+                    # refused as a whole, maybe for one member's sake: each goes alone and answers for itself
+                    self._group_failed(server, f"HTTP {resp.status}")
+                    return self._send_each(server, members)
                 async with contextlib.aclosing(self.engine.group_chunks(resp)) as chunks:
                     async for index, chunk in chunks:
                         member = members[index]
                         if member.future.done():
                             continue
-                        answer = answers.get(index)
-                        if answer is None:
-                            answer = answers[index] = self.engine.streamed(member.request)
-                        if self.engine.finish_type(chunk) is None:
-                            try:
-                                self._chunk(member.request, answer)(chunk)
-                            except ProgressLost as e:
-                                member.future.set_exception(e)
-                                await self.engine.abort(self.routing.session, server.url, member.request,
-                                                        self.routing.limits.abort_timeout_s)
+                        if index not in readers:
+                            answer = self.engine.streamed(member.request)
+                            readers[index] = (answer, self._chunk(member.request, answer))
+                        answer, take = readers[index]
+                        if self.engine.finish_type(chunk) is not None:
+                            member.future.set_result(self.read_answer(server, member.request, answer.whole(chunk),
+                                                                      started))
+                            if all(m.future.done() for m in members):
+                                break
                             continue
-                        member.future.set_result(self.read_answer(server, member.request, answer.whole(chunk),
-                                                                  started))
-                        if all(m.future.done() for m in members):
-                            break
+                        try:
+                            take(chunk)
+                        except ProgressLost as e:
+                            member.future.set_exception(e)
+                            await self.engine.abort(self.routing.session, server.url, member.request,
+                                                    self.routing.limits.abort_timeout_s)
         except GroupRefused:
             self._send_each(server, members)
             return
         except (aiohttp.ClientError, OSError) as e:  # the server went away mid-answer: each member retries
-            self.routing.record_failure(server, "connection")
-            _fail(members, Failure(Reason.CONNECTION, f"{type(e).__name__} from {server.url}: {e}", "connection"))
-            return
+            return self._group_lost(server, members, Reason.CONNECTION, f"{type(e).__name__} from {server.url}: {e}")
         except (ValueError, TypeError, KeyError, IndexError) as e:
-            self.routing.record_failure(server, "bad_response")
-            self._group_failed(server, f"an unreadable answer ({e})")
-            _fail(members, Failure(Reason.BAD_RESPONSE, f"unreadable grouped answer from {server.url}: {e}",
-                                   "bad_response"))
-            return
+            return self._group_lost(server, members, Reason.BAD_RESPONSE, f"unreadable grouped answer from "
+                                                                          f"{server.url}: {e}")
         if not all(m.future.done() for m in members):
-            self.routing.record_failure(server, "bad_response")
-            self._group_failed(server, "an answer without every member")
-            _fail(members, Failure(Reason.BAD_RESPONSE, f"grouped answer from {server.url} ended without this "
-                                                        f"member's answer", "bad_response"))
-            return
+            return self._group_lost(server, members, Reason.BAD_RESPONSE, f"grouped answer from {server.url} ended "
+                                                                          f"without this member's answer")
         server.group_failures = 0
+
+    def _group_lost(self, server: ServerState, members: list[Member], reason: Reason, text: str,
+                    kind: str = "") -> None:
+        """The group failed as a whole: the server's failure, and each member's (it retries)."""
+        self.routing.record_failure(server, kind or reason.value)
+        if reason is not Reason.CONNECTION:
+            self._group_failed(server, text)
+        _fail(members, Failure(reason, text, kind or reason.value))
 
     def _group_failed(self, server: ServerState, what: str) -> None:
         """A grouped request failed as a whole; after GROUP_GIVE_UP in a row the server (a router, a server that speaks
@@ -430,24 +428,18 @@ class Sender:
         return out
 
     def close(self) -> None:
-        for task in self._group_asks.values():
+        for task in [*self._group_asks.values(), *(p.flush for p in self._pending.values() if p.flush)]:
             task.cancel()
-        for pending in self._pending.values():
-            if pending.flush is not None:
-                pending.flush.cancel()
 
 
 def _settle_from(future: asyncio.Future, task: asyncio.Task) -> None:
     """A member sent alone: its attempt's outcome (an answer, a Failure, RequestRejected) is its own."""
-    if task.cancelled():
-        if not future.done():
-            future.cancel()
-        return
-    error = task.exception()
     if future.done():
         return
-    if error is not None:
-        future.set_exception(error)
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())
     else:
         future.set_result(task.result())
 
