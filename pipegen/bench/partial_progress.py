@@ -197,6 +197,68 @@ def persistence_cost(res: c.ScenarioResult, tmp: Path, reps: int) -> None:
              "192 units, 64 in flight; each answer ~40 chunks, each one line")
 
 
+def chunk_cost_s(tokens_per_chunk: int, chunks: int = 64, reps: int = 20) -> float:
+    """Seconds of the actor's CPU one streamed chunk costs from its bytes to its kept line: SSE split and parse
+    (engines/sglang.py's `sse_chunks`, an incremental chunk of `tokens_per_chunk` ids and log-prob triples),
+    `StreamedAnswer.add`, and the unit's keeper writing it (continuation.py's `_keeper`); the best of `reps`."""
+    import asyncio
+    import tempfile
+    from types import SimpleNamespace
+
+    import orjson
+
+    from pipegen.actor.continuation import UnitProgress
+    from pipegen.engines.sglang import StreamedAnswer, sse_chunks
+
+    events = []
+    for k in range(chunks):
+        ids = list(range(1000 + k * tokens_per_chunk, 1000 + (k + 1) * tokens_per_chunk))
+        meta = {"id": "x", "finish_reason": None, "completion_tokens": (k + 1) * tokens_per_chunk,
+                "output_token_logprobs": [[-0.123456789, t, None] for t in ids], "prompt_tokens": 10}
+        events.append(b"data: " + orjson.dumps({"output_ids": ids, "meta_info": meta, "index": 3}) + b"\n\n")
+
+    class Body:  # what sse_chunks reads of aiohttp's response: one network read per event
+        content_type = "text/event-stream"
+
+        def __init__(self):
+            self.content = SimpleNamespace(iter_any=self.iter_any)
+
+        async def iter_any(self):
+            for event in events:
+                yield event
+
+    limits = SimpleNamespace(prompt_length=64, response_length=4096, max_model_len=8192, vocab_size=None)
+
+    async def one(path) -> float:
+        progress = UnitProgress(path, 1024, limits, streams=True)
+        keep, answer = progress._keeper(0, "digest", 0), StreamedAnswer(True)
+        t0 = time.process_time()
+        async for chunk in sse_chunks(Body()):
+            answer.add(chunk)
+            keep("rid", answer.ids, answer.logprobs)
+        took = time.process_time() - t0
+        progress.discard()
+        return took / chunks
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return min(asyncio.run(one(Path(tmp) / f"{r}.jsonl")) for r in range(reps))
+
+
+def keeping_cost(res: c.ScenarioResult) -> None:
+    """The cost of keeping a streamed answer's tokens, per chunk, as a share of one actor core at 20k tokens/s (a GPU
+    node's rate for one actor): chunks come every `sending.KEEP_EVERY_S` of generation, never more often than every
+    `STREAM_MIN_TOKENS` tokens, so 20k tokens/s is at most 20k / STREAM_MIN_TOKENS chunks a second."""
+    from pipegen.engines.sglang import STREAM_MIN_TOKENS
+
+    for tokens in (STREAM_MIN_TOKENS, 4 * STREAM_MIN_TOKENS):
+        per_chunk = chunk_cost_s(tokens)
+        share = per_chunk * 20_000 / tokens
+        res.add(c.Row(f"keeping a streamed answer's tokens: chunks of {tokens} tokens (incremental, with log-probs) "
+                      f"at 20k tokens/s", share, "share of one actor core", "≤ 0.02" if tokens == STREAM_MIN_TOKENS
+                      else "", raw=f"{per_chunk * 1e6:.1f} µs of CPU a chunk (SSE parse, StreamedAnswer, the kept "
+                                   f"line), {20_000 / tokens:.0f} chunks/s"))
+
+
 def run(quick: bool) -> c.ScenarioResult:
     res = c.ScenarioResult(KEY, TITLE)
     # 5 ms a token is 200 tokens/s a sequence, four times the ~50 a GPU gives one sequence of a long answer
@@ -220,6 +282,7 @@ def run(quick: bool) -> c.ScenarioResult:
                       f.ratio, "tokens generated ÷ tokens in the output", "≤ 1.10" if label == "default" else "",
                       raw=f"{f.generated} generated, {f.kept} kept, {f.resumed_rows} rows resumed, "
                           f"{c.fmt_s(f.wall_s)}"))
+    keeping_cost(res)
     # the cost of keeping progress in a run nobody kills: the e2e scenario's actor, default vs off
     with c.scratch("resume-cost") as tmp:
         persistence_cost(res, tmp, 2 if quick else 3)
