@@ -4,6 +4,10 @@ POST /generate and vLLM's POST /v1/completions alike.
 
     python tests/recording_proxy.py --upstream http://127.0.0.1:PORT --port-file F --log FILE [--stall-first K]
 
+A streamed /generate (`stream: true`, as pipegen sends every SGLang request) is streamed through chunk by chunk as
+it comes, and logged once its last chunk passed (its chunks joined, whether each holds the answer so far or only its
+new tokens).
+
 Log line: {"t", "rid", "seed" (the unit's sampling seed), "input_ids", "max_new_tokens", "status",
 "output_ids", "logprobs", "finish", "stalled"}; `status` is null when the client went away before the
 answer (timeouts, stall aborts). Tests use it to count requests per unit (the seed identifies the unit)
@@ -48,10 +52,50 @@ class Proxy:
         entry = {"t": time.time(), "rid": body.get("rid"), "seed": params.get("sampling_seed"),
                  "input_ids": body.get("input_ids"), "max_new_tokens": params.get("max_new_tokens"),
                  "status": None, "output_ids": None, "logprobs": None, "finish": None}
-        return await self.forward("/generate", raw, entry, lambda ans: {
+        read = lambda ans: {  # noqa: E731
             "output_ids": ans.get("output_ids"),
             "logprobs": [t[0] for t in (ans.get("meta_info") or {}).get("output_token_logprobs") or []],
-            "finish": ((ans.get("meta_info") or {}).get("finish_reason") or {}).get("type")})
+            "finish": ((ans.get("meta_info") or {}).get("finish_reason") or {}).get("type")}
+        if body.get("stream") and isinstance(body.get("input_ids", [None])[0], int):
+            return await self.stream("/generate", raw, entry, request, read)
+        return await self.forward("/generate", raw, entry, read)
+
+    async def stream(self, path: str, raw: bytes, entry: dict, request: web.Request, read_answer):
+        """A single streamed generation: each upstream read passed on at once; logged from its joined chunks."""
+        from pipegen.engines.sglang import StreamedAnswer
+
+        answer, events, buffer, out = StreamedAnswer(True), [], b"", None
+        try:
+            async with self.session.post(f"{self.upstream}{path}", data=raw,
+                                         headers={"Content-Type": "application/json"}) as resp:
+                entry["status"] = resp.status
+                if resp.status != 200 or resp.content_type != "text/event-stream":
+                    body = await resp.read()
+                    if resp.status == 200:
+                        entry.update(read_answer(orjson.loads(body)))
+                    self.write(entry)
+                    return web.Response(status=resp.status, body=body, content_type=resp.content_type)
+                out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await out.prepare(request)
+                async for data in resp.content.iter_any():
+                    await out.write(data)
+                    buffer += data
+                    *done, buffer = buffer.split(b"\n\n")
+                    events += [e[5:].strip() for e in done if e.startswith(b"data:")]
+        except asyncio.CancelledError:
+            # the client went away: after the last chunk (it reads no further), or before (an abort; the upstream
+            # connection closes with this block)
+            self.write(self.joined(entry, events, answer, read_answer))
+            raise
+        except aiohttp.ClientError as e:
+            entry["status"] = 502
+            self.write(entry)
+            if out is None:
+                return web.Response(status=502, text=str(e))
+            raise
+        self.write(self.joined(entry, events, answer, read_answer))
+        await out.write_eof()
+        return out
 
     async def forward(self, path: str, raw: bytes, entry: dict, read_answer) -> web.Response:
         """POST raw upstream, log `entry` with what came back (read_answer: the answer -> the entry's fields)."""
@@ -74,6 +118,16 @@ class Proxy:
             entry.update(read_answer(orjson.loads(out)))
         self.write(entry)
         return web.Response(status=status, body=out, content_type=ctype)
+
+    @staticmethod
+    def joined(entry: dict, events: list[bytes], answer, read_answer) -> dict:
+        """The entry of a streamed answer from its events so far: answered when its last chunk came, else none."""
+        chunks = [orjson.loads(e) for e in events if e != b"[DONE]"]
+        if not chunks or not (chunks[-1].get("meta_info") or {}).get("finish_reason"):
+            return {**entry, "status": None}
+        for chunk in chunks[:-1]:
+            answer.add(chunk)
+        return {**entry, "status": 200, **read_answer(answer.whole(chunks[-1]))}
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

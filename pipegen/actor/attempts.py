@@ -2,18 +2,21 @@
 for each generation: retries, the stall watchdog, hedges.
 
 A generation is judged by what its engine says it is doing, never by the clock alone:
-- **look again, do not abort**: each attempt gets a time to be looked at (admission.py's `stall_deadline`, from its
-  budget and its server's observed time per token). Then the evidence decides, in this order:
-  - streamed and a chunk came within `llm.stall_floor_s`: the engine is making progress on it;
-  - the server's load (`Engine.load`: SGLang's `/get_load`, vLLM's `/metrics`, the CPU server's counters) holds at
-    least as many requests as this actor has had in flight there for a second (`routing.Evidence`): it is queued or
-    running (queued is not stalled); looked at again later;
-  - the server holds fewer than that, read twice LOAD_CONFIRM_S apart: some of this actor's requests are unknown to
-    the engine, and this one, past its look, is taken as lost: **stalled**;
-  - the server reports no load (LoadUnavailable): the clock alone, as before (the look is the deadline).
-  A stalled attempt is aborted on its server (SGLang: `POST /abort_request {rid}`; every engine: its connection is
-  closed) and re-sent elsewhere with a new id, and counts as its server's failure. `llm.request_timeout_s` is the
-  outer bound of a generation waiting for a server.
+- **looks, not deadlines**: every attempt on a streaming engine streams, so its first token's chunk says the engine
+  started it. An attempt is looked at every LOOK_S; what its engine shows decides (`_judge`), read twice
+  LOAD_CONFIRM_S apart before anything is called stalled:
+  - chunks come (within `llm.stall_floor_s`): the engine is generating it;
+  - started, then no chunk for `llm.stall_floor_s` while the server's queue (`Engine.load`: SGLang's `/get_load`,
+    vLLM's `/metrics`, the CPU server's counters) is empty: **stalled** (it stopped, and was not put back to wait);
+  - not started: queued, unless the engine does not hold it: the server's own count is below this actor's attempts
+    there (`routing.Evidence`) and either nothing waits there or an attempt sent after this one already started
+    (the engines schedule in arrival order): **stalled**. Past the clock's deadline (admission.py's
+    `stall_deadline`), an attempt that later ones overtook counts as stalled too (a server shared with other
+    clients, whose counts hide this actor's);
+  - the server reports no load (LoadUnavailable): the clock alone judges, at that deadline.
+  Queued is never stalled. A stalled attempt is aborted on its server (SGLang: `POST /abort_request {rid}`; every
+  engine: its connection is closed) and re-sent elsewhere with a new id, and counts as its server's failure.
+  `llm.request_timeout_s` is the outer bound.
 - **hedges that can win**: a copy with the same seed on the same server reproduces the same tokens at the same
   speed, so it can only lose. In the tail (admission.py: nothing left to admit, capacity idle) an attempt older than
   admission's threshold may be copied only to *another* server in rotation, and only when its own server is
@@ -41,7 +44,7 @@ import aiohttp
 
 from pipegen.actor.admission import Admission, WatchdogLimits
 from pipegen.actor.limits import ClientLimits
-from pipegen.actor.routing import RetriesExhausted, Routing, ServerState
+from pipegen.actor.routing import LAG_S, RetriesExhausted, Routing, ServerState
 from pipegen.actor.sending import Failure, Live, ProgressLost, Reason, Sender
 from pipegen.engines import AUTO, Engine, EngineRequest, engine
 from pipegen.engines.request import Generation, Keep, RequestRejected, continuation_seed
@@ -55,8 +58,18 @@ __all__ = ["ClientLimits", "ProgressLost", "RequestRejected", "RetriesExhausted"
 MAX_COPIES = 3  # an attempt and its hedges in flight at once (the tail only)
 SLOWER_BY = 1.5  # a server this many times slower per token than another is worth a hedge there
 HEDGE_BUDGET = 0.05  # hedge copies may cost at most this share of the tokens answered
-LAG_S = 1.0  # an attempt sent this long before a load reading is surely counted in it
-LOAD_CONFIRM_S = 0.5  # a load that misses this actor's attempts is read again this much later before a stall
+LOAD_CONFIRM_S = 0.5  # evidence against an attempt is read again this much later before it counts as a stall
+LOOK_S = 2.0  # how often the evidence of an attempt the engine has not started is looked at
+ORDER_SLACK_S = 0.05  # attempts sent this close together may reach the engine in either order
+
+
+@dataclasses.dataclass(frozen=True)
+class Look:
+    """What the evidence says of an attempt: why it is stalled (None: queued, running or unknown yet), and when to
+    look again."""
+
+    stalled: str | None
+    again_s: float
 
 
 @dataclasses.dataclass(eq=False)
@@ -183,11 +196,13 @@ class ServerPool:
     async def _watched(self, server: ServerState, request: EngineRequest, key: Any, stalls: int):
         """One attempt (and, in the tail, its hedge copies): the TokenOutput, or a Failure. RequestRejected and
         ProgressLost propagate."""
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = time.monotonic()
         admission = self.admission
-        span = admission.stall_deadline(server.clock, request.max_new_tokens, stalls)
-        look_at = started + min(span, self.limits.request_timeout_s)
+        # the clock's deadline: the look that judges a server with no load route, and the patience for an order the
+        # engine broke (see _judge)
+        deadline = started + min(admission.stall_deadline(server.clock, request.max_new_tokens, stalls),
+                                 self.limits.request_timeout_s)
+        look_at = min(started + LOOK_S, deadline)
         give_up = started + self.limits.request_timeout_s
         primary = self.sender.start(server, request)
         copies: dict[asyncio.Future, Copy] = {primary: Copy(server, request)}
@@ -195,7 +210,7 @@ class ServerPool:
         suspect_since: float | None = None
         try:
             while copies:
-                now = loop.time()
+                now = time.monotonic()
                 hedge_at = self._hedge_time(started, copies)
                 if hedge_at is not None and now >= hedge_at:
                     self._hedge(key, copies)
@@ -209,12 +224,13 @@ class ServerPool:
                     if now >= give_up:
                         verdict = f"no answer within llm.request_timeout_s={self.limits.request_timeout_s:.0f}s"
                     else:
-                        verdict, recheck = await self._judge(server, request, suspect_since)
-                        if verdict is None:
-                            suspect_since = None if recheck is None else (suspect_since or now)
-                            look_at = loop.time() + (LOAD_CONFIRM_S if recheck is not None else
-                                                     max(span, admission.watchdog.stall_floor_s))
+                        look = await self._judge(server, request, deadline)
+                        if look.stalled is None or suspect_since is None or now - suspect_since < LOAD_CONFIRM_S:
+                            # nothing against it, or seen once: read again before calling it stalled
+                            suspect_since = (suspect_since or now) if look.stalled is not None else None
+                            look_at = time.monotonic() + (LOAD_CONFIRM_S if look.stalled is not None else look.again_s)
                             continue
+                        verdict = look.stalled
                     return await self._stall(copies, verdict)
                 waiting_on: set[asyncio.Future] = set(copies)
                 tail = admission.tail_started()
@@ -238,34 +254,40 @@ class ServerPool:
             if copies:  # the copies that lost to an answer (or all of them, cancelled)
                 await self._cancel(copies, lost=True)
 
-    async def _judge(self, server: ServerState, request: EngineRequest,
-                     suspect_since: float | None) -> tuple[str | None, float | None]:
-        """(why the attempt is stalled, None) or (None, a look again soon: the evidence is suspect, or None: it is
-        making progress or queued). See the header."""
-        wd = self.admission.watchdog
+    async def _judge(self, server: ServerState, request: EngineRequest, deadline: float) -> "Look":
+        """What the engine's evidence says of an attempt now (see the header)."""
+        stall_floor = self.admission.watchdog.stall_floor_s
         now = time.monotonic()
         live = self.sender.live.get(request.rid)
-        if live is not None and live.last_chunk_at is not None and now - live.last_chunk_at < wd.stall_floor_s:
-            return None, None  # chunks are coming: the engine is generating it
+        if live is None:
+            return Look(None, LOOK_S)  # settled meanwhile
+        if live.last_chunk_at is not None and now - live.last_chunk_at < stall_floor:
+            return Look(None, live.last_chunk_at + stall_floor - now)  # chunks are coming: the engine generates it
         evidence = await self.routing.evidence(server)
+        age = f"unanswered for {now - live.sent_at:.0f}s"
         if evidence is None:
             if server.load_reported:  # a reading failed: no evidence either way yet
-                return None, LOAD_CONFIRM_S
-            return (f"no answer from {server.url} in {now - (live.sent_at if live else now):.0f}s (watchdog deadline "
-                    f"from max_new_tokens={request.max_new_tokens}; the server reports no load)"), None
-        ours = server.sent_before(evidence.at - LAG_S)
-        if live is not None and live.last_chunk_at is not None:
-            # started, then no chunk for stall_floor_s: stopped, unless the engine put it back in its queue
-            suspect = evidence.waiting == 0
-        else:
-            suspect = evidence.known < ours  # some of this actor's attempts there are unknown to the engine
-        if not suspect:
-            return None, None  # the engine holds it, queued or running
-        if suspect_since is None or now - suspect_since < LOAD_CONFIRM_S:
-            return None, LOAD_CONFIRM_S  # read again before calling it stalled
-        return (f"stalled: {server.url} holds {evidence.known} request(s) (running {evidence.running}, waiting "
-                f"{evidence.waiting}) while this actor has {ours} there, this one unanswered for "
-                f"{now - (live.sent_at if live else now):.0f}s; aborted there"), None
+                return Look(None, LOAD_CONFIRM_S)
+            if now < deadline:
+                return Look(None, deadline - now)
+            return Look(f"stalled: no answer from {server.url}, {age} (watchdog deadline from max_new_tokens="
+                        f"{request.max_new_tokens}; the server reports no load, so the clock alone judges)", 0)
+        ours = evidence.ours
+        held = (f"{server.url} holds {evidence.known} request(s) (running {evidence.running}, waiting "
+                f"{evidence.waiting}) while this actor has {ours} there")
+        if live.last_chunk_at is not None:  # started, then silent for stall_floor_s: unless put back in its queue
+            if evidence.waiting == 0:
+                return Look(f"stalled: no token for {now - live.last_chunk_at:.0f}s; {held}; {age}; aborted there", 0)
+            return Look(None, LOOK_S)
+        if now - live.sent_at < LAG_S:
+            return Look(None, LOOK_S)
+        missing = evidence.known < ours  # some of this actor's attempts there are unknown to the engine
+        # the engine started an attempt sent after this one, a while ago: this one is not waiting its turn
+        passed = server.started_upto > live.sent_at + ORDER_SLACK_S and now - server.started_seen >= LAG_S
+        if (missing and (evidence.waiting == 0 or passed)) or (passed and now >= deadline):
+            return Look(f"stalled: not started while {'nothing waits' if evidence.waiting == 0 else 'later ones ran'}"
+                        f"; {held}; {age}; aborted there", 0)
+        return Look(None, LOOK_S)  # queued or running: the engine holds it
 
     async def _stall(self, copies: dict[asyncio.Future, Copy], verdict: str) -> Failure:
         for copy in copies.values():

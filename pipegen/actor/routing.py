@@ -34,6 +34,7 @@ log = logging.getLogger("pipegen.client")
 
 STICKY_CACHE_SIZE = 10000
 LOAD_FRESH_S = 0.5  # a load reading younger than this answers supervision's question without asking again
+LAG_S = 1.0  # an attempt sent this long before a load reading is surely counted in it
 
 
 class RetriesExhausted(Exception):
@@ -47,6 +48,7 @@ class Evidence:
     running: int
     waiting: int
     at: float
+    ours: int  # this actor's attempts there sent LAG_S before `at` (surely counted in the reading)
 
     @property
     def known(self) -> int:
@@ -70,6 +72,11 @@ class ServerState:
     http_requests: int = 0  # POSTs (a grouped request counts once)
     group_failures: int = 0  # grouped requests in a row that failed as a whole (sending.GROUP_GIVE_UP: one by one)
     sent_at: dict[str, float] = field(default_factory=dict)  # rid -> when sent, for each attempt in flight here
+    # the latest send time among attempts here that the engine has started (a first chunk, or an answer), and when
+    # that was seen: a request sent before it and not started is not waiting its turn (the engines schedule in
+    # arrival order: SGLang's default --schedule-policy fcfs, vLLM's, the CPU server's)
+    started_upto: float = 0.0
+    started_seen: float = 0.0
     evidence: Evidence | None = None  # its last load reading
     load_reported: bool = True  # False once the engine said it has no load route: the clock alone judges
     reading: asyncio.Task | None = None  # a load reading under way (one at a time per server)
@@ -210,7 +217,8 @@ class Routing:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
             log.info("%s: no load reading (%s)", server.url, e)
             return None
-        server.evidence = Evidence(running, waiting, asked)  # stamped when asked: what was sent before it counts
+        # stamped when asked: what was sent before it counts
+        server.evidence = Evidence(running, waiting, asked, server.sent_before(asked - LAG_S))
         return server.evidence
 
     # ---- reports ----

@@ -1,8 +1,9 @@
 """Sending: one attempt at a generation on one server, alone, as a member of a grouped request, or streamed, and
 its typed outcome: verl's `TokenOutput`, or a `Failure` whose `reason` is one of a closed set.
 
-- alone: one POST; streamed (`stream: true`) when its generation keeps its tokens as they come (`on_tokens`) and
-  the engine streams. Each chunk's tokens so far go to `on_tokens` with the attempt's id (a re-sent attempt starts
+- alone: one POST, streamed (`stream: true`) wherever the engine streams: its first token's chunk is the evidence
+  the engine started it (attempts.py), and a generation that keeps its tokens as they come (`on_tokens`) gets a
+  chunk about every KEEP_EVERY_S, its tokens so far handed on with the attempt's id (a re-sent attempt starts
   again; a hedge copy sends none); the last chunk is read as the answer.
 - grouped: requests to one server that are ready together (within GROUP_WINDOW_S; a prompt's n samples first of
   all, and any other units admitted in the same round) go as one grouped request where the server's engine takes
@@ -91,7 +92,7 @@ class Live:
     server: ServerState
     request: EngineRequest
     sent_at: float
-    last_chunk_at: float | None = None  # None: no chunk yet (queued, or not streamed)
+    last_chunk_at: float | None = None  # None: no chunk yet (queued, or not streamed): the engine has not started it
     answer: "StreamedAnswer | None" = None  # its tokens so far, when streamed
 
 
@@ -331,7 +332,7 @@ class Sender:
         started = time.monotonic()
         server.http_requests += 1
         self.http_requests += 1
-        streamed = request.progress is not None and self.engine.streams
+        streamed = self.engine.streams  # its first token's chunk says the engine started it (attempts.py)
         body = self.engine.stream_body(request, self.interval(server, request)) if streamed else request.body
         try:
             async with self.routing.session.post(
@@ -367,8 +368,9 @@ class Sender:
             self.chunks += 1
             live = self.live.get(request.rid)
             if live is not None:
-                live.last_chunk_at = time.monotonic()
+                live.last_chunk_at = now = time.monotonic()
                 live.answer = answer
+                _started(live.server, live.sent_at, now)
             if request.progress is not None:
                 try:
                     request.progress(request.rid, answer.ids, answer.logprobs)
@@ -418,6 +420,7 @@ class Sender:
             self.routing.record_failure(server, "bad_response")
             return Failure(Reason.BAD_RESPONSE, f"unreadable answer from {server.url}: {e}", "bad_response")
         self.routing.record_success(server)
+        _started(server, started, time.monotonic())
         latency = time.monotonic() - started
         self.latencies.append(latency)
         server.clock.observe(latency, len(out.token_ids))
@@ -430,6 +433,12 @@ class Sender:
     def close(self) -> None:
         for task in [*self._group_asks.values(), *(p.flush for p in self._pending.values() if p.flush)]:
             task.cancel()
+
+
+def _started(server: ServerState, sent_at: float, now: float) -> None:
+    """The engine started an attempt sent at `sent_at` (routing.ServerState.started_upto)."""
+    if sent_at > server.started_upto:
+        server.started_upto, server.started_seen = sent_at, now
 
 
 def _settle_from(future: asyncio.Future, task: asyncio.Task) -> None:
