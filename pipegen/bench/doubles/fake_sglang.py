@@ -150,9 +150,19 @@ class Item:
     finish_t: float | None = None
     start_step: int = 0  # the step model's step count when it got a slot
     aborted: bool = False
+    _ids: list[int] | None = None
+    _triples: list[list] | None = None
 
     def token_at(self, pos: int) -> int:
         return self.origin.token_at(self.pos0 + pos)
+
+    def output(self, start: int, end: int) -> tuple[list[int], list[list]]:
+        """Its ids and `[logprob, id, null]` triples from `start` to `end`, made once for the whole answer (a long
+        answer's chunks each slice them instead of making them again)."""
+        if self._ids is None:
+            self._ids = [self.token_at(i) for i in range(self.length)]
+            self._triples = [[logprob_of(t), t, None] for t in self._ids]
+        return self._ids[start:end], self._triples[start:end]
 
 
 @dataclass
@@ -168,6 +178,7 @@ class Stats:
     output_tokens: int = 0  # every token the scheduler generated, aborted members' included
     chunks: int = 0  # intermediate stream chunks sent (finish_reason null)
     continuations: int = 0  # members recognised as continuing an earlier answer (--lengths only)
+    member_seconds: float = 0.0  # the step model's running members integrated over its clock (its mean batch x time)
     rids: list[str] = field(default_factory=list)
     members_per_call: Counter = field(default_factory=Counter)
     calls_per_key: Counter = field(default_factory=Counter)  # (prompt digest, seed) -> members that carried it
@@ -335,10 +346,9 @@ class StepScheduler:
             if t_next > now:
                 whole = int((now - self.t) / d) if d > 0 else 0
                 if 0 < whole < nxt - self.step:
-                    self.step += whole
-                    self.t += whole * d
+                    self._advance(self.step + whole, self.t + whole * d)
                 return
-            self.step, self.t = nxt, t_next
+            self._advance(nxt, t_next)
             while self.chunks and self.chunks[0][0] == nxt:
                 _, _, item, n = heapq.heappop(self.chunks)
                 if item in self.running and item.on_chunk is not None:
@@ -355,6 +365,10 @@ class StepScheduler:
                         self.stats.ended(item, item.length)
                         item.done.set_result(item.length)
             self._admit()
+
+    def _advance(self, step: int, t: float) -> None:
+        self.stats.member_seconds += len(self.running) * (t - self.t)
+        self.step, self.t = step, t
 
     def abort(self, item: Item, now: float) -> None:
         self._sync(now)
@@ -478,12 +492,12 @@ class FakeSGLang:
             finish = {"type": "stop", "matched": item.token_at(item.length - 1)}
         else:
             finish = {"type": "length", "length": item.max_new}
-        out = [item.token_at(i) for i in range(start, tokens or 0)]
+        out, triples = item.output(start, tokens or 0)
         meta: dict[str, Any] = {"id": item.rid, "finish_reason": finish, "prompt_tokens": len(item.input_ids),
                                 "weight_version": "default", "num_retractions": 0}
         if logprob:
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[logprob_of(t), t, None] for t in out]
+            meta["output_token_logprobs"] = triples
         meta["completion_tokens"] = tokens or 0
         meta["cached_tokens"] = 0
         meta["e2e_latency"] = 0.0
