@@ -125,11 +125,12 @@ def _members(raw: bytes, incremental: bool) -> tuple[dict[int, dict], int]:
     return out, chunks
 
 
-@pytest.mark.parametrize("incremental", [False, True])
-def test_the_fake_sglangs_streamed_members_concatenate_to_its_unstreamed_answers(tmp_path, incremental):
-    """GPU-like fake (batched steps, long-tailed lengths): a batch's members streamed every 4 tokens, whole or in
-    pieces, make the same answers as the same batch unstreamed, a re-sent copy gets the same answers, and a
-    continuation (prompt + the start of an answer, another seed) gets the rest of that answer. No timing."""
+@pytest.mark.parametrize("incremental, per_running", [(False, "0.01"), (True, "0")])
+def test_the_fake_sglangs_streamed_members_concatenate_to_its_unstreamed_answers(tmp_path, incremental, per_running):
+    """The fake SGLang with long-tailed lengths (batched steps, or per-member time when per_running is 0): a batch's
+    members streamed every 4 tokens, whole or in pieces, make the same answers as the same batch unstreamed, a
+    re-sent copy gets the same answers, and a continuation (prompt + the start of an answer, another seed) gets the
+    rest of that answer. No timing."""
     import orjson
 
     from fake_servers import FakeSGLang
@@ -138,8 +139,8 @@ def test_the_fake_sglangs_streamed_members_concatenate_to_its_unstreamed_answers
     lengths = LengthModel.parse("lognormal:24:1.0")
     prompts = [[300 + p] + list(range(7, 27)) for p in range(6)]  # longer than the fake's PREFIX_IDS
     assert [lengths.draw(p, 5) for p in prompts] == [lengths.draw(p, 5) for p in prompts]
-    flags = ["--front-ms", "0", "--step-ms", "0.2", "--step-ms-per-running", "0.01", "--lengths", "lognormal:24:1.0",
-             "--max-running", "4"] + (["--incremental-streaming-output"] if incremental else [])
+    flags = ["--front-ms", "0", "--step-ms", "0.2", "--step-ms-per-running", per_running,
+             "--lengths", "lognormal:24:1.0", "--max-running", "4"] + (["--incremental-streaming-output"] if incremental else [])
     fake = FakeSGLang("fake", tmp_path, *flags).wait_ready()
     try:
         def body(stream: bool) -> dict:

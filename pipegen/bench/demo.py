@@ -57,9 +57,3 @@ def run(quick: bool) -> c.ScenarioResult:
                   unit="", raw=("none" if not left else f"{len(left)}: {left[0][-200:]}")
                   + (f"; out of rotation at the end: {', '.join(out_now)}" if out_now else "")))
     return res
-
-
-if __name__ == "__main__":
-    result = run("--quick" in sys.argv)
-    for row in result.rows:
-        print(f"{row.what}: {row.ratio:.3f} | {row.raw}")

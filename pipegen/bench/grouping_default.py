@@ -18,7 +18,6 @@ server or launcher running when it returns.
 
 from __future__ import annotations
 
-import sys
 
 from pipegen.bench import common as c
 from pipegen.bench.longtail import FULL_ENGINE, QUICK_ENGINE, Case, run_case
@@ -48,9 +47,3 @@ def run(quick: bool) -> c.ScenarioResult:
                   raw=(f"{f.chunks:,} chunks; {f.kept:,} tokens kept, {f.generated:,} generated; "
                        f"makespan ÷ ideal {f.makespan_ratio:.2f}")))
     return res
-
-
-if __name__ == "__main__":
-    result = run("--quick" in sys.argv)
-    for row in result.rows:
-        print(f"{row.what}: {row.ratio:.3f} | {row.raw}")

@@ -216,9 +216,3 @@ def run(quick: bool) -> c.ScenarioResult:
                      "longest kept answer × one step alone); the makespan is the fakes' own clock (first member "
                      "received → last answer sent), so start-up and the merge are outside it.")
     return res
-
-
-if __name__ == "__main__":
-    result = run("--quick" in sys.argv)
-    for row in result.rows:
-        print(f"{row.what}: {row.ratio:.3f} | {row.raw}")
