@@ -179,7 +179,8 @@ def run_case(folder: Path, case: Case, *overrides: str) -> Figures:
     units, kept, longest = c.kept_response_tokens(out)
     actors = {k: sum(int(getattr(a, k, 0) or 0) for a in c.actor_stats(out)) for k in ACTOR_KEYS}
     return Figures(case, units, sum(s["output_tokens"] for s in stats), kept, longest,
-                   max(s["last_answer_t"] for s in stats) - min(s["first_item_t"] for s in stats),
+                   max(s["last_answer_t"] or 0.0 for s in stats)  # a fake that got nothing has no times
+                   - min(s["first_item_t"] for s in stats if s["first_item_t"] is not None),
                    sum(s["http_requests"] for s in stats), sum(s["aborted"] for s in stats),
                    sum(s["abort_requests"] for s in stats), sum(s["chunks"] for s in stats),
                    sum(s["member_seconds"] for s in stats), actors, wall)
