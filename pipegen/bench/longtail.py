@@ -92,6 +92,7 @@ class Figures:
     abort_requests: int
     chunks: int
     member_seconds: float  # the fakes' running members integrated over their clocks
+    max_running_seen: int  # the most members one fake ran at once
     actors: dict[str, int]  # summed over actors: stalled, aborts_sent, hedges, hedge_wins, hedge_tokens
     wall_s: float
 
@@ -183,7 +184,7 @@ def run_case(folder: Path, case: Case, *overrides: str) -> Figures:
                    - min(s["first_item_t"] for s in stats if s["first_item_t"] is not None),
                    sum(s["http_requests"] for s in stats), sum(s["aborted"] for s in stats),
                    sum(s["abort_requests"] for s in stats), sum(s["chunks"] for s in stats),
-                   sum(s["member_seconds"] for s in stats), actors, wall)
+                   sum(s["member_seconds"] for s in stats), max(s["max_running_seen"] for s in stats), actors, wall)
 
 
 def add_rows(res: c.ScenarioResult, f: Figures) -> None:
@@ -204,7 +205,7 @@ def add_rows(res: c.ScenarioResult, f: Figures) -> None:
                   raw=(f"makespan {f.makespan_s:.2f} s, ideal {f.ideal_s:.2f} s (work {work_s:.2f} s at "
                        f"{case.engine.tokens_per_ms * 1000:,.0f} tok/s a fake, longest alone "
                        f"{case.engine.alone_s(f.longest):.2f} s); mean batch {batch:.1f} of {case.engine.max_running} "
-                       f"a fake; {f.chunks:,} streamed chunks; "
+                       f"a fake (most {f.max_running_seen}); {f.chunks:,} streamed chunks; "
                        f"launcher wall {f.wall_s:.0f} s")))
 
 
