@@ -87,3 +87,90 @@ def test_the_gpu_bench_is_ready_for_a_lent_gpu_without_one(tmp_path, monkeypatch
     monkeypatch.setenv("PIPEGEN_BENCH_GPU_SIZES", "small,huge")
     with pytest.raises(ValueError, match="huge"):
         gpu.sizes_wanted()
+
+
+def _post(url: str, body: dict) -> bytes:
+    import urllib.request
+
+    import orjson
+
+    req = urllib.request.Request(f"{url}/generate", data=orjson.dumps(body),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.read()
+
+
+def _members(raw: bytes, incremental: bool) -> tuple[dict[int, dict], int]:
+    """A streamed batch answer put together per member (ids, triples, finish) as a client would; and its number
+    of intermediate chunks."""
+    import orjson
+
+    out: dict[int, dict] = {}
+    chunks = 0
+    for event in raw.split(b"\n\n"):
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            continue
+        chunk = orjson.loads(event[6:])
+        meta = chunk["meta_info"]
+        got = out.setdefault(chunk["index"], {"ids": [], "triples": []})
+        if incremental:
+            got["ids"] += chunk["output_ids"]
+            got["triples"] += meta["output_token_logprobs"]
+        else:
+            assert chunk["output_ids"][:len(got["ids"])] == got["ids"]  # the answer so far, growing
+            got["ids"], got["triples"] = chunk["output_ids"], meta["output_token_logprobs"]
+        assert meta["completion_tokens"] == len(got["ids"])
+        got["finish"] = meta["finish_reason"]
+        chunks += meta["finish_reason"] is None
+    return out, chunks
+
+
+@pytest.mark.parametrize("incremental, per_running", [(False, "0.01"), (True, "0")])
+def test_the_fake_sglangs_streamed_members_concatenate_to_its_unstreamed_answers(tmp_path, incremental, per_running):
+    """The fake SGLang with long-tailed lengths (batched steps, or per-member time when per_running is 0): a batch's
+    members streamed every 4 tokens, whole or in pieces, make the same answers as the same batch unstreamed, a
+    re-sent copy gets the same answers, and a continuation (prompt + the start of an answer, another seed) gets the
+    rest of that answer. No timing."""
+    import orjson
+
+    from fake_servers import FakeSGLang
+    from pipegen.bench.doubles.fake_sglang import LengthModel
+
+    lengths = LengthModel.parse("lognormal:24:1.0")
+    prompts = [[300 + p] + list(range(7, 27)) for p in range(6)]  # longer than the fake's PREFIX_IDS
+    assert [lengths.draw(p, 5) for p in prompts] == [lengths.draw(p, 5) for p in prompts]
+    flags = ["--front-ms", "0", "--step-ms", "0.2", "--step-ms-per-running", per_running,
+             "--lengths", "lognormal:24:1.0", "--max-running", "4"] + (["--incremental-streaming-output"] if incremental else [])
+    fake = FakeSGLang("fake", tmp_path, *flags).wait_ready()
+    try:
+        def body(stream: bool) -> dict:
+            return {"input_ids": prompts, "return_logprob": True, "stream": stream,
+                    "sampling_params": [{"max_new_tokens": 40, "sampling_seed": 5, "stream_interval": 4}] * 6}
+
+        def answers(raw: bytes) -> list[dict]:  # without the rids, fresh per call
+            return [{**a, "meta_info": {k: v for k, v in a["meta_info"].items() if k != "id"}}
+                    for a in orjson.loads(raw)]
+
+        plain = answers(_post(fake.url, body(False)))
+        assert plain == answers(_post(fake.url, body(False)))
+        streamed, chunks = _members(_post(fake.url, body(True)), incremental)
+        for i, answer in enumerate(plain):
+            drawn = lengths.draw(prompts[i], 5)
+            assert len(answer["output_ids"]) == min(40, drawn)
+            assert answer["meta_info"]["finish_reason"]["type"] == ("stop" if drawn < 40 else "length")
+            assert streamed[i] == {"ids": answer["output_ids"], "triples": answer["meta_info"]["output_token_logprobs"],
+                                   "finish": answer["meta_info"]["finish_reason"]}
+        # chunks at tokens 1, 5, 9, ... below each answer's length (SGLang's `% interval == 1`)
+        assert chunks == sum(len(range(1, len(a["output_ids"]), 4)) for a in plain)
+        longest = max(range(6), key=lambda i: len(plain[i]["output_ids"]))
+        whole = plain[longest]["output_ids"]
+        rest = orjson.loads(_post(fake.url, {"input_ids": prompts[longest] + whole[:3], "sampling_params": {
+            "max_new_tokens": 37, "sampling_seed": 99}}))
+        assert whole[:3] + rest["output_ids"] == whole
+        stats = fake.stats()
+        kept = sum(len(a["output_ids"]) for a in plain)
+        assert stats["output_tokens"] == 3 * kept + len(rest["output_ids"]) and stats["continuations"] == 1
+        assert stats["generate_calls"] == 4 and stats["calls_per_answer"] == {"3": 5, "4": 1}
+        assert stats["chunks"] == chunks and stats["running"] == stats["waiting"] == 0
+    finally:
+        fake.stop()

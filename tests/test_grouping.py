@@ -42,9 +42,14 @@ def fakes(tmp_path_factory):
 
 
 def steady(fakes):
-    """The module's steady fake SGLang and its counters before the test."""
+    """The module's steady fake SGLang and its counters before the test, once nothing is in flight there: a member
+    an earlier test left behind (its client gone after a streamed chunk) ends on the fake's clock, and must not
+    count in this test."""
     fake = fakes[0]["steady"]
-    return fake, fake.stats()
+    deadline = time.monotonic() + 10
+    while (stats := fake.stats())["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return fake, stats
 
 
 def test_the_group_body_keeps_each_members_ids_seed_and_rid():

@@ -22,4 +22,7 @@ SCENARIOS = {
     "gateway": "pipegen.bench.gateway",
     "grouping": "pipegen.bench.grouping",
     "resume": "pipegen.bench.partial_progress",
+    "longtail": "pipegen.bench.longtail",
+    "grouping_default": "pipegen.bench.grouping_default",
+    "demo": "pipegen.bench.demo",
 }

@@ -4,7 +4,8 @@ folders, realistic records, and the server and launcher processes the scenarios 
 Owns: the rule that every reported figure is a ratio of two things measured side by side (interleaved
 in one process, or within the same minute), and the helpers that make that easy: one way to prepare a
 run folder, to make, write and read records, to start the CPU server, to drive /generate with a bare
-aiohttp loop, and to start the launcher.
+aiohttp loop, to start the launcher, and to read a finished run back (the actors' last stats lines and log
+lines, the merged output's response tokens).
 Must never: assert on timings (benchmarks report, tests do not judge speed), write outside the
 temporary folders it is given, or spell a record key, a unit-key formula or a run path itself (run/stream.py
 and layout.py own those).
@@ -391,3 +392,34 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def actor_stats(run_root: Path) -> list[Any]:
+    """Each actor's last stats line (its counters at its end) as run/stats_line.py's ActorStats, by role."""
+    from pipegen.run.layout import is_actor_role, stats_files
+    from pipegen.run.stats_line import parse_stats_line
+
+    out = []
+    for path in stats_files(RunDir(Path(run_root)).stats):
+        role = path.stem
+        lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+        if is_actor_role(role) and lines:
+            out.append(parse_stats_line(role, orjson.loads(lines[-1])))
+    return out
+
+
+def actor_log_lines(run_root: Path, needle: str) -> list[str]:
+    """The lines of the run's actor logs that contain `needle` (e.g. "left rotation")."""
+    from pipegen.run.layout import is_actor_role, role_logs
+
+    return [line for path in role_logs(RunDir(Path(run_root)).logs) if is_actor_role(path.stem)
+            for line in path.read_text(errors="replace").splitlines() if needle in line]
+
+
+def kept_response_tokens(run_root: Path) -> tuple[int, int, int]:
+    """(units, response tokens, the longest response) of the merged trajectories.pkl, read with verl's DataProto."""
+    from verl import DataProto
+
+    data = DataProto.load_from_disk(str(RunDir(Path(run_root)).trajectories))
+    per_row = data.batch["response_mask"].sum(dim=-1)
+    return len(data), int(per_row.sum()), int(per_row.max()) if len(data) else 0
