@@ -3,8 +3,8 @@ for each generation: retries, the stall watchdog, hedges.
 
 A generation is judged by what its engine says it is doing, never by the clock alone:
 - **looks, not deadlines**: every attempt on a streaming engine streams, so its first token's chunk says the engine
-  started it. An attempt is looked at every LOOK_S; what its engine shows decides (`_judge`), read twice
-  LOAD_CONFIRM_S apart before anything is called stalled:
+  started it. An attempt is looked at every LOOK_S; what its engine shows decides (`_judge`), and evidence against
+  it must hold in every reading for SUSPECT_FOR_S before anything is called stalled:
   - chunks come (within `llm.stall_floor_s`): the engine is generating it;
   - started, then no chunk for `llm.stall_floor_s` while the server's queue (`Engine.load`: SGLang's `/get_load`,
     vLLM's `/metrics`, the CPU server's counters) is empty: **stalled** (it stopped, and was not put back to wait);
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -55,10 +56,14 @@ if TYPE_CHECKING:
 
 __all__ = ["ClientLimits", "ProgressLost", "RequestRejected", "RetriesExhausted", "ServerPool"]
 
+log = logging.getLogger("pipegen.client")
+
 MAX_COPIES = 3  # an attempt and its hedges in flight at once (the tail only)
 SLOWER_BY = 1.5  # a server this many times slower per token than another is worth a hedge there
 HEDGE_BUDGET = 0.05  # hedge copies may cost at most this share of the tokens answered
-LOAD_CONFIRM_S = 0.5  # evidence against an attempt is read again this much later before it counts as a stall
+LOAD_CONFIRM_S = 0.5  # evidence against an attempt is read again this often...
+SUSPECT_FOR_S = 2.0  # ...and must hold this long, every reading, before it counts as a stall (a prefill in progress,
+# an answer on its way back, are moments)
 LOOK_S = 2.0  # how often the evidence of an attempt the engine has not started is looked at
 ORDER_SLACK_S = 0.05  # attempts sent this close together may reach the engine in either order
 
@@ -225,7 +230,7 @@ class ServerPool:
                         verdict = f"no answer within llm.request_timeout_s={self.limits.request_timeout_s:.0f}s"
                     else:
                         look = await self._judge(server, request, deadline)
-                        if look.stalled is None or suspect_since is None or now - suspect_since < LOAD_CONFIRM_S:
+                        if look.stalled is None or suspect_since is None or now - suspect_since < SUSPECT_FOR_S:
                             # nothing against it, or seen once: read again before calling it stalled
                             suspect_since = (suspect_since or now) if look.stalled is not None else None
                             look_at = time.monotonic() + (LOAD_CONFIRM_S if look.stalled is not None else look.again_s)
@@ -290,6 +295,7 @@ class ServerPool:
         return Look(None, LOOK_S)  # queued or running: the engine holds it
 
     async def _stall(self, copies: dict[asyncio.Future, Copy], verdict: str) -> Failure:
+        log.warning("%s", verdict)
         for copy in copies.values():
             copy.server.stalled += 1
             self.stalled += 1

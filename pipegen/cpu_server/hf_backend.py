@@ -86,6 +86,7 @@ class HFBackend(ModelBackend):
         self._rng = random.Random(seed)  # seeds rows without a sampling_seed
         self._cv = threading.Condition()
         self._waiting: collections.deque[BackendRequest] = collections.deque()
+        self._admitting = 0  # taken from the queue, being prefilled: not in a row yet
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         # Running batch (worker thread only).
@@ -168,7 +169,9 @@ class HFBackend(ModelBackend):
 
     def stats(self) -> dict:
         return {
-            "running": len(self._rows),
+            # a request taken from the queue is running from then on, its prefill included (as SGLang counts it):
+            # a client comparing its requests with these counts must find every one of them
+            "running": len(self._rows) + self._admitting,
             "waiting": len(self._waiting),
             "max_batch_size": self._max_batch_seen,
             "busy_slot_seconds": round(self._busy_slot_seconds, 6),
@@ -206,9 +209,11 @@ class HFBackend(ModelBackend):
                         req.state = "running"
                         newcomers.append(req)
                         room -= 1
+                    self._admitting = len(newcomers)
                 try:
                     if newcomers:
                         self._admit(newcomers)
+                        self._admitting = 0
                     if self._rows:
                         self._decode_step()
                 except Exception as exc:  # a bug or OOM: fail the affected requests, keep serving
@@ -220,7 +225,7 @@ class HFBackend(ModelBackend):
                         self._finish_row(row)
                     for req in newcomers:
                         req.finish(GenerationResult([], reason))
-                    self._rows, self._cache, self._mask = [], None, None
+                    self._rows, self._cache, self._mask, self._admitting = [], None, None, 0
 
     # -- model work (worker thread) ---------------------------------------------------------------------
 
