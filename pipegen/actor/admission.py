@@ -104,6 +104,11 @@ def stall_deadline(clock: TokenClock, max_new_tokens: int, limits: WatchdogLimit
 
 
 ANSWER_HOLD_S = 0.05  # longest an answered unit waits for the units admitted in its place to send
+# Where servers take grouped requests (sending.py), freed slots are refilled in rounds of at least ROUND units, so the
+# refills go out as one grouped request instead of one request each; a round waits at most ROUND_HOLD_S for its slots,
+# and only while the servers have requests queued (their running batch stays full meanwhile)
+ROUND = 4
+ROUND_HOLD_S = 0.25
 
 
 class Slots:
@@ -255,6 +260,7 @@ class Admission:
         self.running: set[asyncio.Task] = set()
         self.answers = TokenClock(window=1024)  # every server's answers: the tail's hedging threshold
         self.draining = False  # nothing left to admit
+        self.round = 1  # units a refill waits for (ROUND where a server takes grouped requests; the actor sets it)
         self._tail: asyncio.Future | None = None  # resolved when draining starts: wakes watched requests
 
     # ---- asked by the server pool (attempts.py) ----
@@ -316,6 +322,9 @@ class Admission:
                 lost_writes.append(task.exception())
             wake.set()
 
+        loop = asyncio.get_running_loop()
+        in_round = 0  # units admitted since the loop last waited: one round, whose requests go out together
+        hold_since: float | None = None
         try:
             while True:
                 while (self.waiting_on_servers() >= control.total()
@@ -323,10 +332,24 @@ class Admission:
                        or len(running) >= max(control.total(), control.memory_cap)):
                     slots.round_done()
                     wake.clear()
+                    in_round = 0
                     await wake.wait()
                 if lost_writes:
                     raise lost_writes[0]
-                unit = await units.next(control.total() - self.waiting_on_servers())
+                free = control.total() - self.waiting_on_servers()
+                if in_round == 0 and free < self.round and running and control.queued():
+                    # a round of one would be a request of its own: wait for more slots to free (the servers have
+                    # work queued meanwhile, so they do not idle), up to ROUND_HOLD_S
+                    hold_since = hold_since or loop.time()
+                    if loop.time() - hold_since < ROUND_HOLD_S:
+                        slots.round_done()
+                        wake.clear()
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(wake.wait(), ROUND_HOLD_S - (loop.time() - hold_since))
+                        continue
+                hold_since = None
+                in_round += 1
+                unit = await units.next(free)
                 if unit is None:
                     break
                 pos, sample = unit

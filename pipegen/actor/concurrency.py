@@ -71,6 +71,10 @@ class ConcurrencyControl:
             return self.fixed
         return max(1, min(self.memory_cap, sum(s.limit for s in self.servers)))
 
+    def queued(self) -> bool:
+        """Whether a server may have requests waiting (its last reported queue was not empty, or it reports none)."""
+        return any(s.waiting is None or s.waiting > 0 for s in self.servers)
+
     def by_server(self) -> dict[str, int]:
         if self.fixed is not None:
             return {}

@@ -125,7 +125,7 @@ class Actor:
         import aiohttp
 
         from pipegen.actor.attempts import ClientLimits, ServerPool
-        from pipegen.actor.admission import Admission, WatchdogLimits
+        from pipegen.actor.admission import ROUND, Admission, WatchdogLimits
         from pipegen.actor.concurrency import ConcurrencyControl, unit_memory_bytes
 
         if self.leases_url is None:
@@ -180,6 +180,8 @@ class Actor:
             await wait_for_first_server(session, pool, self.clock)
             await control.discover(session, pool.engine)
             await pool.learn_group_limits()  # before the first burst: the first round goes grouped too
+            if any((s.group_limit or 1) > 1 for s in pool.servers):
+                admission.round = ROUND  # refills wait for a few slots, to go out as one grouped request
             self.admission = admission  # stats lines show its concurrency from here (None while discovering)
             await admission.run(
                 self.units, lambda pos, sample, slot: self.run_unit(pool, pos, sample, rollouts, failures, slot),

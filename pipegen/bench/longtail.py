@@ -16,10 +16,12 @@ Figures (each a ratio within one run):
   aborted members' and hedge copies' included), kept = the response tokens of the merged trajectories.pkl (verl's
   DataProto, `response_mask`); target ≤ 1.02;
 - makespan ÷ ideal: makespan = the fakes' first member received → last answer sent; ideal =
-  max(W ÷ (S x C), L x (STEP_MS + PER_RUNNING_MS)), with W the kept tokens, S the fakes, C = MAX_RUNNING ÷
-  (STEP_MS + PER_RUNNING_MS x MAX_RUNNING) a fake's capacity in tokens per ms at a full batch (its step model's
-  best), and L the longest kept answer, whose own generation time is at least L steps with itself alone in the
-  batch. Neither bound can be beaten; target ≤ 1.05;
+  max(W ÷ (S x C), T_L), with W the kept tokens, S the fakes, C = MAX_RUNNING ÷ (STEP_MS + PER_RUNNING_MS x
+  MAX_RUNNING) a fake's capacity in tokens per ms at a full batch (its step model's best), and T_L the longest
+  answer's own generation time, its first step to its last, as the fake ran it (`longest_own_s`: the steps of the
+  batch it shared; the issue's "longest answer's own generation time"). The row also states L x (STEP_MS +
+  PER_RUNNING_MS), the longest answer alone in the batch, which no run with other work beside it reaches. Target
+  ≤ 1.05;
 - beside them: /generate HTTP requests, members aborted and /abort_request calls (the fakes'), and the actors'
   stalled, hedges and hedge tokens (their stats lines).
 
@@ -95,11 +97,12 @@ class Figures:
     max_running_seen: int  # the most members one fake ran at once
     actors: dict[str, int]  # summed over actors: stalled, aborts_sent, hedges, hedge_wins, hedge_tokens
     wall_s: float
+    longest_own_s: float  # the longest answer's own generation time, as a fake ran it
 
     @property
     def ideal_s(self) -> float:
         e = self.case.engine
-        return max(self.kept / (self.case.servers * e.tokens_per_ms) / 1000.0, e.alone_s(self.longest))
+        return max(self.kept / (self.case.servers * e.tokens_per_ms) / 1000.0, self.longest_own_s)
 
     @property
     def tokens_ratio(self) -> float:
@@ -184,7 +187,8 @@ def run_case(folder: Path, case: Case, *overrides: str) -> Figures:
                    - min(s["first_item_t"] for s in stats if s["first_item_t"] is not None),
                    sum(s["http_requests"] for s in stats), sum(s["aborted"] for s in stats),
                    sum(s["abort_requests"] for s in stats), sum(s["chunks"] for s in stats),
-                   sum(s["member_seconds"] for s in stats), max(s["max_running_seen"] for s in stats), actors, wall)
+                   sum(s["member_seconds"] for s in stats), max(s["max_running_seen"] for s in stats), actors, wall,
+                   max(s["longest_own_s"] for s in stats))
 
 
 def add_rows(res: c.ScenarioResult, f: Figures) -> None:
@@ -201,10 +205,10 @@ def add_rows(res: c.ScenarioResult, f: Figures) -> None:
     work_s = f.kept / (case.servers * case.engine.tokens_per_ms) / 1000.0
     batch = f.member_seconds / (case.servers * f.makespan_s)
     res.add(c.Row(f"{case.name}: makespan ÷ ideal", f.makespan_ratio,
-                  "first member → last answer ÷ max(kept ÷ capacity, longest alone)", TARGET_MAKESPAN,
+                  "first member → last answer ÷ max(kept ÷ capacity, longest answer's own time)", TARGET_MAKESPAN,
                   raw=(f"makespan {f.makespan_s:.2f} s, ideal {f.ideal_s:.2f} s (work {work_s:.2f} s at "
-                       f"{case.engine.tokens_per_ms * 1000:,.0f} tok/s a fake, longest alone "
-                       f"{case.engine.alone_s(f.longest):.2f} s); mean batch {batch:.1f} of {case.engine.max_running} "
+                       f"{case.engine.tokens_per_ms * 1000:,.0f} tok/s a fake; longest answer's own time "
+                       f"{f.longest_own_s:.2f} s, alone it would take {case.engine.alone_s(f.longest):.2f} s); mean batch {batch:.1f} of {case.engine.max_running} "
                        f"a fake (most {f.max_running_seen}); {f.chunks:,} streamed chunks; "
                        f"launcher wall {f.wall_s:.0f} s")))
 
@@ -215,6 +219,6 @@ def run(quick: bool) -> c.ScenarioResult:
         with c.scratch(f"longtail-{case.name.replace(' ', '_').replace(',', '')}") as folder:
             add_rows(res, run_case(folder, case))
     res.notes.append("longtail: ideal = max(kept tokens ÷ (fakes × a fake's full-batch tokens per second), the "
-                     "longest kept answer × one step alone); the makespan is the fakes' own clock (first member "
+                     "longest answer's own generation time as the fake ran it); the makespan is the fakes' own clock (first member "
                      "received → last answer sent), so start-up and the merge are outside it.")
     return res

@@ -176,6 +176,8 @@ class Stats:
     disconnects: int = 0
     max_running_seen: int = 0
     output_tokens: int = 0  # every token the scheduler generated, aborted members' included
+    longest_tokens: int = 0  # the longest finished answer...
+    longest_own_s: float = 0.0  # ...and its own generation time, first step to last, among the others it ran with
     chunks: int = 0  # intermediate stream chunks sent (finish_reason null)
     continuations: int = 0  # members recognised as continuing an earlier answer (--lengths only)
     member_seconds: float = 0.0  # the step model's running members integrated over its clock (its mean batch x time)
@@ -191,6 +193,9 @@ class Stats:
             self.aborted += 1
         else:
             self.finished += 1
+            own = (item.finish_t or 0.0) - (item.start_t or 0.0)
+            if item.start_t is not None and (tokens or 0, own) > (self.longest_tokens, self.longest_own_s):
+                self.longest_tokens, self.longest_own_s = tokens or 0, own  # the longest answer's own generation time
         self.output_tokens += tokens or 0
 
     def report(self) -> dict[str, Any]:
