@@ -247,7 +247,8 @@ def test_tool_trajectory_equals_verl_tool_agent_loop(tmp_path, tiny_model, scrip
         a, b = ours.batch[key], theirs.batch[key]
         assert a.dtype == b.dtype and a.shape == b.shape, key
         assert torch.equal(a, b), key
-    assert set(ours.non_tensor_batch) - set(theirs.non_tensor_batch) == {"sample", "trajectory", "seed"}
+    pipegen_only = {"sample", "trajectory", "seed", "session_id", "loss_weight"}
+    assert set(ours.non_tensor_batch) - set(theirs.non_tensor_batch) == pipegen_only
     for key, values in theirs.non_tensor_batch.items():
         assert [_plain(x) for x in ours.non_tensor_batch[key]] == [_plain(x) for x in values], key
 
