@@ -3,8 +3,13 @@
 Columns, in order: index, sample, trajectory, uid, raw_prompt (the chat messages sent), response_text (the response
 tokens decoded with the run's tokenizer, special tokens kept), prompt_ids, response_ids, response_mask,
 rollout_log_probs, reward (the row's summed rm_scores, null when unscored), finish_reason ("stop" when the
-last model token is an EOS id, else "length": verl's rows keep no finish reason, so it is derived), then
-every other field of the row (the dataset row's fields and verl's uid/priority/__num_turns__/...).
+last model token is an EOS id, else "length": verl's rows keep no finish reason, so it is derived), messages
+(what SFT loaders read: the prompt's messages, then an `assistant` message per run of model tokens, decoded
+without special tokens, and the tokens between two runs (a tool's reply or a user turn as the chat template
+rendered them) as a `tool` message; a gateway row's own messages as the harness held them), then every other
+field of the row (the dataset row's fields, verl's uid/priority/__num_turns__, pipegen's session_id,
+loss_weight and reward_rule, a loop's is_snapshot/snapshot_index). verl's internal columns (`VERL_INTERNAL`,
+and a multi_modal_inputs with nothing in it) are left out unless `rows.export_verl_columns=true`.
 Nested fields keep their structure (Arrow lists and structs) when one Arrow type fits the whole column;
 otherwise they are JSON strings, named in the file's `pipegen.json_columns` metadata.
 
@@ -32,6 +37,20 @@ from pipegen.run.rows import SortedRows
 FORMATS = ("parquet", "jsonl")
 ROW_GROUP_ROWS = 1024
 LEADING = (*ROW_KEYS, BatchColumns.UID, BatchColumns.RAW_PROMPT)
+# what verl's agent loop adds to every row for its trainer's bookkeeping, not the sample's data
+VERL_INTERNAL = ("global_steps", "min_global_steps", "max_global_steps", "extras", "tool_rewards", "turn_scores")
+MULTI_MODAL_INPUTS = "multi_modal_inputs"
+GATEWAY_FIELD = "gateway"  # the external loop's per-trajectory record (pipegen/gateway/loop.py), with its messages
+MESSAGES = "messages"
+
+
+def exported_fields(cfg: DictConfig, non_tensor: dict[str, np.ndarray]) -> list[str]:
+    """The run's non-tensor columns the export keeps: verl's internal ones only with rows.export_verl_columns."""
+    rows = cfg.get("rows")
+    if rows is not None and rows.get("export_verl_columns", False):
+        return list(non_tensor)
+    empty_media = MULTI_MODAL_INPUTS in non_tensor and not any(v for v in non_tensor[MULTI_MODAL_INPUTS])
+    return [k for k in non_tensor if k not in VERL_INTERNAL and not (k == MULTI_MODAL_INPUTS and empty_media)]
 
 
 def plain(value: Any) -> Any:
@@ -61,11 +80,12 @@ def _writable(t: Any) -> bool:
 class RowSchema:
     """The export's columns and their Arrow types, fixed once from the whole run's non-tensor columns."""
 
-    def __init__(self, plan: SortedRows):
+    def __init__(self, plan: SortedRows, kept: list[str] | None = None):
+        """kept: the non-tensor columns to export (`exported_fields`; None: all of them)."""
         import pyarrow as pa
 
-        self.fields = [k for k in LEADING if k in plan.non_tensor] + \
-                      [k for k in plan.non_tensor if k not in LEADING]
+        kept = list(plan.non_tensor) if kept is None else kept
+        self.fields = [k for k in LEADING if k in kept] + [k for k in kept if k not in LEADING]
         self.types: dict[str, Any] = {**{key: pa.int64() for key in ROW_KEYS}, BatchColumns.UID: pa.string()}
         self.json_columns: list[str] = []
         for key in self.fields:
@@ -91,7 +111,8 @@ class RowSchema:
         cols += [("response_text", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
                  ("response_ids", pa.list_(pa.int32())), ("response_mask", pa.list_(pa.int8())),
                  ("rollout_log_probs", pa.list_(pa.float32())), ("reward", pa.float32()),
-                 ("finish_reason", pa.string())]
+                 ("finish_reason", pa.string()),
+                 (MESSAGES, pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])))]
         cols += [(k, self.types[k]) for k in self.fields if k not in LEADING]
         meta = {"pipegen.json_columns": orjson.dumps(self.json_columns)}
         return pa.schema(cols, metadata=meta)
@@ -116,7 +137,7 @@ class RowBuilder:
 
         self.tokenizer = load_tokenizer(cfg)
         self.eos_ids = _eos_ids(cfg, self.tokenizer)
-        self.schema = RowSchema(plan)
+        self.schema = RowSchema(plan, exported_fields(cfg, plan.non_tensor))
 
     def columns(self, piece: RowGroup, json_strings: bool = True) -> dict[str, Any]:
         """Column name -> values for the piece's rows. Token lists are (flat values, offsets) pairs.
@@ -146,19 +167,44 @@ class RowBuilder:
             out["rollout_log_probs"] = [None] * len(piece)
         out["reward"] = (b[BatchColumns.RM_SCORES].sum(-1).to(torch.float32).numpy() if self.schema.has_reward
                          else [None] * len(piece))
-        out["finish_reason"] = [self._finish(r, m) for r, m in zip(per_row, np.split(mask, resp_off[1:-1]))]
+        masks = np.split(mask, resp_off[1:-1])
+        out["finish_reason"] = [self._finish(r, m) for r, m in zip(per_row, masks)]
+        out[MESSAGES] = self._messages(nt, per_row, masks)
         for k in self.schema.fields:
             if k not in LEADING:
                 out[k] = self._values(k, nt[k], json_strings)
         return out
 
-    def _decode(self, rows: list[list[int]]) -> list[str]:
+    def _messages(self, nt: dict[str, np.ndarray], responses: list[np.ndarray], masks: list[np.ndarray]) -> list:
+        """Each row's messages (see the header): the prompt's, then its response split at the mask's edges."""
+        prompts = nt.get(BatchColumns.RAW_PROMPT)
+        gateway = nt.get(GATEWAY_FIELD)
+        pieces, roles = [], []  # every row's response pieces, decoded together in one batch call
+        for ids, mask in zip(responses, masks):
+            edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+            parts = np.split(ids, edges)
+            starts = [0, *edges.tolist()]
+            pieces.append([p.tolist() for p in parts if len(p)])
+            roles.append(["assistant" if mask[s] else "tool" for s, p in zip(starts, parts) if len(p)])
+        texts = iter(self._decode([p for row in pieces for p in row], skip_special_tokens=True))
+        out = []
+        for i, row_roles in enumerate(roles):
+            answer = [{"role": role, "content": next(texts)} for role in row_roles]
+            kept = gateway[i].get("messages") if gateway is not None and isinstance(gateway[i], dict) else None
+            if isinstance(kept, list):
+                out.append([_message(m) for m in kept])
+                continue
+            prompt = list(prompts[i]) if prompts is not None and prompts[i] is not None else []
+            out.append([_message(m) for m in prompt] + answer)
+        return out
+
+    def _decode(self, rows: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
         """The tokens as text, special tokens kept; the fast tokenizer's own batch decode when there is one
         (transformers' wrapper spends most of its time re-checking the ids)."""
         backend = getattr(self.tokenizer, "_tokenizer", None)
         if backend is not None and hasattr(backend, "decode_batch"):
-            return backend.decode_batch(rows, skip_special_tokens=False)
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=False)
+            return backend.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
 
     def _values(self, key: str, values: np.ndarray, json_strings: bool) -> list[Any]:
         if key in ROW_KEYS:
@@ -197,6 +243,19 @@ class RowBuilder:
         names = list(lists)
         return b"".join(orjson.dumps(dict(zip(names, row)), option=orjson.OPT_APPEND_NEWLINE)
                         for row in zip(*(lists[n] for n in names)))
+
+
+def _message(m: Any) -> dict[str, str]:
+    """A chat message as the messages column holds it: its role, and its content as text (a list of parts joined;
+    anything else as JSON)."""
+    if not isinstance(m, dict):
+        return {"role": "user", "content": str(m)}
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in content)
+    elif content is not None and not isinstance(content, str):
+        content = orjson.dumps(plain(content)).decode()
+    return {"role": str(m.get("role", "user")), "content": content or ""}
 
 
 def _offsets(lengths: torch.Tensor) -> np.ndarray:
