@@ -191,6 +191,43 @@ def test_yaml_registration_and_output_checks(tmp_path):
             check_trajectories(bad, 8, 8)
 
 
+@pytest.mark.parametrize("rule", ["own", "final"])
+def test_a_units_pieces_are_scored_by_the_runs_rule(tmp_path, tiny_model, tokenizer, rule):
+    """rows.reward=own scores every piece on its own (a piece whose loop set reward_score keeps it); final copies
+    the final piece's reward to every piece (verl V1). Each piece records the rule that gave its reward, and a
+    kept record (a unit scored again by a later launch) is scored the same way."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from pipegen.actor.scoring import KeptPiece, Scorer
+    from pipegen.launch.job import compose_job
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str))\n")
+    cfg = compose_job([f"output_dir={tmp_path / 'run'}", f"custom_reward_function.path={reward}", f"rows.reward={rule}"])
+    scorer = Scorer(cfg, tokenizer)
+    row = {"data_source": "mine", "reward_model": {"ground_truth": "x"}}
+
+    def pieces():
+        texts = ["a", "bb", "cccc"]
+        return [AgentLoopOutput(prompt_ids=[1], response_ids=tokenizer.encode(t), response_mask=[1] * len(t),
+                                metrics=AgentLoopMetrics(), reward_score=7.0 if t == "bb" else None) for t in texts]
+
+    async def score(units):
+        try:
+            return [await scorer.score_pieces(u, row, scorer.reward_for(row)) for u in units]
+        finally:
+            await scorer.close()
+
+    outputs = pieces()
+    kept = [{"response_ids": p.response_ids, "num_turns": 1, "reward_score": p.reward_score, "extra_fields": None}
+            for p in pieces()]
+    asyncio.run(score([outputs, [KeptPiece(t) for t in kept]]))
+    want = ([1.0, 7.0, 4.0], ["own", "loop", "own"]) if rule == "own" else ([4.0] * 3, ["final", "final", "own"])
+    assert ([p.reward_score for p in outputs], [p.extra_fields["reward_rule"] for p in outputs]) == want
+    assert ([t["reward_score"] for t in kept], [t["extra_fields"]["reward_rule"] for t in kept]) == want
+
+
 # ------------------------------------------------------------------------------------ pipeline scenarios
 
 
@@ -405,7 +442,8 @@ STATELM_SCRIPT = [
 RESUME_FIELDS = {"resumed", "resumed_at_token", "replayed_calls"}  # a resumed unit's rows say so (README: resume)
 
 
-def statelm_overrides(tiny_model: str, tmp: Path, url: str, *extra: str) -> list[str]:
+def statelm_overrides(tiny_model: str, tmp: Path, url: str, *extra: str, loops: Path | None = None,
+                      agent: str = "statelm_agent") -> list[str]:
     """The fork-style loop registered through agent_loop_config_path, with calculator and deleteContext tools."""
     import sys
 
@@ -420,8 +458,8 @@ def statelm_overrides(tiny_model: str, tmp: Path, url: str, *extra: str) -> list
     base = [o for o in BASE if not o.startswith(("max_prompt_length=", "max_response_length="))]
     return ["llm=external", f"llm.urls=[{url}]", f"model_path={tiny_model}", f"train_files={data}", *base,
             "max_prompt_length=768", "max_response_length=320", "n=2", "actors.per_unit_seed=false",
-            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp / 'loops.yaml'}",
-            "actor_rollout_ref.rollout.agent.default_agent_loop=statelm_agent",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops or tmp / 'loops.yaml'}",
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={agent}",
             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp / 'tools.yaml'}", *extra]
 
 
@@ -543,7 +581,7 @@ def test_exports_of_a_multi_trajectory_run_validate_and_match_its_rows(statelm, 
         assert row["response_ids"] == resp.tolist() and row["response_mask"] == mask.tolist()
         # the prompt's messages, then each model turn and each tool reply between two turns
         prompt = [{"role": m["role"], "content": m["content"]} for m in nt["raw_prompt"][i]]
-        turns = 2 * row["trajectory"] + 1 if row["trajectory"] < 2 else 5
+        turns = [2, 4, 5][row["trajectory"]]  # a snapshot before each deleteContext call, then the final
         assert row["messages"][:len(prompt)] == prompt
         answer = row["messages"][len(prompt):]
         assert [m["role"] for m in answer] == ["assistant", "tool"] * (turns - 1) + ["assistant"]
@@ -554,6 +592,13 @@ def test_exports_of_a_multi_trajectory_run_validate_and_match_its_rows(statelm, 
     export_plan(cfg, SortedRows.committed(RunDir(out), load_checkpoint(RunDir(out).checkpoint)), tmp_path / "all.parquet",
                 "parquet")
     assert {"tool_rewards", "turn_scores"} <= set(pq.read_schema(tmp_path / "all.parquet").names)
+
+    from pipegen.report.numbers import report_numbers
+
+    pieces = report_numbers(RunDir(out))[0]["pieces"]  # the report's statistics per piece kind
+    assert pieces["snapshot"]["rows"] == 12 and pieces["snapshot"]["mean_reward"] == 0.0
+    assert pieces["final"]["rows"] == pieces["final"]["samples"] == 6 and pieces["final"]["mean_reward"] == 1.0
+    assert pieces["snapshot"]["reward_rules"] == {"own": 12} and pieces["final"]["reward_rules"] == {"own": 6}
 
     folder = tmp_path / "atif"
     assert export_main([str(out), "--format", "atif", "--output", str(folder)]) == 0
@@ -632,3 +677,24 @@ def test_an_actor_killed_inside_a_multi_trajectory_loop_gives_the_uninterrupted_
         option = orjson.OPT_SERIALIZE_NUMPY
         assert orjson.dumps(rows.non_tensor_batch[key].tolist(), option=option) == \
                orjson.dumps(values.tolist(), option=option), key
+
+
+def test_the_snapshot_loop_snapshots_when_a_named_tool_runs(statelm, tiny_model, tmp_path):
+    """pipegen's ContextSnapshotAgentLoop with `snapshot_on_tool: deleteContext` (and no snapshot by count) takes
+    the fork's snapshots: before each deleteContext call runs. Its rows equal the fork-style loop's, piece for
+    piece."""
+    from conftest import launch
+
+    first, fork_rows, url = statelm
+    loops = tmp_path / "loops.yaml"
+    loops.write_text("- name: on_tool\n  _target_: pipegen.agent_loops.snapshot.ContextSnapshotAgentLoop\n"
+                     "  snapshot_every: 0\n  snapshot_on_tool: deleteContext\n")
+    out = tmp_path / "run"
+    result = launch(out, *statelm_overrides(tiny_model, first.parent, url, loops=loops, agent="on_tool"),
+                    env={"PYTHONPATH": str(SUPPORT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = load_trajectories(out / "trajectories.pkl")
+    for key in ("index", "sample", "trajectory", "is_snapshot", "snapshot_index", "reward_rule", "loss_weight"):
+        assert list(rows.non_tensor_batch[key]) == list(fork_rows.non_tensor_batch[key]), key
+    for key in fork_rows.batch.keys():
+        assert torch.equal(rows.batch[key], fork_rows.batch[key]), key
