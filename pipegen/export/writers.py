@@ -27,7 +27,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import orjson
-import torch
 from omegaconf import DictConfig
 
 from pipegen.run.atomic import atomic_write
@@ -120,23 +119,67 @@ class RowSchema:
 
 @dataclass
 class RowGroup:
-    """Consecutive sorted rows of a run: what `RowBuilder` reads (the fields a DataProto has for them)."""
+    """Consecutive sorted rows of a run: what `RowBuilder` reads (a DataProto's fields for them, as numpy)."""
 
-    batch: dict[str, torch.Tensor]
+    batch: dict[str, np.ndarray]
     non_tensor_batch: dict[str, np.ndarray]
 
     def __len__(self) -> int:
         return len(next(iter(self.non_tensor_batch.values())))
 
 
+class Detokenizer:
+    """The run's tokenizer, for decoding only. A fast tokenizer's `tokenizer.json` goes through `tokenizers`, the
+    library transformers' fast tokenizer wraps (the same decode), so the export imports neither verl, torch nor
+    transformers: those imports were ~6 of a 64-row export's ~8 s here (idle; ~20 s on a busy 2-core box), the
+    rows themselves ~0.1 s. A model folder without one loads the tokenizer as the run did (`load_tokenizer`)."""
+
+    def __init__(self, cfg: DictConfig):
+        model = cfg.actor_rollout_ref.model
+        folder = Path(str(model.get("tokenizer_path") or model.path)).expanduser()
+        self.fast: Any = None
+        self.slow: Any = None
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            self.fast = Tokenizer.from_file(str(folder / "tokenizer.json"))
+            eos = _json_file(folder / "tokenizer_config.json").get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            eos_id = self.fast.token_to_id(eos) if isinstance(eos, str) else None
+        else:
+            from pipegen.inputs.dataset import load_tokenizer
+
+            self.slow = load_tokenizer(cfg)
+            eos_id = self.slow.eos_token_id
+        # the tokenizer's EOS and generation_config.json's (one id or a list), as the servers stop on them
+        generation = _json_file(folder / "generation_config.json").get("eos_token_id")
+        ids = {eos_id} | set(generation if isinstance(generation, list) else [generation])
+        self.eos_ids = {int(i) for i in ids if i is not None}
+
+    def decode_batch(self, rows: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        if self.fast is not None:
+            return self.fast.decode_batch(rows, skip_special_tokens=skip_special_tokens)
+        return self.slow.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.decode_batch([ids], skip_special_tokens)[0]
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A model folder's small JSON file, {} when it is missing or not a JSON object."""
+    try:
+        data = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 class RowBuilder:
     """Row groups -> export columns (python lists / numpy per column, shared by both formats)."""
 
     def __init__(self, cfg: DictConfig, plan: SortedRows):
-        from pipegen.inputs.dataset import load_tokenizer
-
-        self.tokenizer = load_tokenizer(cfg)
-        self.eos_ids = _eos_ids(cfg, self.tokenizer)
+        self.tokenizer = Detokenizer(cfg)
+        self.eos_ids = self.tokenizer.eos_ids
         self.schema = RowSchema(plan, exported_fields(cfg, plan.non_tensor))
 
     def columns(self, piece: RowGroup, json_strings: bool = True) -> dict[str, Any]:
@@ -144,28 +187,28 @@ class RowBuilder:
         ``json_strings``: nested fields no Arrow type fits become JSON text (Parquet); JSON lines keep them."""
         b, nt = piece.batch, piece.non_tensor_batch
         p = b[BatchColumns.PROMPTS].shape[1]
-        attn = b[BatchColumns.ATTENTION_MASK].bool()
+        attn = b[BatchColumns.ATTENTION_MASK].astype(bool)
         prompt_att, resp_att = attn[:, :p], attn[:, p:]
         prompt_off = _offsets(prompt_att.sum(1))
         resp_len = resp_att.sum(1)
         resp_off = _offsets(resp_len)
-        response_ids = b[BatchColumns.RESPONSES][resp_att].to(torch.int32).numpy()
-        mask = b[BatchColumns.RESPONSE_MASK][resp_att].to(torch.int8).numpy()
+        response_ids = b[BatchColumns.RESPONSES][resp_att].astype(np.int32)
+        mask = b[BatchColumns.RESPONSE_MASK][resp_att].astype(np.int8)
         per_row = np.split(response_ids, resp_off[1:-1])
         out: dict[str, Any] = {}
         for k in self.schema.fields:
             if k in LEADING:
                 out[k] = self._values(k, nt[k], json_strings)
         out["response_text"] = self._decode([r.tolist() for r in per_row])
-        out["prompt_ids"] = (b[BatchColumns.PROMPTS][prompt_att].to(torch.int32).numpy(), prompt_off)
+        out["prompt_ids"] = (b[BatchColumns.PROMPTS][prompt_att].astype(np.int32), prompt_off)
         out["response_ids"] = (response_ids, resp_off)
         out["response_mask"] = (mask, resp_off)
         if self.schema.has_logprobs:
-            logprobs = b[BatchColumns.ROLLOUT_LOG_PROBS][resp_att].to(torch.float32).numpy()
+            logprobs = b[BatchColumns.ROLLOUT_LOG_PROBS][resp_att].astype(np.float32)
             out["rollout_log_probs"] = (logprobs, resp_off)
         else:
             out["rollout_log_probs"] = [None] * len(piece)
-        out["reward"] = (b[BatchColumns.RM_SCORES].sum(-1).to(torch.float32).numpy() if self.schema.has_reward
+        out["reward"] = (b[BatchColumns.RM_SCORES].sum(-1, dtype=np.float32) if self.schema.has_reward
                          else [None] * len(piece))
         masks = np.split(mask, resp_off[1:-1])
         out["finish_reason"] = [self._finish(r, m) for r, m in zip(per_row, masks)]
@@ -199,12 +242,7 @@ class RowBuilder:
         return out
 
     def _decode(self, rows: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
-        """The tokens as text, special tokens kept; the fast tokenizer's own batch decode when there is one
-        (transformers' wrapper spends most of its time re-checking the ids)."""
-        backend = getattr(self.tokenizer, "_tokenizer", None)
-        if backend is not None and hasattr(backend, "decode_batch"):
-            return backend.decode_batch(rows, skip_special_tokens=skip_special_tokens)
-        return self.tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
     def _values(self, key: str, values: np.ndarray, json_strings: bool) -> list[Any]:
         if key in ROW_KEYS:
@@ -258,23 +296,10 @@ def _message(m: Any) -> dict[str, str]:
     return {"role": str(m.get("role", "user")), "content": content or ""}
 
 
-def _offsets(lengths: torch.Tensor) -> np.ndarray:
+def _offsets(lengths: np.ndarray) -> np.ndarray:
     off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths.numpy(), out=off[1:])
+    np.cumsum(lengths, out=off[1:])
     return off
-
-
-def _eos_ids(cfg: DictConfig, tokenizer: Any) -> set[int]:
-    """The tokenizer's EOS and generation_config.json's (one id or a list), as the servers stop on them."""
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(str(cfg.actor_rollout_ref.model.path)).eos_token_id
-    except (OSError, ValueError):
-        eos = None
-    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return {int(i) for i in ids}
 
 
 def export_plan(cfg: DictConfig, plan: SortedRows, path: Path, fmt: str, row_group_rows: int = ROW_GROUP_ROWS) -> int:
@@ -285,8 +310,7 @@ def export_plan(cfg: DictConfig, plan: SortedRows, path: Path, fmt: str, row_gro
 
     def pieces() -> Iterator[RowGroup]:
         for lo, hi in plan.ranges(row_group_rows):
-            yield RowGroup({k: torch.from_numpy(v) for k, v in plan.tensors(lo, hi).items()},
-                           {k: v[lo:hi] for k, v in plan.non_tensor.items()})
+            yield RowGroup(plan.tensors(lo, hi), {k: v[lo:hi] for k, v in plan.non_tensor.items()})
         plan.release()
 
     def write(f) -> None:
