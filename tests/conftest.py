@@ -206,6 +206,33 @@ def wait_for_lines(launcher: subprocess.Popen, shard: Path, count: int, timeout:
         time.sleep(0.05)
 
 
+def launch_killing_the_actor(out: Path, overrides: list[str], ready, timeout: float = 180, settle: float = 0.0,
+                             env: dict | None = None) -> tuple[int, str]:
+    """Run the launcher on `out`, SIGKILL its one actor once `ready()` is true (then `settle` seconds more), and let
+    the launcher restart it and finish: (its exit code, its stderr)."""
+    import signal
+
+    from pipegen.bench.partial_progress import actor_pids
+
+    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert time.monotonic() < deadline and launcher.poll() is None, "the run never reached the kill point"
+            time.sleep(0.05)
+        time.sleep(settle)
+        (pid,) = actor_pids(out)
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait()
+    return launcher.returncode, stderr
+
+
 def response_texts(data, model_path: str) -> list[tuple[str, int]]:
     """Each row's response as verl decodes it for scoring (its valid tokens, skip_special_tokens=True), with
     its length in tokens."""

@@ -629,14 +629,7 @@ def test_an_actor_killed_inside_a_multi_trajectory_loop_gives_the_uninterrupted_
     """The fork-style loop's run again, its actor SIGKILLed while every unit is inside its session (a recording
     proxy has answered two model calls per unit on average): the restarted actor finishes the units, each sample
     committed whole, and the rows equal the uninterrupted run's, tensor for tensor (resumed rows only say so)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from conftest import assert_verified
-    from pipegen.bench.partial_progress import actor_pids
+    from conftest import assert_verified, launch_killing_the_actor
 
     first, uninterrupted, _ = statelm
     script = tmp_path / "script.json"
@@ -647,24 +640,14 @@ def test_an_actor_killed_inside_a_multi_trajectory_loop_gives_the_uninterrupted_
     out = tmp_path / "run"
     # the same data and loop files as the uninterrupted run (they are part of its run key, so of its uids)
     overrides = statelm_overrides(tiny_model, first.parent, proxy.url)
-    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": str(SUPPORT)})
     try:
-        deadline = time.time() + 180
-        while sum(e["status"] == 200 for e in proxy.entries()) < 2 * 6:
-            assert time.time() < deadline and launcher.poll() is None, "the run never got inside its sessions"
-            time.sleep(0.05)
-        (pid,) = actor_pids(out)
-        os.kill(pid, signal.SIGKILL)
-        _, stderr = launcher.communicate(timeout=240)
+        returncode, stderr = launch_killing_the_actor(
+            out, overrides, lambda: sum(e["status"] == 200 for e in proxy.entries()) >= 2 * 6,
+            env={"PYTHONPATH": str(SUPPORT)})
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait()
         for process in (proxy, server):
             process.stop()
-    assert launcher.returncode == 0, stderr[-3000:]
+    assert returncode == 0, stderr[-3000:]
     assert (out / "logs" / "actor_0.log").read_text().count("starting actor_0") == 2
     assert_verified(out)
     rows = load_trajectories(out / "trajectories.pkl")
