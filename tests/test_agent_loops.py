@@ -595,7 +595,11 @@ def test_exports_of_a_multi_trajectory_run_validate_and_match_its_rows(statelm, 
 
     from pipegen.report.numbers import report_numbers
 
-    pieces = report_numbers(RunDir(out))[0]["pieces"]  # the report's statistics per piece kind
+    from pipegen.report.page import render
+
+    numbers = report_numbers(RunDir(out))[0]
+    pieces = numbers["pieces"]  # the report's statistics per piece kind, on its page too
+    assert "<h2>Per piece kind</h2>" in render(numbers, {}) and "own 12" in render(numbers, {})
     assert pieces["snapshot"]["rows"] == 12 and pieces["snapshot"]["mean_reward"] == 0.0
     assert pieces["final"]["rows"] == pieces["final"]["samples"] == 6 and pieces["final"]["mean_reward"] == 1.0
     assert pieces["snapshot"]["reward_rules"] == {"own": 12} and pieces["final"]["reward_rules"] == {"own": 6}

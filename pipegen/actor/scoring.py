@@ -21,6 +21,7 @@ from typing import Any, Protocol, Sequence
 
 from omegaconf import DictConfig
 
+from pipegen.config.schema import Rows
 from pipegen.rewards.protocol import ScoreRequest, parse_result
 from pipegen.rewards.spec import BuiltReward, RewardOrder
 from pipegen.rewards.verifier import VerifierReward
@@ -59,9 +60,8 @@ class KeptPiece:
 
 
 def unit_rule(cfg: DictConfig) -> str:
-    """The run's rows.reward (an older run's saved config lacks the group: the fork's way, own)."""
-    rows = cfg.get("rows")
-    return str(rows.get("reward", OWN)) if rows is not None else OWN
+    """The run's rows.reward (an older run's saved config lacks the group: its default)."""
+    return str((cfg.get("rows") or {}).get("reward", Rows.reward))
 
 
 class Scorer:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from pipegen.config.schema import Rows
 from pipegen.run.batchfile import (INT_TENSORS, BatchColumns, StoredBatch, attention_mask_of, encode_batch_file,
                                    object_array, position_ids_of, read_batch)
 from pipegen.run.pictures import MULTI_MODAL_INPUTS, decode_multi_modal_data
@@ -50,8 +51,8 @@ class BatchBuilder:
         self.prompt_length = int(worker.rollout_config.prompt_length)
         self.response_length = int(worker.rollout_config.response_length)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        rows = cfg.get("rows")  # an older run's saved config lacks the group: its default
-        self.session_weight = (rows.get("loss_weight", "session") if rows is not None else "session") == "session"
+        # an older run's saved config lacks the group: its default
+        self.session_weight = (cfg.get("rows") or {}).get("loss_weight", Rows.loss_weight) == "session"
 
     def plain_text(self, traj: dict[str, Any]) -> bool:
         """Whether verl's per-trajectory postprocessing reduces to plain padding for this trajectory."""
