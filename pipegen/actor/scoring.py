@@ -28,7 +28,6 @@ from pipegen.rewards.verifier import VerifierReward
 from pipegen.run.stream import PieceKeys
 
 OWN, FINAL, LOOP = "own", "final", "loop"  # the values of a row's reward_rule (null: unscored)
-RULES = (OWN, FINAL)  # rows.reward's choices
 
 
 class Piece(Protocol):
