@@ -536,6 +536,12 @@ def test_a_fork_style_multi_trajectory_loop_runs_unchanged_and_equals_verls_flat
     for uid in set(nt["uid"]):
         group = [k for k, u in zip(keys, nt["uid"]) if u == uid]
         assert len(group) == 6 and len({k[0] for k in group}) == 1
+    # verl's own GRPO advantage over these groups: each final piece above its group's mean, each snapshot below
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    advantages, _ = compute_grpo_outcome_advantage(ours.batch["rm_scores"], ours.batch["response_mask"], nt["uid"])
+    first = [float(a[m.bool()][0]) for a, m in zip(advantages, ours.batch["response_mask"])]
+    assert all((a > 0) == (t == 2) for a, (_, _, t) in zip(first, keys))
 
     theirs = _verl_reference(load_run_config(RunDir(out)), url, {
         int(i): u for i, u in zip(nt["index"], nt["uid"])}, fork_worker())
