@@ -184,6 +184,15 @@ def test_yaml_registration_and_output_checks(tmp_path):
 
     assert len(check_trajectories(out(), 8, 8)) == 1
     assert len(check_trajectories([out(), out()], 8, 8)) == 2
+    # the fork's wrapper (any object, or dict, with a `trajectories` list): its pieces, in order
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "support"))
+    from statelm_loop import MultiTrajectoryAgentLoopOutput
+
+    pieces = [out(), out(response_ids=[5, 6])]
+    assert check_trajectories(MultiTrajectoryAgentLoopOutput(trajectories=pieces), 8, 8) == pieces
+    assert check_trajectories({"trajectories": pieces}, 8, 8) == pieces
     for bad in ([], [out(response_mask=[1])], out(response_logprobs=[0.0]), out(prompt_ids=list(range(9))),
                 out(response_ids=list(range(9)), response_mask=[1] * 9, response_logprobs=None),
                 out(response_mask=[1, 2]), out(prompt_ids=[]), ["not a trajectory"]):
