@@ -213,7 +213,8 @@ def test_a_units_pieces_are_scored_by_the_runs_rule(tmp_path, tiny_model, tokeni
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(len(solution_str))\n")
-    cfg = compose_job([f"output_dir={tmp_path / 'run'}", f"custom_reward_function.path={reward}", f"rows.reward={rule}"])
+    cfg = compose_job([f"output_dir={tmp_path / 'run'}", f"custom_reward_function.path={reward}",
+                       f"rows.reward={rule}"])
     scorer = Scorer(cfg, tokenizer)
     row = {"data_source": "mine", "reward_model": {"ground_truth": "x"}}
 
@@ -604,8 +605,8 @@ def test_exports_of_a_multi_trajectory_run_validate_and_match_its_rows(statelm, 
     cfg = load_run_config(RunDir(out))
     with open_dict(cfg):
         cfg.rows.export_verl_columns = True
-    export_plan(cfg, SortedRows.committed(RunDir(out), load_checkpoint(RunDir(out).checkpoint)), tmp_path / "all.parquet",
-                "parquet")
+    plan = SortedRows.committed(RunDir(out), load_checkpoint(RunDir(out).checkpoint))
+    export_plan(cfg, plan, tmp_path / "all.parquet", "parquet")
     assert {"tool_rewards", "turn_scores"} <= set(pq.read_schema(tmp_path / "all.parquet").names)
 
     from pipegen.report.numbers import report_numbers
@@ -638,7 +639,8 @@ def test_exports_of_a_multi_trajectory_run_validate_and_match_its_rows(statelm, 
         assert [[bool(s.get("is_copied_context")) for s in a] for a in agent] == [
             [False] * 2, [True] * 2 + [False] * 2, [True] * 4 + [False]]
         # each sampled token is outside copied context exactly once across the sample's documents
-        own = [t for a in agent for s in a if not s.get("is_copied_context") for t in s["metrics"]["completion_token_ids"]]
+        own = [t for a in agent for s in a if not s.get("is_copied_context")
+               for t in s["metrics"]["completion_token_ids"]]
         final = 3 * i + 2
         assert own == rows.batch["responses"][final][rows.batch["response_mask"][final].bool()].tolist()
 

@@ -157,7 +157,8 @@ def gateway_steps(messages: list[dict[str, Any]], tokens: RowTokens, own_calls: 
     return steps
 
 
-def token_steps(prompt: list[dict[str, Any]], tokens: RowTokens, decode: Any, shared: int = 0) -> list[dict[str, Any]]:
+def token_steps(prompt: list[dict[str, Any]], tokens: RowTokens, decode: Any,
+                shared: int = 0) -> list[dict[str, Any]]:
     """Steps of a verl loop's row: its prompt messages, then one agent step per run of model tokens, the tokens
     between runs (decoded) as the observation of the step before them. `shared`: how many response tokens this
     piece shares with an earlier piece of its sample; the runs inside them are copied context."""

@@ -14,8 +14,8 @@ Per data source: rows, prompts, the mean reward with its 95% interval (a bootstr
 samples kept together, seed fixed: pipegen/report/estimators.py), pass@k for k = 1..n, the share of responses
 at the length limit, and length percentiles. A run whose agent loop returned several trajectories (pieces) for
 a sample also gets `pieces`: the same reward and length figures per piece kind, `snapshot` (every piece but a
-sample's last) and `final` (its last), with how many rows each reward rule (`reward_rule`) scored. Floats are rounded to DIGITS places once, here, so the page and
-report.json show the same numbers.
+sample's last) and `final` (its last), with how many rows each reward rule (`reward_rule`) scored. Floats are
+rounded to DIGITS places once, here, so the page and report.json show the same numbers.
 
 Owns: the report's numbers. Must never: write anything, import a role, or parse a run file itself (each file
 has one reader, and this module calls it).

@@ -154,7 +154,8 @@ def _reward(cfg: DictConfig) -> dict[str, Any]:
 def _rows(cfg: DictConfig) -> dict[str, Any]:
     """rows.reward and rows.loss_weight where they differ from their defaults (they define the rows' data)."""
     rows, default = cfg.get("rows") or {}, Rows()
-    return {k: rows.get(k) for k in ("reward", "loss_weight") if rows.get(k, getattr(default, k)) != getattr(default, k)}
+    return {k: rows.get(k) for k in ("reward", "loss_weight")
+            if rows.get(k, getattr(default, k)) != getattr(default, k)}
 
 
 def _plain(value: Any) -> Any:

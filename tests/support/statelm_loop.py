@@ -80,7 +80,8 @@ class StateLMAgentLoop(ToolAgentLoop):
             response_mask=list(agent_data.response_mask)[: self.response_length],
             response_logprobs=logprobs[: self.response_length] if logprobs is not None else None,
             num_turns=agent_data.user_turns + agent_data.assistant_turns + 1,
-            metrics=AgentLoopMetrics(**{k: v for k, v in agent_data.metrics.items() if k in AgentLoopMetrics.model_fields}),
+            metrics=AgentLoopMetrics(**{k: v for k, v in agent_data.metrics.items()
+                                        if k in AgentLoopMetrics.model_fields}),
             extra_fields={"is_snapshot": True, "snapshot_index": len(self.trajectory_snapshots)},
         )
 
