@@ -8,7 +8,8 @@ last model token is an EOS id, else "length": verl's rows keep no finish reason,
 without special tokens, and the tokens between two runs (a tool's reply or a user turn as the chat template
 rendered them) as a `tool` message; a gateway row's own messages as the harness held them), then every other
 field of the row (the dataset row's fields, verl's uid/priority/__num_turns__, pipegen's session_id,
-loss_weight and reward_rule, a loop's is_snapshot/snapshot_index). verl's internal columns (`VERL_INTERNAL`,
+loss_weight and reward_rule, a loop's is_snapshot/snapshot_index; a field named like a built column, e.g. an
+SFT set's own `messages`, gives way to it). verl's internal columns (`VERL_INTERNAL`,
 and a multi_modal_inputs with nothing in it) are left out unless `rows.export_verl_columns=true`.
 Nested fields keep their structure (Arrow lists and structs) when one Arrow type fits the whole column;
 otherwise they are JSON strings, named in the file's `pipegen.json_columns` metadata.
@@ -41,6 +42,8 @@ VERL_INTERNAL = ("global_steps", "min_global_steps", "max_global_steps", "extras
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
 GATEWAY_FIELD = "gateway"  # the external loop's per-trajectory record (pipegen/gateway/loop.py), with its messages
 MESSAGES = "messages"
+BUILT = ("response_text", "prompt_ids", "response_ids", "response_mask", "rollout_log_probs", "reward",
+         "finish_reason", MESSAGES)  # the columns built from the row's tensors, between LEADING and the rest
 
 
 def exported_fields(cfg: DictConfig, non_tensor: dict[str, np.ndarray]) -> list[str]:
@@ -84,6 +87,9 @@ class RowSchema:
         import pyarrow as pa
 
         kept = list(plan.non_tensor) if kept is None else kept
+        # a dataset field named like a column the export builds (an SFT set's `messages`, the prompt verl
+        # rendered into raw_prompt) gives way to it: one column per name
+        kept = [k for k in kept if k not in BUILT]
         self.fields = [k for k in LEADING if k in kept] + [k for k in kept if k not in LEADING]
         self.types: dict[str, Any] = {**{key: pa.int64() for key in ROW_KEYS}, BatchColumns.UID: pa.string()}
         self.json_columns: list[str] = []
@@ -107,7 +113,7 @@ class RowSchema:
         import pyarrow as pa
 
         cols = [(k, self.types[k]) for k in self.fields if k in LEADING]
-        cols += [("response_text", pa.string()), ("prompt_ids", pa.list_(pa.int32())),
+        cols += [("response_text", pa.string()), ("prompt_ids", pa.list_(pa.int32())),  # BUILT, in order
                  ("response_ids", pa.list_(pa.int32())), ("response_mask", pa.list_(pa.int8())),
                  ("rollout_log_probs", pa.list_(pa.float32())), ("reward", pa.float32()),
                  ("finish_reason", pa.string()),
