@@ -177,8 +177,8 @@ SERVER_RESOLVE = pytest.StashKey()
 # would otherwise start the files with the most tests first, and test_vllm.py, few tests and the longest,
 # ran alone at the end); every other file follows in its usual order.
 LONGEST_FIRST = ("test_vllm.py", "test_run_damage.py", "test_gateway.py", "test_actor_faults.py", "test_vision.py",
-                 "test_cluster.py", "test_models.py", "test_rewards.py", "test_day_two.py", "test_writer_crash.py",
-                 "test_partial_progress.py", "test_supervision.py", "test_status.py")
+                 "test_cluster.py", "test_models.py", "test_agent_loops.py", "test_rewards.py", "test_day_two.py",
+                 "test_writer_crash.py", "test_partial_progress.py", "test_supervision.py", "test_status.py")
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: never started for a run that will not check it
@@ -205,6 +205,33 @@ def wait_for_lines(launcher: subprocess.Popen, shard: Path, count: int, timeout:
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
         assert time.monotonic() < deadline, f"the actor never wrote {count} records"
         time.sleep(0.05)
+
+
+def launch_killing_the_actor(out: Path, overrides: list[str], ready, timeout: float = 180, settle: float = 0.0,
+                             env: dict | None = None) -> tuple[int, str]:
+    """Run the launcher on `out`, SIGKILL its one actor once `ready()` is true (then `settle` seconds more), and let
+    the launcher restart it and finish: (its exit code, its stderr)."""
+    import signal
+
+    from pipegen.bench.partial_progress import actor_pids
+
+    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            assert time.monotonic() < deadline and launcher.poll() is None, "the run never reached the kill point"
+            time.sleep(0.05)
+        time.sleep(settle)
+        (pid,) = actor_pids(out)
+        os.kill(pid, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait()
+    return launcher.returncode, stderr
 
 
 def response_texts(data, model_path: str) -> list[tuple[str, int]]:

@@ -184,11 +184,58 @@ def test_yaml_registration_and_output_checks(tmp_path):
 
     assert len(check_trajectories(out(), 8, 8)) == 1
     assert len(check_trajectories([out(), out()], 8, 8)) == 2
+    # the fork's wrapper (any object, or dict, with a `trajectories` list): its pieces, in order
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "support"))
+    from statelm_loop import MultiTrajectoryAgentLoopOutput
+
+    pieces = [out(), out(response_ids=[5, 6])]
+    assert check_trajectories(MultiTrajectoryAgentLoopOutput(trajectories=pieces), 8, 8) == pieces
+    assert check_trajectories({"trajectories": pieces}, 8, 8) == pieces
     for bad in ([], [out(response_mask=[1])], out(response_logprobs=[0.0]), out(prompt_ids=list(range(9))),
                 out(response_ids=list(range(9)), response_mask=[1] * 9, response_logprobs=None),
                 out(response_mask=[1, 2]), out(prompt_ids=[]), ["not a trajectory"]):
         with pytest.raises(InvalidTrajectory):
             check_trajectories(bad, 8, 8)
+
+
+@pytest.mark.parametrize("rule", ["own", "final"])
+def test_a_units_pieces_are_scored_by_the_runs_rule(tmp_path, tiny_model, tokenizer, rule):
+    """rows.reward=own scores every piece on its own (a piece whose loop set reward_score keeps it); final copies
+    the final piece's reward to every piece (verl V1). Each piece records the rule that gave its reward, and a
+    kept record (a unit scored again by a later launch) is scored the same way."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+
+    from pipegen.actor.scoring import KeptPiece, Scorer
+    from pipegen.launch.job import compose_job
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str))\n")
+    cfg = compose_job([f"output_dir={tmp_path / 'run'}", f"custom_reward_function.path={reward}",
+                       f"rows.reward={rule}"])
+    scorer = Scorer(cfg, tokenizer)
+    row = {"data_source": "mine", "reward_model": {"ground_truth": "x"}}
+
+    def pieces():
+        texts = ["a", "bb", "cccc"]
+        return [AgentLoopOutput(prompt_ids=[1], response_ids=tokenizer.encode(t), response_mask=[1] * len(t),
+                                metrics=AgentLoopMetrics(), reward_score=7.0 if t == "bb" else None) for t in texts]
+
+    async def score(units):
+        try:
+            return [await scorer.score_pieces(u, row, scorer.reward_for(row)) for u in units]
+        finally:
+            await scorer.close()
+
+    outputs = pieces()
+    kept = [{"response_ids": p.response_ids, "num_turns": 1, "reward_score": p.reward_score, "extra_fields": None}
+            for p in pieces()]
+    asyncio.run(score([outputs, [KeptPiece(t) for t in kept]]))
+    want = ([1.0, 7.0, 4.0], ["own", "loop", "own"]) if rule == "own" else ([4.0] * 3, ["final", "final", "own"])
+    assert ([p.reward_score for p in outputs], [p.extra_fields["reward_rule"] for p in outputs]) == want
+    assert ([t["reward_score"] for t in kept], [t["extra_fields"]["reward_rule"] for t in kept]) == want
 
 
 # ------------------------------------------------------------------------------------ pipeline scenarios
@@ -247,7 +294,8 @@ def test_tool_trajectory_equals_verl_tool_agent_loop(tmp_path, tiny_model, scrip
         a, b = ours.batch[key], theirs.batch[key]
         assert a.dtype == b.dtype and a.shape == b.shape, key
         assert torch.equal(a, b), key
-    assert set(ours.non_tensor_batch) - set(theirs.non_tensor_batch) == {"sample", "trajectory", "seed"}
+    pipegen_only = {"sample", "trajectory", "seed", "session_id", "loss_weight"}
+    assert set(ours.non_tensor_batch) - set(theirs.non_tensor_batch) == pipegen_only
     for key, values in theirs.non_tensor_batch.items():
         assert [_plain(x) for x in ours.non_tensor_batch[key]] == [_plain(x) for x in values], key
 
@@ -379,10 +427,278 @@ def test_multi_trajectory_loop_registered_through_agent_loop_config_path(tmp_pat
             assert nt["__num_turns__"][row[(0, s, t)]] == 2 * t + 2
         assert [v for v, _ in runs(valid_response(d, row[(0, s, 0)])[1].tolist())] == [1]
         assert lengths[0] < lengths[1] < lengths[2]
-        # a multi-trajectory unit shares its final reward
+        # each piece scored on its own by default (rows.reward=own): only the final one holds "#### 5"
         scores = [B["rm_scores"][row[(0, s, t)]].sum().item() for t in range(3)]
-        assert scores == [1.0, 1.0, 1.0]
+        assert scores == [0.0, 0.0, 1.0]
+        assert [nt["reward_rule"][row[(0, s, t)]] for t in range(3)] == ["own"] * 3
+        assert [nt["is_snapshot"][row[(0, s, t)]] for t in range(3)] == [True, True, False]
+        assert [nt["snapshot_index"][row[(0, s, t)]] for t in range(3)] == [0, 1, None]
         # single-turn rows: one model turn, all mask 1
         resp, mask, _, n = valid_response(d, row[(2, s, 0)])
         assert bool((mask == 1).all()) and nt["__num_turns__"][row[(2, s, 0)]] == 2
     assert set(nt["agent_name"]) == {"context_snapshot_agent", "tool_agent", "single_turn_agent"}
+
+
+# ------------------------------------------------------------------- a fork-style multi-trajectory loop (StateLM)
+
+SUPPORT = REPO / "tests" / "support"  # statelm_loop.py: the user's module, on PYTHONPATH as a user would put it
+STATELM_SCRIPT = [
+    'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
+    'I no longer need that.\n<tool_call>\n{"name": "deleteContext", "arguments": {"msg_id": 1}}\n</tool_call>',
+    'Check it.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "20 // 4"}}\n</tool_call>',
+    'Drop it too.\n<tool_call>\n{"name": "deleteContext", "arguments": {"msg_id": 3}}\n</tool_call>',
+    "The answer is #### 5",
+]
+RESUME_FIELDS = {"resumed", "resumed_at_token", "replayed_calls"}  # a resumed unit's rows say so (README: resume)
+
+
+def statelm_overrides(tiny_model: str, tmp: Path, url: str, *extra: str, loops: Path | None = None,
+                      agent: str = "statelm_agent") -> list[str]:
+    """The fork-style loop registered through agent_loop_config_path, with calculator and deleteContext tools."""
+    import sys
+
+    sys.path.insert(0, str(SUPPORT))
+    from statelm_loop import TOOL_CONFIG
+
+    data = tmp / "statelm.parquet"
+    if not data.exists():  # written once: a second run over the same files has the same run key (and uids)
+        (tmp / "loops.yaml").write_text("- name: statelm_agent\n  _target_: statelm_loop.StateLMAgentLoop\n")
+        (tmp / "tools.yaml").write_text(Path(TOOLS_YAML).read_text() + TOOL_CONFIG.split("tools:\n", 1)[1])
+        write_dataset(data, [{"content": q} for q in QUESTIONS])
+    base = [o for o in BASE if not o.startswith(("max_prompt_length=", "max_response_length="))]
+    return ["llm=external", f"llm.urls=[{url}]", f"model_path={tiny_model}", f"train_files={data}", *base,
+            "max_prompt_length=768", "max_response_length=320", "n=2", "actors.per_unit_seed=false",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops or tmp / 'loops.yaml'}",
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={agent}",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tmp / 'tools.yaml'}", *extra]
+
+
+@pytest.fixture(scope="module")
+def statelm(tiny_model, tmp_path_factory):
+    """One uninterrupted run of the fork-style loop on the CPU server (the fake engine's script), shared by the
+    tests below: (run directory, its rows, the server's URL)."""
+    from conftest import launch
+
+    tmp = tmp_path_factory.mktemp("statelm")
+    script = tmp / "script.json"
+    script.write_text(json.dumps(STATELM_SCRIPT))
+    server = FakeServer("statelm", tmp, tiny_model, "--script", str(script), "--slots", "16").wait_ready()
+    try:
+        out = tmp / "run"
+        result = launch(out, *statelm_overrides(tiny_model, tmp, server.url), env={"PYTHONPATH": str(SUPPORT)})
+        assert result.returncode == 0, result.stderr[-3000:]  # launch() also ran `status --verify` on it
+        yield out, load_trajectories(out / "trajectories.pkl"), server.url
+    finally:
+        server.stop()
+
+
+def fork_worker():
+    """verl's AgentLoopWorker with the fork's generate_sequences flattening: each piece of a loop's `trajectories`
+    through verl's own per-trajectory postprocessing, scored on its own (verl's default_compute_score on its
+    decoded response, as verl's reward loop calls it), the input rows repeated per piece, then verl's own
+    `_postprocess`."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.utils.reward_score import default_compute_score
+
+    class Worker(AgentLoopWorker):
+        async def _agent_loop_postprocess(self, output, validate, **kwargs):
+            pieces = getattr(output, "trajectories", None) or [output]
+            padded = []
+            for piece in pieces:
+                if piece.reward_score is None:
+                    text = self.tokenizer.decode(piece.response_ids, skip_special_tokens=True)
+                    score = default_compute_score(kwargs["data_source"], text,
+                                                  kwargs["reward_model"]["ground_truth"])
+                    piece.reward_score, piece.extra_fields["reward_extra_info"] = score, {"acc": score}
+                padded.append(await super()._agent_loop_postprocess(piece, validate, **kwargs))
+            return padded
+
+        def _postprocess(self, inputs, input_non_tensor_batch=None, validate=False):
+            counts = [len(pieces) for pieces in inputs]
+            rows = {k: np.repeat(v, counts, axis=0) for k, v in (input_non_tensor_batch or {}).items()}
+            return super()._postprocess([p for pieces in inputs for p in pieces], rows, validate)
+
+    return Worker
+
+
+def test_a_fork_style_multi_trajectory_loop_runs_unchanged_and_equals_verls_flattening(statelm, tiny_model):
+    """The fork's MultiTrajectoryAgentLoopOutput (a snapshot before each deleteContext call, then the final
+    conversation) runs through pipegen unchanged: one row per piece, tensor for tensor what verl's worker gives
+    with the fork's flattening, each piece with its own reward; loss_weight sums to 1 per sample and each GRPO
+    group (uid) holds every piece of its samples."""
+    from test_verl_parity import _plain, _verl_reference
+
+    from pipegen.run.config import load_run_config
+    from pipegen.run.layout import RunDir
+
+    out, ours, url = statelm
+    nt = ours.non_tensor_batch
+    keys = [(int(i), int(s), int(t)) for i, s, t in zip(nt["index"], nt["sample"], nt["trajectory"])]
+    assert keys == [(i, s, t) for i in range(len(QUESTIONS)) for s in range(2) for t in range(3)]
+    assert list(nt["is_snapshot"]) == [True, True, False] * 6 and list(nt["snapshot_index"]) == [0, 1, None] * 6
+    scores = ours.batch["rm_scores"].sum(-1).tolist()
+    assert scores == [0.0, 0.0, 1.0] * 6 and list(nt["reward_rule"]) == ["own"] * 18  # the final piece answers
+    # weights and groups: 1/3 per piece; a uid's rows are every piece of its prompt's two samples
+    sessions: dict[str, float] = {}
+    for session, weight in zip(nt["session_id"], nt["loss_weight"]):
+        sessions[session] = sessions.get(session, 0.0) + weight
+    assert len(sessions) == 6 and all(w == pytest.approx(1.0) for w in sessions.values())
+    for uid in set(nt["uid"]):
+        group = [k for k, u in zip(keys, nt["uid"]) if u == uid]
+        assert len(group) == 6 and len({k[0] for k in group}) == 1
+    # verl's own GRPO advantage over these groups: each final piece above its group's mean, each snapshot below
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    advantages, _ = compute_grpo_outcome_advantage(ours.batch["rm_scores"], ours.batch["response_mask"], nt["uid"])
+    first = [float(a[m.bool()][0]) for a, m in zip(advantages, ours.batch["response_mask"])]
+    assert all((a > 0) == (t == 2) for a, (_, _, t) in zip(first, keys))
+
+    theirs = _verl_reference(load_run_config(RunDir(out)), url, {
+        int(i): u for i, u in zip(nt["index"], nt["uid"])}, fork_worker())
+    assert len(theirs) == len(ours) == 18
+    assert set(ours.batch.keys()) == set(theirs.batch.keys())
+    for key in theirs.batch.keys():
+        a, b = ours.batch[key], theirs.batch[key]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+    pipegen_only = {"sample", "trajectory", "seed", "session_id", "loss_weight", "reward_rule"}
+    assert set(nt) - set(theirs.non_tensor_batch) == pipegen_only
+    for key, values in theirs.non_tensor_batch.items():
+        assert [_plain(x) for x in nt[key]] == [_plain(x) for x in values], key
+
+
+def test_exports_of_a_multi_trajectory_run_validate_and_match_its_rows(statelm, tmp_path):
+    """Parquet (one row per piece, with its messages, session, weight and reward rule; verl's internal columns
+    left out unless rows.export_verl_columns) and ATIF (one document per piece, the prefix a piece shares with an
+    earlier piece of its sample marked is_copied_context) hold what the DataProto rows hold."""
+    import pyarrow.parquet as pq
+    from atif import Trajectory
+    from omegaconf import open_dict
+
+    from pipegen.export.__main__ import main as export_main
+    from pipegen.export.writers import VERL_INTERNAL, export_plan
+    from pipegen.run.checkpoint import load_checkpoint
+    from pipegen.run.config import load_run_config
+    from pipegen.run.layout import RunDir
+    from pipegen.run.rows import SortedRows
+
+    out, rows, _ = statelm
+    nt = rows.non_tensor_batch
+    parquet = tmp_path / "rows.parquet"
+    assert export_main([str(out), "--format", "parquet", "--output", str(parquet)]) == 0
+    table = pq.read_table(parquet).to_pylist()
+    assert len(table) == len(rows) == 18
+    assert {"tool_rewards", "turn_scores"} <= set(nt) and not set(VERL_INTERNAL) & set(table[0])
+    for i, row in enumerate(table):
+        for key in ("index", "sample", "trajectory", "uid", "session_id", "loss_weight", "reward_rule", "is_snapshot",
+                    "snapshot_index"):
+            assert row[key] == nt[key][i], key
+        assert row["reward"] == rows.batch["rm_scores"][i].sum().item()
+        resp, mask, _, _ = valid_response(rows, i)
+        assert row["response_ids"] == resp.tolist() and row["response_mask"] == mask.tolist()
+        # the prompt's messages, then each model turn and each tool reply between two turns
+        prompt = [{"role": m["role"], "content": m["content"]} for m in nt["raw_prompt"][i]]
+        turns = [2, 4, 5][row["trajectory"]]  # a snapshot before each deleteContext call, then the final
+        assert row["messages"][:len(prompt)] == prompt
+        answer = row["messages"][len(prompt):]
+        assert [m["role"] for m in answer] == ["assistant", "tool"] * (turns - 1) + ["assistant"]
+        assert [m["content"] for m in answer[::2]] == STATELM_SCRIPT[:turns]
+    cfg = load_run_config(RunDir(out))
+    with open_dict(cfg):
+        cfg.rows.export_verl_columns = True
+    plan = SortedRows.committed(RunDir(out), load_checkpoint(RunDir(out).checkpoint))
+    export_plan(cfg, plan, tmp_path / "all.parquet", "parquet")
+    assert {"tool_rewards", "turn_scores"} <= set(pq.read_schema(tmp_path / "all.parquet").names)
+
+    from pipegen.report.numbers import report_numbers
+
+    from pipegen.report.page import render
+
+    numbers = report_numbers(RunDir(out))[0]
+    pieces = numbers["pieces"]  # the report's statistics per piece kind, on its page too
+    assert "<h2>Per piece kind</h2>" in render(numbers, {}) and "own 12" in render(numbers, {})
+    assert pieces["snapshot"]["rows"] == 12 and pieces["snapshot"]["mean_reward"] == 0.0
+    assert pieces["final"]["rows"] == pieces["final"]["samples"] == 6 and pieces["final"]["mean_reward"] == 1.0
+    assert pieces["snapshot"]["reward_rules"] == {"own": 12} and pieces["final"]["reward_rules"] == {"own": 6}
+
+    folder = tmp_path / "atif"
+    assert export_main([str(out), "--format", "atif", "--output", str(folder)]) == 0
+    by_session: dict[str, list[dict]] = {}
+    for i in range(len(rows)):
+        index, sample, trajectory = (int(nt[k][i]) for k in ("index", "sample", "trajectory"))
+        doc = orjson.loads((folder / f"{index}-{sample}-{trajectory}.json").read_bytes())
+        Trajectory.model_validate(doc)
+        assert doc["session_id"] == nt["session_id"][i]
+        for key in ("trajectory", "uid", "loss_weight", "reward_rule", "is_snapshot", "snapshot_index"):
+            assert doc["extra"][key] == nt[key][i], key
+        assert doc["extra"]["reward"] == rows.batch["rm_scores"][i].sum().item()
+        by_session.setdefault(doc["session_id"], []).append(doc)
+    assert len(by_session) == 6
+    for i, docs in enumerate(by_session.values()):
+        agent = [[s for s in d["steps"] if s["source"] == "agent"] for d in docs]
+        assert [len(a) for a in agent] == [2, 4, 5]
+        assert [[bool(s.get("is_copied_context")) for s in a] for a in agent] == [
+            [False] * 2, [True] * 2 + [False] * 2, [True] * 4 + [False]]
+        # each sampled token is outside copied context exactly once across the sample's documents
+        own = [t for a in agent for s in a if not s.get("is_copied_context")
+               for t in s["metrics"]["completion_token_ids"]]
+        final = 3 * i + 2
+        assert own == rows.batch["responses"][final][rows.batch["response_mask"][final].bool()].tolist()
+
+
+@pytest.mark.slow
+def test_an_actor_killed_inside_a_multi_trajectory_loop_gives_the_uninterrupted_rows(statelm, tiny_model, tmp_path):
+    """The fork-style loop's run again, its actor SIGKILLed while every unit is inside its session (a recording
+    proxy has answered two model calls per unit on average): the restarted actor finishes the units, each sample
+    committed whole, and the rows equal the uninterrupted run's, tensor for tensor (resumed rows only say so)."""
+    from conftest import assert_verified, launch_killing_the_actor
+
+    first, uninterrupted, _ = statelm
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(STATELM_SCRIPT))
+    server = FakeServer("slow", tmp_path, tiny_model, "--script", str(script), "--slots", "16",
+                        "--token-latency", "0.05").wait_ready()
+    proxy = RecordingProxy("proxy", tmp_path, server.url).wait_ready()
+    out = tmp_path / "run"
+    # the same data and loop files as the uninterrupted run (they are part of its run key, so of its uids)
+    overrides = statelm_overrides(tiny_model, first.parent, proxy.url)
+    try:
+        returncode, stderr = launch_killing_the_actor(
+            out, overrides, lambda: sum(e["status"] == 200 for e in proxy.entries()) >= 2 * 6,
+            env={"PYTHONPATH": str(SUPPORT)})
+    finally:
+        for process in (proxy, server):
+            process.stop()
+    assert returncode == 0, stderr[-3000:]
+    assert (out / "logs" / "actor_0.log").read_text().count("starting actor_0") == 2
+    assert_verified(out)
+    rows = load_trajectories(out / "trajectories.pkl")
+    assert any(rows.non_tensor_batch["resumed"])
+    assert set(rows.batch.keys()) == set(uninterrupted.batch.keys())
+    for key in rows.batch.keys():
+        assert torch.equal(rows.batch[key], uninterrupted.batch[key]), key
+    assert set(rows.non_tensor_batch) - RESUME_FIELDS == set(uninterrupted.non_tensor_batch)
+    for key, values in uninterrupted.non_tensor_batch.items():
+        option = orjson.OPT_SERIALIZE_NUMPY
+        assert orjson.dumps(rows.non_tensor_batch[key].tolist(), option=option) == \
+               orjson.dumps(values.tolist(), option=option), key
+
+
+def test_the_snapshot_loop_snapshots_when_a_named_tool_runs(statelm, tiny_model, tmp_path):
+    """pipegen's ContextSnapshotAgentLoop with `snapshot_on_tool: deleteContext` (and no snapshot by count) takes
+    the fork's snapshots: before each deleteContext call runs. Its rows equal the fork-style loop's, piece for
+    piece."""
+    from conftest import launch
+
+    first, fork_rows, url = statelm
+    loops = tmp_path / "loops.yaml"
+    loops.write_text("- name: on_tool\n  _target_: pipegen.agent_loops.snapshot.ContextSnapshotAgentLoop\n"
+                     "  snapshot_every: 0\n  snapshot_on_tool: deleteContext\n")
+    out = tmp_path / "run"
+    result = launch(out, *statelm_overrides(tiny_model, first.parent, url, loops=loops, agent="on_tool"),
+                    env={"PYTHONPATH": str(SUPPORT)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = load_trajectories(out / "trajectories.pkl")
+    for key in ("index", "sample", "trajectory", "is_snapshot", "snapshot_index", "reward_rule", "loss_weight"):
+        assert list(rows.non_tensor_batch[key]) == list(fork_rows.non_tensor_batch[key]), key
+    for key in fork_rows.batch.keys():
+        assert torch.equal(rows.batch[key], fork_rows.batch[key]), key

@@ -124,6 +124,10 @@ def _assert_rows_equal(rows: list[dict], ref) -> None:
         assert row["raw_prompt"] == _plain(nt["raw_prompt"][i])
         assert row["finish_reason"] == ("stop" if int(response[-1]) in (2000, 2002) else "length")
         assert isinstance(row["response_text"], str) and row["response_text"]
+        # SFT's messages: the prompt's, then the single-turn answer; verl's internal columns are left out
+        prompt = [{"role": m["role"], "content": m["content"]} for m in nt["raw_prompt"][i]]
+        assert row["messages"][:-1] == prompt and row["messages"][-1]["role"] == "assistant"
+        assert not {"global_steps", "min_global_steps", "extras", "tool_rewards", "turn_scores"} & set(row)
 
 
 def test_merge_sorts_batches_committed_out_of_order(tmp_path):

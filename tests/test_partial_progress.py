@@ -262,17 +262,11 @@ def test_a_tool_loop_killed_mid_session_answers_its_recorded_turns_from_the_reco
     each of them once), then asks the engine for the third. The rows are token-exact (the sampled tokens and
     log-probs are what the engine answered for the three calls) and verl reads them."""
     import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
 
     import torch
 
-    from conftest import REPO, assert_verified, load_trajectories
+    from conftest import assert_verified, launch_killing_the_actor, load_trajectories
     from fake_servers import FakeServer, RecordingProxy, write_dataset
-    from pipegen.bench.partial_progress import actor_pids
     from pipegen.run.stream import unit_seed
     from test_agent_loops import QUESTIONS, SCRIPT, tool_overrides
 
@@ -285,29 +279,19 @@ def test_a_tool_loop_killed_mid_session_answers_its_recorded_turns_from_the_reco
     out = tmp_path / "run"
     overrides = tool_overrides(tiny_model, data, "n=1", "seed=3", "generation.save_batch_size=1000",
                                "generation.partial_batch_quiet_s=60", "llm=external", f"llm.urls=[{proxy.url}]")
-    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seeds = {unit_seed(3, i, 0): i for i in range(len(QUESTIONS))}
-    try:
-        deadline = time.time() + 180
-        while True:  # every unit has its first two calls answered: its third call is on its way
-            answered = [e["seed"] for e in proxy.entries() if e["status"] == 200]
-            if all(answered.count(s) >= 2 for s in seeds):
-                break
-            assert time.time() < deadline and launcher.poll() is None, "the run never reached the third calls"
-            time.sleep(0.05)
-        time.sleep(0.3)  # the calculator answers at once; the third call (8 tokens) takes ~0.6 s
-        (pid,) = actor_pids(out)
-        os.kill(pid, signal.SIGKILL)
-        stdout, stderr = launcher.communicate(timeout=240)
+
+    def third_calls() -> bool:  # every unit has its first two calls answered: its third call is on its way
+        answered = [e["seed"] for e in proxy.entries() if e["status"] == 200]
+        return all(answered.count(s) >= 2 for s in seeds)
+
+    try:  # the calculator answers at once; the third call (8 tokens) takes ~0.6 s
+        returncode, stderr = launch_killing_the_actor(out, overrides, third_calls, settle=0.3)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait()
         entries = proxy.entries()  # the engine's log of what it was asked and answered
         for process in (proxy, server):
             process.stop()
-    assert launcher.returncode == 0, stderr[-3000:]
+    assert returncode == 0, stderr[-3000:]
     assert (out / "logs" / "actor_0.log").read_text().count("starting actor_0") == 2
     assert_verified(out)
     rows = load_trajectories(out / "trajectories.pkl")  # verl's own reader

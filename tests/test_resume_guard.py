@@ -58,6 +58,10 @@ def test_fingerprint_names_each_kind_of_change(tmp_path, model_copy):
     assert "agent.default_agent_loop" in mismatch_message(base, loop, out)
     fake = fingerprint(out, f"model_path={model_copy}", FAKE_ENGINE)
     assert 'generator: "model" -> "fake engine"' in mismatch_message(base, fake, out)
+    # how a multi-trajectory sample's rows are scored and weighed (absent at their defaults: run keys unchanged)
+    assert "rows" not in base and fingerprint(out, f"model_path={model_copy}", "rows.reward=own") == base
+    rule = fingerprint(out, f"model_path={model_copy}", "rows.reward=final", "rows.loss_weight=one")
+    assert "rows" in mismatch_message(base, rule, out) and rule["rows"] == {"reward": "final", "loss_weight": "one"}
 
     # another model folder with the very same files: the path names it
     other = tmp_path / "other-model"

@@ -21,7 +21,8 @@ from pipegen.launch.servers import cpu_server_command, wait_ready
 from pipegen.launch.world import ServerPlan, free_port
 
 
-def _verl_reference(cfg, url: str, uids_by_index: dict):
+def _verl_reference(cfg, url: str, uids_by_index: dict, worker_cls=None):
+    """`worker_cls`: an AgentLoopWorker subclass to run instead of verl's own (test_agent_loops.py's ForkWorker)."""
     import aiohttp
     from transformers import AutoConfig
     from verl import DataProto
@@ -49,7 +50,7 @@ def _verl_reference(cfg, url: str, uids_by_index: dict):
     async def run():
         async with aiohttp.ClientSession() as session:
             limits = ClientLimits(int(rollout.prompt_length), int(rollout.response_length), hf.max_position_embeddings)
-            worker = AgentLoopWorker(cfg, llm_client=ServerPool([url], limits, session))
+            worker = (worker_cls or AgentLoopWorker)(cfg, llm_client=ServerPool([url], limits, session))
             if worker.processor is None:  # verl's hf_processor builds none without torchvision: the run's PIL one
                 worker.processor = processor
             return await worker.generate_sequences(batch)
@@ -73,7 +74,7 @@ def test_trajectories_equal_verl_agent_loop_output(tmp_path, tiny_model):
         a, b = ours.batch[key], theirs.batch[key]
         assert a.dtype == b.dtype and a.shape == b.shape, key
         assert torch.equal(a, b), key
-    pipegen_only = {"sample", "trajectory", "seed"}
+    pipegen_only = {"sample", "trajectory", "seed", "session_id", "loss_weight"}
     assert set(ours.non_tensor_batch) - set(theirs.non_tensor_batch) == pipegen_only
     assert set(theirs.non_tensor_batch) <= set(ours.non_tensor_batch)
     for key, theirs_values in theirs.non_tensor_batch.items():

@@ -74,7 +74,8 @@ def test_fast_rows_equal_verls_per_trajectory_postprocess(setup, with_logprobs):
     assert isinstance(fast_records[0].trajectories[0]["response_ids"], np.ndarray)
     fast = asyncio.run(builder.build(fast_records))
     plain = [RolloutRecord.from_line(rec.to_line()) for rec in records]
-    row_keys = [*plain[0].agent_kwargs(builder.default_agent), "sample", "trajectory", "seed"]
+    row_keys = [*plain[0].agent_kwargs(builder.default_agent), "sample", "trajectory", "seed", "session_id",
+                "loss_weight"]
     reference = postprocess_batch(builder.worker, _verl_rows(builder, plain),
                                   {k: fast.non_tensor_batch[k] for k in row_keys})
     _assert_same(fast, reference)

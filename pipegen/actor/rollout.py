@@ -9,8 +9,8 @@ what the loop returned, scores it, packs it into a `RolloutRecord` (run/stream.p
 the actor's shard (or a `FailureRecord` to its failures shard). A unit whose reward fails keeps its generated
 record, unscored, in its FailureRecord; the next launch scores that record (`rescore`) instead of generating.
 
-Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky
-server, seed, concurrency slot), checking the agent loops' output before it reaches a shard.
+Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky server,
+seed, concurrency slot), a loop's result as its pieces in order (`loop_pieces`), checked before a shard.
 Must never: re-tokenize what the server returned, turn a failed or malformed unit into a record (its
 line is a FailureRecord), or open a file (it appends to the shards the worker opened for it; a unit's
 progress file is actor/continuation.py's).
@@ -31,7 +31,7 @@ from pipegen.inputs.dataset import dataset_indices, load_dataset, load_processor
 from pipegen.actor.loop_cache import AgentLoops
 from pipegen.actor.detokenize import response_decoder
 from pipegen.actor.continuation import UnitProgress
-from pipegen.actor.scoring import Scorer
+from pipegen.actor.scoring import KeptPiece, Scorer
 from pipegen.rewards.protocol import RewardFailure
 from pipegen.config.compose import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
@@ -108,16 +108,26 @@ def vision_placeholders(processor: Any) -> dict[int, str]:
     return {int(i): f"its {kind} placeholder" for kind, i in ids.items() if i is not None}
 
 
+def loop_pieces(result: Any) -> list:
+    """A loop's result as its trajectories, in order: the `trajectories` list of a wrapper (the fork's
+    MultiTrajectoryAgentLoopOutput, or any object or dict with one), a list (verl's TQ worker's), or one output."""
+    pieces = result.get("trajectories") if isinstance(result, dict) else getattr(result, "trajectories", None)
+    if isinstance(pieces, (list, tuple)):
+        return list(pieces)
+    return list(result) if isinstance(result, (list, tuple)) else [result]
+
+
 def check_trajectories(result: Any, prompt_length: int, response_length: int,
                        placeholders: Mapping[int, str] | None = None) -> list:
-    """What an agent loop returned, as a non-empty list of AgentLoopOutput that verl's padding accepts.
+    """What an agent loop returned (`loop_pieces`), as a non-empty list of AgentLoopOutput that verl's padding
+    accepts.
     placeholders (`vision_placeholders`): token ids the model must not sample. verl's postprocessing takes every
     such id in prompt and response for a picture's (or video's) span and wants a grid for it; a sampled one has
     none, so verl's `get_rope_index` raises on the row, in pipegen's writer as in verl's own trainer. The unit
     fails here instead, named in the failures stream, and the writer never sees the row."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 
-    outputs = result if isinstance(result, (list, tuple)) else [result]
+    outputs = loop_pieces(result)
     if not outputs:
         raise InvalidTrajectory("the agent loop returned no trajectory")
     checked = []
@@ -163,16 +173,6 @@ class Unscored(Exception):
         super().__init__(f"not scored: {cause}")
         self.record = record
         self.cause = cause
-
-
-class _Kept:
-    """The part of an AgentLoopOutput the Scorer reads and sets, for a kept record's last trajectory."""
-
-    def __init__(self, response_ids: list[int], num_turns: int):
-        self.response_ids = response_ids
-        self.num_turns = num_turns
-        self.reward_score: float | None = None
-        self.extra_fields: dict[str, Any] = {}
 
 
 def trajectory_json(output) -> dict[str, Any]:
@@ -371,20 +371,11 @@ class UnitRunner:
         resumed = progress.row_fields()
         for out in outputs if resumed else ():  # a user filters resumed rows by these (README: resume)
             out.extra_fields.update(resumed)
-        # like verl's _compute_score: a loop that scored its own trajectory (e.g. SWE-agent) keeps its score
-        not_scored = None
-        if self.scorer is not None and outputs[-1].reward_score is None and self.scorer.applies(row):
-            # inline when proven cheap, else off the event loop (scoring.py); a failed reward keeps the samples
-            # unscored (Unscored below), never scored with a number the reward did not give
-            try:
-                with slot.awaiting_verifier(self.scorer.remote_capacity(row)):
-                    await self.scorer.score(outputs[-1], row)
-            except RewardFailure as e:
-                not_scored = e
-            for out in outputs[:-1]:  # a multi-trajectory unit shares its final reward, as verl's TQ worker does
-                out.reward_score = outputs[-1].reward_score
-                if "reward_extra_info" in outputs[-1].extra_fields:
-                    out.extra_fields["reward_extra_info"] = outputs[-1].extra_fields["reward_extra_info"]
+        not_scored = None  # a failed reward keeps the samples unscored (Unscored below), never given a number
+        try:  # a loop's own scores are kept (scoring.py)
+            await self.score(outputs, row, slot)
+        except RewardFailure as e:
+            not_scored = e
         last = outputs[-1]
         record = RolloutRecord(index=index, sample=sample, reward=last.reward_score, text=self.peek(last.response_ids),
                              finish="length" if len(last.response_ids) >= self.response_length else "stop",
@@ -400,24 +391,21 @@ class UnitRunner:
         nothing. A reward that fails again raises Unscored with the record kept once more."""
         record = RolloutRecord(**{k: v for k, v in kept.items() if k in RolloutRecord.__dataclass_fields__})
         record.launch = self.launch.launch
-        row = self.row(pos)
-        if self.scorer is None or not self.scorer.applies(row):  # no reward for this row any more: as generated
-            return record
-        last = record.trajectories[-1]
-        output = _Kept(last[TrajectoryKeys.RESPONSE_IDS], last.get(TrajectoryKeys.NUM_TURNS) or 0)
+        pieces = [KeptPiece(t) for t in record.trajectories]
         try:
-            with slot.awaiting_verifier(self.scorer.remote_capacity(row)):
-                await self.scorer.score(output, row)
+            await self.score(pieces, self.row(pos), slot)
         except RewardFailure as e:
             raise Unscored(record, e) from None
-        for trajectory in record.trajectories:  # every trajectory of the unit shares its final reward, as above
-            trajectory[TrajectoryKeys.REWARD_SCORE] = output.reward_score
-            if "reward_extra_info" in output.extra_fields:
-                extra = trajectory.get(TrajectoryKeys.EXTRA_FIELDS) or {}
-                trajectory[TrajectoryKeys.EXTRA_FIELDS] = {**extra,
-                                                           "reward_extra_info": output.extra_fields["reward_extra_info"]}
-        record.reward = output.reward_score
+        record.reward = pieces[-1].reward_score
         return record
+
+    async def score(self, pieces: list, row: dict[str, Any], slot) -> None:
+        """The unit's pieces scored by the run's rule (scoring.py), the row's reward looked up once."""
+        if self.scorer is None:  # actors.scoring=false: as generated
+            return
+        reward = self.scorer.reward_for(row)
+        with slot.awaiting_verifier(self.scorer.remote_capacity(reward) if reward is not None else 0):
+            await self.scorer.score_pieces(pieces, row, reward)
 
     async def close(self) -> None:
         """Stop what scoring started (a process pool, a verifier session)."""

@@ -1,11 +1,14 @@
-"""Scoring a finished trajectory the way verl's reward loop does: the decoded response handed to the
-row's reward (rewards/spec.py's RewardOrder decides which), and the answer read as verl's
-NaiveRewardManager reads it.
+"""Scoring a finished unit the way verl's reward loop does: each trajectory's decoded response handed to the
+row's reward (rewards/spec.py's RewardOrder decides which, looked up once per unit), the answer read as verl's
+NaiveRewardManager reads it, and a multi-trajectory unit's pieces scored by the run's one rule
+(`rows.reward`): `own`, every piece on its own (the fork's way: a piece whose loop set `reward_score` keeps it),
+or `final`, the final piece's reward copied to every piece (verl V1's TQ worker).
 
 Owns: the row -> reward call mapping (data_source, the decoded text detokenize.py makes, ground_truth,
-extra_info with num_turns and rollout_reward_scores as verl adds them) and where the score lands
-(`reward_score`, and `extra_fields["reward_extra_info"]`, which verl's `_postprocess` puts into the batch's
-non-tensor data).
+extra_info with num_turns and rollout_reward_scores as verl adds them), the per-piece rule, and where the
+score lands (`reward_score`; `extra_fields["reward_extra_info"]`, which verl's `_postprocess` puts into the
+batch's non-tensor data; `extra_fields["reward_rule"]`, which rule gave the row its reward: `own`, `loop`
+(the loop's own score), `final` (copied from the final piece) or null (unscored)).
 Must never: give a row a score its reward did not return (a reward that fails raises RewardFailure and the
 unit is recorded as failed), or run model-written code to score it (verl's default scorers execute the
 generated program for code data sources: those rows stay unscored with one warning).
@@ -13,13 +16,51 @@ generated program for code data sources: those rows stay unscored with one warni
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, Protocol, Sequence
 
 from omegaconf import DictConfig
 
+from pipegen.config.schema import Rows
 from pipegen.rewards.protocol import ScoreRequest, parse_result
-from pipegen.rewards.spec import RewardOrder
+from pipegen.rewards.spec import BuiltReward, RewardOrder
 from pipegen.rewards.verifier import VerifierReward
+from pipegen.run.stream import PieceKeys
+
+OWN, FINAL, LOOP = "own", "final", "loop"  # the values of a row's reward_rule (null: unscored)
+
+
+class Piece(Protocol):
+    """What scoring reads and sets of a trajectory: verl's AgentLoopOutput, or a kept record's (`KeptPiece`)."""
+
+    response_ids: list[int]
+    num_turns: int
+    reward_score: float | None
+    extra_fields: dict[str, Any]
+
+
+class KeptPiece:
+    """A kept record's trajectory (its JSON dict) as a Piece: what scoring sets lands in the dict itself."""
+
+    def __init__(self, trajectory: dict[str, Any]):
+        self.trajectory = trajectory
+        self.response_ids = trajectory["response_ids"]
+        self.num_turns = trajectory.get("num_turns") or 0
+        extra = trajectory.get("extra_fields")
+        self.extra_fields = trajectory["extra_fields"] = dict(extra) if extra else {}
+
+    @property
+    def reward_score(self) -> float | None:
+        return self.trajectory.get("reward_score")
+
+    @reward_score.setter
+    def reward_score(self, value: float | None) -> None:
+        self.trajectory["reward_score"] = value
+
+
+def unit_rule(cfg: DictConfig) -> str:
+    """The run's rows.reward (an older run's saved config lacks the group: its default)."""
+    return str((cfg.get("rows") or {}).get("reward", Rows.reward))
 
 
 class Scorer:
@@ -36,20 +77,46 @@ class Scorer:
             files = cfg.data.train_files
             task_routes = task_rewards(list(cfg.tasks), [files] if isinstance(files, str) else list(files))
         self.order = RewardOrder(cfg, task_routes)
+        self.rule = unit_rule(cfg)
 
-    def applies(self, row: dict[str, Any]) -> bool:
-        return self.order.reward_for(row) is not None
+    def reward_for(self, row: dict[str, Any]) -> BuiltReward | None:
+        """The row's reward (None: it stays unscored): asked once per unit, then handed to the calls below."""
+        return self.order.reward_for(row)
 
-    def remote_capacity(self, row: dict[str, Any]) -> int:
-        """Samples the row's reward checks at once elsewhere (an HTTP verifier); 0 when this machine scores it."""
-        reward = self.order.reward_for(row)
+    @staticmethod
+    def remote_capacity(reward: BuiltReward) -> int:
+        """Samples the reward checks at once elsewhere (an HTTP verifier); 0 when this machine scores it."""
         return reward.capacity if isinstance(reward, VerifierReward) else 0
 
-    async def score(self, output, row: dict[str, Any]) -> None:
+    async def score_pieces(self, pieces: Sequence[Piece], row: dict[str, Any], reward: BuiltReward | None) -> None:
+        """Every piece of one unit scored by the run's rule, each with its `reward_rule`; the pieces are scored
+        together (a verifier batches them). A RewardFailure propagates once every piece's call has ended."""
+        own = [p for p in pieces if p.reward_score is None]
+        if self.rule == FINAL:
+            own = own[-1:] if own and own[-1] is pieces[-1] else []
+        for p in pieces:
+            p.extra_fields[PieceKeys.REWARD_RULE] = LOOP if p.reward_score is not None else None
+        if reward is not None and own:
+            results = await asyncio.gather(*(self.score(p, row, reward) for p in own), return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:  # the unit keeps no score (its record is scored again, whole, next launch)
+                for p in own:
+                    p.reward_score = None
+                    p.extra_fields.pop("reward_extra_info", None)
+                raise failed
+        for p in own:
+            if p.reward_score is not None:
+                p.extra_fields[PieceKeys.REWARD_RULE] = OWN
+        if self.rule == FINAL:  # verl V1: every piece takes the final piece's reward, whatever it held
+            last = pieces[-1]
+            for p in pieces[:-1]:
+                p.reward_score = last.reward_score
+                p.extra_fields[PieceKeys.REWARD_RULE] = FINAL if last.reward_score is not None else None
+                if "reward_extra_info" in last.extra_fields:
+                    p.extra_fields["reward_extra_info"] = last.extra_fields["reward_extra_info"]
+
+    async def score(self, output: Piece, row: dict[str, Any], reward: BuiltReward) -> None:
         """Set output.reward_score and extra_fields['reward_extra_info']; a RewardFailure propagates."""
-        reward = self.order.reward_for(row)
-        if reward is None:
-            return
         reward_model = row.get("reward_model") or {}
         extra = dict(row.get("extra_info") or {})
         extra.update(num_turns=output.num_turns, rollout_reward_scores={})
@@ -66,3 +133,4 @@ class Scorer:
 
     async def close(self) -> None:
         await self.order.close()
+

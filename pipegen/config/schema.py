@@ -222,6 +222,20 @@ class Reward:
 
 
 @dataclass
+class Rows:
+    """rows.*: what each row carries when an agent loop returns several trajectories (pieces) per sample, e.g.
+    snapshots before each context deletion, then the final conversation (README: several trajectories)."""
+
+    reward: str = key("own", "own = score each piece on its own (a piece whose loop set reward_score keeps it); "
+                             "final = copy the final piece's reward to every piece (verl V1)", choices=("own", "final"))
+    loss_weight: str = key("session", "each row's loss_weight: session = 1/k for a sample of k pieces (every sample "
+                                      "weighs the same); one = 1.0 for every row", choices=("session", "one"))
+    export_verl_columns: bool = key(False, "the Parquet export keeps verl's internal columns (global_steps, "
+                                           "min_global_steps, extras, tool_rewards, turn_scores, an empty "
+                                           "multi_modal_inputs); false drops them", choices=(True, False))
+
+
+@dataclass
 class Trainer:
     """trainer.*: verl's tracking keys, which pipegen's launcher uses as verl's trainer does."""
 
@@ -435,6 +449,7 @@ class PipegenConfig:
     trainer: Trainer = field(default_factory=Trainer)
     custom_reward_function: CustomRewardFunction = field(default_factory=CustomRewardFunction)
     reward: Reward = field(default_factory=Reward)
+    rows: Rows = field(default_factory=Rows)
     external: External = field(default_factory=External)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND

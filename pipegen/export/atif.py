@@ -18,9 +18,15 @@ re-tokenized), so the agent steps' completion ids, in order, are exactly the row
 
 Copied context (ATIF's `is_copied_context`, "MUST be filtered out of SFT training data") marks the agent steps a
 trajectory did not sample itself: assistant messages in its prompt (worked examples, or the history a harness
-edited, e.g. after compaction, which starts a new trajectory rendered from messages) and, in a branch forked
+edited, e.g. after compaction, which starts a new trajectory rendered from messages), in a branch forked
 from another trajectory, the calls it inherited from that trajectory (the gateway's `calls` counts only the
-branch's own).
+branch's own), and in a piece of a multi-trajectory sample (a snapshot loop's later snapshot or its final
+conversation), the runs of model tokens inside the prefix it shares with an earlier piece of the same sample:
+across a sample's documents each sampled token is then outside copied context exactly once.
+
+Every document is one piece: `session_id` is the sample's (every piece of it shares one), `trajectory_id`
+`<index>-<sample>-<trajectory>`, and `extra` carries the row's fields that the DataProto and Parquet rows
+carry too: index, sample, trajectory, uid, reward, loss_weight, reward_rule, is_snapshot, snapshot_index.
 
 Each document is checked against the `atif` package's pydantic models when it is installed (`pip install
 atif`, Python >= 3.11; the test extra installs it): a document that does not validate stops the export.
@@ -44,9 +50,22 @@ from pipegen.export.card import pipegen_version
 from pipegen.export.writers import ROW_GROUP_ROWS, plain
 from pipegen.run.batchfile import BatchColumns
 from pipegen.run.rows import SortedRows
+from pipegen.run.stream import PieceKeys, session_id
 
 SCHEMA_VERSION = "ATIF-v1.8"
 GATEWAY_FIELD = "gateway"  # the external loop's per-trajectory record (pipegen/gateway/loop.py)
+PIECE_FIELDS = (PieceKeys.SESSION_ID, PieceKeys.LOSS_WEIGHT, PieceKeys.REWARD_RULE, PieceKeys.IS_SNAPSHOT,
+                PieceKeys.SNAPSHOT_INDEX)
+
+
+def shared_prefix(ids: np.ndarray, earlier: list[np.ndarray]) -> int:
+    """The longest prefix `ids` shares with any of `earlier` (the pieces before it of its sample)."""
+    best = 0
+    for other in earlier:
+        n = min(len(ids), len(other))
+        differ = np.flatnonzero(ids[:n] != other[:n])
+        best = max(best, int(differ[0]) if len(differ) else n)
+    return best
 
 
 def _text(content: Any) -> str:
@@ -138,9 +157,11 @@ def gateway_steps(messages: list[dict[str, Any]], tokens: RowTokens, own_calls: 
     return steps
 
 
-def token_steps(prompt: list[dict[str, Any]], tokens: RowTokens, decode: Any) -> list[dict[str, Any]]:
+def token_steps(prompt: list[dict[str, Any]], tokens: RowTokens, decode: Any,
+                shared: int = 0) -> list[dict[str, Any]]:
     """Steps of a verl loop's row: its prompt messages, then one agent step per run of model tokens, the tokens
-    between runs (decoded) as the observation of the step before them."""
+    between runs (decoded) as the observation of the step before them. `shared`: how many response tokens this
+    piece shares with an earlier piece of its sample; the runs inside them are copied context."""
     steps: list[dict[str, Any]] = []
     for m in prompt:
         role = m.get("role") if isinstance(m, dict) else "user"
@@ -157,6 +178,8 @@ def token_steps(prompt: list[dict[str, Any]], tokens: RowTokens, decode: Any) ->
         start, end = run
         step = {"step_id": len(steps) + 1, "source": "agent", "message": decode(tokens.response[start:end].tolist()),
                 "metrics": tokens.metrics(run)}
+        if end <= shared:  # sampled in an earlier piece of this sample
+            step["is_copied_context"] = True
         after = tokens.runs[k + 1][0] if k + 1 < len(tokens.runs) else len(tokens.response)
         if after > end:
             step["observation"] = {"results": [{"content": decode(tokens.response[end:after].tolist()),
@@ -165,19 +188,22 @@ def token_steps(prompt: list[dict[str, Any]], tokens: RowTokens, decode: Any) ->
     return steps
 
 
-def document(row: dict[str, Any], tokens: RowTokens, decode: Any, model: str, agent_loop: str) -> dict[str, Any]:
-    """One row's ATIF document (a plain dict, as written)."""
+def document(row: dict[str, Any], tokens: RowTokens, decode: Any, model: str, agent_loop: str,
+             shared: int = 0) -> dict[str, Any]:
+    """One row's ATIF document (a plain dict, as written); `shared`: see token_steps."""
     gateway = row.get(GATEWAY_FIELD) if isinstance(row.get(GATEWAY_FIELD), dict) else None
     if gateway is not None and isinstance(gateway.get("messages"), list):
         steps = gateway_steps(gateway["messages"], tokens, int(gateway.get("calls") or 0))
     else:
-        steps = token_steps(list(row.get(BatchColumns.RAW_PROMPT) or []), tokens, decode)
+        steps = token_steps(list(row.get(BatchColumns.RAW_PROMPT) or []), tokens, decode, shared)
     agent = [s for s in steps if s["source"] == "agent" and "metrics" in s]
     index, sample, trajectory = (int(row[k]) for k in (BatchColumns.INDEX, BatchColumns.SAMPLE,
                                                        BatchColumns.TRAJECTORY))
     extra = {"index": index, "sample": sample, "trajectory": trajectory, "uid": row.get(BatchColumns.UID),
-             "data_source": row.get("data_source"), "reward": row.get("reward")}
-    doc = {"schema_version": SCHEMA_VERSION, "session_id": f"{row.get(BatchColumns.UID)}:{sample}",
+             "data_source": row.get("data_source"), "reward": row.get("reward"),
+             **{k: row.get(k) for k in PIECE_FIELDS if k in row}}
+    session = row.get(PieceKeys.SESSION_ID) or session_id(row.get(BatchColumns.UID), sample)
+    doc = {"schema_version": SCHEMA_VERSION, "session_id": session,
            "trajectory_id": f"{index}-{sample}-{trajectory}",
            "agent": {"name": "pipegen", "version": pipegen_version(), "model_name": model,
                      "extra": {"agent_loop": agent_loop}},
@@ -189,7 +215,7 @@ def document(row: dict[str, Any], tokens: RowTokens, decode: Any, model: str, ag
                                        if gateway is not None else {})})}
     if any(s.get("is_copied_context") for s in steps):
         doc["notes"] = ("steps marked is_copied_context were not sampled in this trajectory: the history it was "
-                        "given, or the calls of the trajectory it branched from")
+                        "given, the calls of the trajectory it branched from, or an earlier piece of its sample")
     return doc
 
 
@@ -209,6 +235,8 @@ def documents(cfg: DictConfig, plan: SortedRows, row_group_rows: int = ROW_GROUP
     rollout = cfg.actor_rollout_ref.rollout
     model, loop = str(cfg.actor_rollout_ref.model.path), str(rollout.agent.get("default_agent_loop", ""))
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    session_key: tuple[int, int] | None = None
+    pieces: list[np.ndarray] = []  # the full token ids of the current sample's pieces so far
     for lo, hi in plan.ranges(row_group_rows):
         t = plan.tensors(lo, hi)
         width = t[BatchColumns.PROMPTS].shape[1]
@@ -222,7 +250,14 @@ def documents(cfg: DictConfig, plan: SortedRows, row_group_rows: int = ROW_GROUP
                                logprobs[i][keep] if logprobs is not None else None)
             row = {k: v[lo + i] for k, v in plan.non_tensor.items()}
             row["reward"] = float(scores[i]) if scores is not None else None
-            doc = document(row, tokens, decode, model, loop)
+            # rows come sorted by (index, sample, trajectory): a sample's pieces are consecutive
+            key = (int(row[BatchColumns.INDEX]), int(row[BatchColumns.SAMPLE]))
+            if key != session_key:
+                session_key, pieces = key, []
+            ids = np.concatenate([tokens.prompt, tokens.response])
+            shared = shared_prefix(ids, pieces) - len(tokens.prompt)
+            pieces.append(ids)
+            doc = document(row, tokens, decode, model, loop, max(0, shared))
             yield f"{doc['trajectory_id']}.json", doc
     plan.release()
 

@@ -12,8 +12,10 @@ Read from what the run already keeps, through its existing readers:
 
 Per data source: rows, prompts, the mean reward with its 95% interval (a bootstrap over prompts, each prompt's
 samples kept together, seed fixed: pipegen/report/estimators.py), pass@k for k = 1..n, the share of responses
-at the length limit, and length percentiles. Floats are rounded to DIGITS places once, here, so the page and
-report.json show the same numbers.
+at the length limit, and length percentiles. A run whose agent loop returned several trajectories (pieces) for
+a sample also gets `pieces`: the same reward and length figures per piece kind, `snapshot` (every piece but a
+sample's last) and `final` (its last), with how many rows each reward rule (`reward_rule`) scored. Floats are
+rounded to DIGITS places once, here, so the page and report.json show the same numbers.
 
 Owns: the report's numbers. Must never: write anything, import a role, or parse a run file itself (each file
 has one reader, and this module calls it).
@@ -33,6 +35,7 @@ import numpy as np
 from pipegen.report.estimators import (BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, CONFIDENCE, clustered_bootstrap,
                                        pass_at_ks, percentiles, share_at_limit)
 from pipegen.run.layout import RunDir
+from pipegen.run.stream import PieceKeys
 
 DIGITS = 4
 TIMELINE_POINTS = 60  # throughput is drawn over at most this many equal time bins
@@ -61,6 +64,8 @@ class RowFacts:
     source: str
     reward: float | None  # None: the row's batch has no rm_scores (not every row of it was scored)
     response_length: int  # response tokens, model and tool tokens alike (what response_length limits)
+    trajectory: int = 0  # the piece's place in its sample (0, 1, ...; the last is the final one)
+    reward_rule: str | None = None  # which rule gave its reward (actor/scoring.py), None: unscored or older run
 
 
 @dataclass
@@ -89,12 +94,14 @@ def committed_rows(run: RunDir) -> Rows:
         width = t[BatchColumns.PROMPTS].shape[1]
         lengths = t[BatchColumns.ATTENTION_MASK][:, width:].astype(np.int64).sum(axis=1)
         scores = t[BatchColumns.RM_SCORES].sum(axis=1) if BatchColumns.RM_SCORES in t else None
-        sources = nt.get("data_source")
+        sources, rules = nt.get("data_source"), nt.get(PieceKeys.REWARD_RULE)
         for i in range(part.rows):
             out.rows.append(RowFacts(
                 index=int(nt[BatchColumns.INDEX][i]), sample=int(nt[BatchColumns.SAMPLE][i]),
                 source=str(sources[i]) if sources is not None and sources[i] is not None else "unknown",
-                reward=float(scores[i]) if scores is not None else None, response_length=int(lengths[i])))
+                reward=float(scores[i]) if scores is not None else None, response_length=int(lengths[i]),
+                trajectory=int(nt[BatchColumns.TRAJECTORY][i]),
+                reward_rule=str(rules[i]) if rules is not None and rules[i] is not None else None))
     return out
 
 
@@ -127,6 +134,32 @@ def source_numbers(rows: list[RowFacts], n: int, limit: int) -> dict[str, Any]:
         "response_length_mean": float(np.mean(lengths)) if lengths else None,
         "response_length": percentiles(lengths),
     }
+
+
+def piece_numbers(rows: list[RowFacts], limit: int) -> dict[str, Any] | None:
+    """Per piece kind (`snapshot`, `final`: a sample's last piece), for a run with a sample of several pieces:
+    rows, samples, the mean reward with its prompt-clustered interval, lengths, and rows per reward rule."""
+    last: dict[tuple[int, int], int] = {}
+    for r in rows:
+        last[(r.index, r.sample)] = max(last.get((r.index, r.sample), 0), r.trajectory)
+    if not any(last.values()):
+        return None
+    out = {}
+    for kind in ("snapshot", "final"):
+        chosen = [r for r in rows if (r.trajectory == last[(r.index, r.sample)]) == (kind == "final")]
+        scored = [r for r in chosen if r.reward is not None]
+        interval = clustered_bootstrap([r.reward for r in scored], [r.index for r in scored])  # type: ignore[misc]
+        lengths = [r.response_length for r in chosen]
+        rules: dict[str, int] = defaultdict(int)
+        for r in chosen:
+            rules[r.reward_rule or "unscored"] += 1
+        out[kind] = {"rows": len(chosen), "samples": len({(r.index, r.sample) for r in chosen}),
+                     "scored_rows": len(scored), "mean_reward": interval.mean if interval else None,
+                     "reward_ci95": [interval.low, interval.high] if interval else None,
+                     "reward_rules": dict(sorted(rules.items())), "at_length_limit": sum(x >= limit for x in lengths),
+                     "response_length_mean": float(np.mean(lengths)) if lengths else None,
+                     "response_length": percentiles(lengths)}
+    return out
 
 
 def timeline(run: RunDir) -> list[dict[str, float]]:
@@ -256,6 +289,7 @@ def report_numbers(run: RunDir) -> tuple[dict[str, Any], list[RowFacts], list[di
                        "pass_at_k": "unbiased 1 - C(n-c,k)/C(n,k) per prompt, averaged over prompts with >= k "
                                     "samples; correct = a reward above 0"},
         "sources": sources,
+        "pieces": piece_numbers(found.rows, limit),
         "throughput": throughput(line),
         "failures": failure_groups(st.failed_units),
         "engine": engine_settings(cfg, run),

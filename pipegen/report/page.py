@@ -80,6 +80,12 @@ def render(numbers: dict[str, Any], plots: dict[str, str]) -> str:
                  for k, v in s["pass_at_k"].items()]
     if pass_rows:
         parts.append(_table(["data source", "k", "pass@k", "prompts with >= k samples"], pass_rows))
+    if numbers.get("pieces"):  # a loop returned several trajectories per sample: snapshots, then the final one
+        parts.append("<h2>Per piece kind</h2>")
+        parts.append(_table(["piece", "rows", "samples", "mean reward", "95% interval", "reward rules", "mean length"],
+                            [[kind, s["rows"], s["samples"], s["mean_reward"], _interval(s["reward_ci95"]),
+                              ", ".join(f"{r} {c}" for r, c in s["reward_rules"].items()), s["response_length_mean"]]
+                             for kind, s in numbers["pieces"].items()]))
     if plots:
         parts.append("<h2>Plots</h2><div class='plots'>")
         for name, png in plots.items():

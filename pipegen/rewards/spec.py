@@ -91,7 +91,8 @@ class RewardOrder:
                     self.by_source[source] = built[repr(spec)]
 
     def reward_for(self, row: Mapping[str, Any]) -> BuiltReward | None:
-        """The reward that scores this row, None when it stays unscored."""
+        """The reward that scores this row, None when it stays unscored. An actor asks once per unit and scores
+        every piece of the unit with the answer (actor/scoring.py)."""
         if self.everything is not None:
             return self.everything
         source = row.get("data_source")

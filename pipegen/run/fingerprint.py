@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 import orjson
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.config.schema import HF_BACKEND
+from pipegen.config.schema import HF_BACKEND, Rows
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.integrity import DamagedFile, read_json_file, relaunch_advice
 
@@ -127,6 +127,9 @@ def compute_fingerprint(cfg: DictConfig, pending: Mapping[str, bytes] | None = N
         },
         "scoring": cfg.actors.get("scoring"),
         **_reward(cfg),
+        # how a multi-trajectory sample's rows are scored and weighed: only where not the default, so a run
+        # without them keeps its run key
+        **({"rows": rows} if (rows := _rows(cfg)) else {}),
         # the `external` loop's harness defines its units' data; absent when unset, so other runs' prints stay
         **({"external": {"harness": ext.get("harness"), "command": ext.get("command")}}
            if (ext := cfg.get("external") or {}).get("harness") or ext.get("command") else {}),
@@ -146,6 +149,13 @@ def _reward(cfg: DictConfig) -> dict[str, Any]:
                                   "file": None if path.startswith("pkg://") else _maybe_file(path)}
     tasks = list(cfg.get("tasks") or [])
     return {"reward": out, "tasks": tasks} if out or tasks else {}
+
+
+def _rows(cfg: DictConfig) -> dict[str, Any]:
+    """rows.reward and rows.loss_weight where they differ from their defaults (they define the rows' data)."""
+    rows, default = cfg.get("rows") or {}, Rows()
+    return {k: rows.get(k) for k in ("reward", "loss_weight")
+            if rows.get(k, getattr(default, k)) != getattr(default, k)}
 
 
 def _plain(value: Any) -> Any:

@@ -17,7 +17,9 @@ Records:
 - `TrajectoryKeys` names the keys of one trajectory in a record: verl `AgentLoopOutput`'s fields,
   which pipegen reads back by name (the actor's checks and counters, the writer's parse and padding).
 - `unit_seed` and `prompt_uid` derive the per-unit sampling seed and the prompt's uid, so a rerun of
-  the same setup reproduces both.
+  the same setup reproduces both; `session_id` names the sample (its pieces' one session).
+- `PieceKeys` names the fields that keep a multi-trajectory unit's pieces one sample in every row (verl
+  DataProto, Parquet, ATIF): its session, its weight and which reward rule scored it.
 
 Wire format: orjson of the dataclass, fields in declaration order, so `index` and `sample` lead the
 line and `read_head` can read them without parsing the rest. Dataclasses + orjson were measured
@@ -117,6 +119,24 @@ def unit_seed(base_seed: int, index: int, sample: int, attempt: int = 0) -> int:
 def prompt_uid(run_key: str, index: int) -> str:
     """verl gives the n samples of one prompt one shared uid; pipegen derives it so reruns match."""
     return str(uuid.uuid5(uuid.NAMESPACE_OID, f"{run_key}:{index}"))
+
+
+def session_id(uid: str, sample: int) -> str:
+    """One sample of a prompt: every piece (trajectory) its agent loop returned shares it."""
+    return f"{uid}:{sample}"
+
+
+class PieceKeys:
+    """The fields every row carries so the pieces of one sample stay one sample wherever the rows go: its
+    `session_id` and `loss_weight` (the writer's: 1/k for a sample of k pieces, or 1.0 by `rows.loss_weight`),
+    and in each trajectory's `extra_fields` which rule gave its reward (`reward_rule`, the actor's) and the
+    fork's snapshot marks a loop may set (`is_snapshot`, `snapshot_index`)."""
+
+    SESSION_ID: Final = "session_id"
+    LOSS_WEIGHT: Final = "loss_weight"
+    REWARD_RULE: Final = "reward_rule"
+    IS_SNAPSHOT: Final = "is_snapshot"
+    SNAPSHOT_INDEX: Final = "snapshot_index"
 
 
 class TrajectoryKeys:

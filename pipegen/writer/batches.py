@@ -14,8 +14,8 @@ cannot drift silently.
 Batch files are written and read through `pipegen/run/batchfile.py`, which owns their format (Arrow IPC:
 nothing in one can execute on load); `encode_batch` and `load_batch` only convert between it and a DataProto.
 
-Owns: the record -> row mapping (one row per trajectory; a unit's trajectories stay together), and
-the DataProto side of a batch file.
+Owns: the record -> row mapping (one row per trajectory, `trajectory` = 0, 1, ...; a unit's trajectories stay
+together, each row with its sample's `session_id` and its `loss_weight`), and the DataProto side of a batch file.
 Must never: touch the checkpoint or decide what is committed, or share its tokenizer (verl's
 padding mutates `tokenizer.padding_side`).
 """
@@ -30,10 +30,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from pipegen.config.schema import Rows
 from pipegen.run.batchfile import (INT_TENSORS, BatchColumns, StoredBatch, attention_mask_of, encode_batch_file,
                                    object_array, position_ids_of, read_batch)
 from pipegen.run.pictures import MULTI_MODAL_INPUTS, decode_multi_modal_data
-from pipegen.run.stream import RolloutRecord, TrajectoryKeys
+from pipegen.run.stream import PieceKeys, RolloutRecord, TrajectoryKeys, session_id
 from pipegen.verl_private import postprocess_batch, postprocess_trajectory, postprocess_worker
 
 REWARD_EXTRA_INFO = "reward_extra_info"  # verl's key in AgentLoopOutput.extra_fields
@@ -50,6 +51,8 @@ class BatchBuilder:
         self.prompt_length = int(worker.rollout_config.prompt_length)
         self.response_length = int(worker.rollout_config.response_length)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        # an older run's saved config lacks the group: its default
+        self.session_weight = (cfg.get("rows") or {}).get("loss_weight", Rows.loss_weight) == "session"
 
     def plain_text(self, traj: dict[str, Any]) -> bool:
         """Whether verl's per-trajectory postprocessing reduces to plain padding for this trajectory."""
@@ -73,18 +76,25 @@ class BatchBuilder:
         `encode_batch` (the plain-text path builds input_ids and position_ids from prompts, responses
         and the attention mask, and that mask from each row's prompt and response lengths)."""
         kwargs_of, trajs = [], []
-        samples, trajectory_numbers, seeds = [], [], []
+        samples, trajectory_numbers, seeds, sessions, weights = [], [], [], [], []
         for record in records:
             kwargs = record.agent_kwargs(self.default_agent)
+            # every piece of a sample is one session; with rows.loss_weight=session each weighs 1/k, so a sample
+            # split into k rows weighs what a one-row sample does (verl#7580's per-row loss_weight)
+            session = session_id(record.uid, record.sample)
+            weight = 1.0 / record.num_rows if self.session_weight else 1.0
             for t, traj in enumerate(record.trajectories):
                 kwargs_of.append(kwargs)
                 trajs.append(traj)
                 samples.append(record.sample)
                 trajectory_numbers.append(t)
                 seeds.append(record.seed)
+                sessions.append(session)
+                weights.append(weight)
         uniform_reward_extras(trajs)
         # the columns each row has besides its kwargs
-        per_row = {BatchColumns.SAMPLE: samples, BatchColumns.TRAJECTORY: trajectory_numbers, BatchColumns.SEED: seeds}
+        per_row = {BatchColumns.SAMPLE: samples, BatchColumns.TRAJECTORY: trajectory_numbers, BatchColumns.SEED: seeds,
+                   PieceKeys.SESSION_ID: sessions, PieceKeys.LOSS_WEIGHT: weights}
         has_logprobs = {traj.get(TrajectoryKeys.RESPONSE_LOGPROBS) is not None for traj in trajs}
         if len(has_logprobs) == 1 and all(self.plain_text(traj) for traj in trajs):
             items = pad_text_batch(trajs, kwargs_of, self.prompt_length, self.response_length, self.pad_id,
@@ -100,7 +110,8 @@ class BatchBuilder:
         non_tensor = {}
         for k in dict.fromkeys([*kwargs_of[0], *per_row]):
             values = per_row[k] if k in per_row else [kwargs.get(k) for kwargs in kwargs_of]
-            non_tensor[k] = np.array(values, dtype=np.int64) if k in INT64_COLUMNS else object_array(values)
+            non_tensor[k] = (np.array(values, dtype=np.int64) if k in INT64_COLUMNS else
+                             np.array(values, dtype=np.float64) if k == PieceKeys.LOSS_WEIGHT else object_array(values))
         return postprocess_batch(self.worker, items, non_tensor), derived
 
     async def _verl_postprocess(self, traj: dict[str, Any], kwargs: dict[str, Any]):
