@@ -178,8 +178,8 @@ SERVER_RESOLVE = pytest.StashKey()
 # would otherwise start the files with the most tests first, and test_vllm.py, few tests and the longest,
 # ran alone at the end); every other file follows in its usual order.
 LONGEST_FIRST = ("test_vllm.py", "test_run_damage.py", "test_gateway.py", "test_actor_faults.py", "test_vision.py",
-                 "test_cluster.py", "test_models.py", "test_rewards.py", "test_day_two.py", "test_writer_crash.py",
-                 "test_partial_progress.py", "test_supervision.py", "test_status.py")
+                 "test_cluster.py", "test_install.py", "test_models.py", "test_rewards.py", "test_day_two.py",
+                 "test_writer_crash.py", "test_partial_progress.py", "test_supervision.py", "test_status.py")
 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: never started for a run that will not check it
