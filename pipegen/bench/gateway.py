@@ -27,7 +27,7 @@ async def _measure(url: str, model: str, prompts: int, concurrency: int, reps: i
         from openai import AsyncOpenAI
     except ModuleNotFoundError:
         raise SystemExit("bench gateway: needs the openai SDK, which is not installed: "
-                         "pip install 'pipegen[examples]'") from None
+                         "pip install 'pipegen-rl[examples]'") from None
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.tool_parser import ToolParser
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder

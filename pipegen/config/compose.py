@@ -1,8 +1,9 @@
-"""Composing the job's config: pipegen's Hydra config with verl's groups, once, from the shipped `pipegen/conf/`.
+"""Composing the job's config: pipegen's Hydra config with verl's groups, once, from the shipped `conf/`.
 
-Owns: finding verl's config folder without importing verl, composing `conf/pipegen.yaml` (package data, so an
-installed pipegen composes without its checkout) with the command line's overrides, saying in one line what is
-wrong with an override, the type and rule check of every key, and the `--help` listing.
+Owns: finding verl's config folder without importing verl, finding the top-level `conf/` (the package
+`pipegen.conf`: a checkout's own folder, or pipegen/conf/ in an installed wheel), composing its `pipegen.yaml`
+with the command line's overrides, saying in one line what is wrong with an override, the type and rule check of
+every key, and the `--help` listing.
 Must never: import verl or torch (the launcher's startup stays fast), import any other part of pipegen (config/
 is the ground floor), or write a file (launch/ saves the resolved config into the run directory).
 """
@@ -19,8 +20,20 @@ from omegaconf import DictConfig, OmegaConf
 from pipegen.config.schema import LLM_KINDS, check_values, describe_keys, key_info
 from pipegen.config.schema import register as register_schema
 
-# the shipped config folder: pipegen/conf/, inside the package (pyproject.toml ships it as package data)
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+def shipped_conf_dir() -> Path:
+    """The shipped config folder: the checkout's top-level conf/, installed as the package `pipegen.conf`
+    (pyproject.toml's package-dir), so an editable install finds the checkout's folder and a wheel its own
+    pipegen/conf/. Located, not imported."""
+    spec = importlib.util.find_spec("pipegen.conf")
+    if spec is None or not spec.submodule_search_locations:
+        # pipegen-rl spelled here, not read from pipegen/distribution.py: config/ imports nothing of pipegen
+        raise RuntimeError("pipegen's conf/ folder is not installed (pipegen.conf): reinstall pipegen "
+                           "(./launch.sh --setup, or pip install pipegen-rl)")
+    return Path(list(spec.submodule_search_locations)[0]).resolve()
+
+
+CONF_DIR = shipped_conf_dir()
 PRIMARY = "pipegen"
 
 
@@ -28,7 +41,7 @@ def verl_config_dir() -> str:
     """verl's trainer/config folder, found without executing verl's __init__ (which costs ~5 s)."""
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("verl is not installed: run ./launch.sh --setup")
+        raise RuntimeError("verl is not installed: run ./launch.sh --setup, or pip install pipegen-rl")
     return os.path.join(list(spec.submodule_search_locations)[0], "trainer", "config")
 
 

