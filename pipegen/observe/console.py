@@ -52,7 +52,8 @@ class Console:
         self.watcher = LogWatcher(run.logs)
         self.tracker = RunTracker(cfg, run) if tracked else None
         self.snap = snapshot(run, self.n, total)
-        self.bar = ProgressBar(total, initial=self.snap.committed) if cfg.generation.show_progress else None
+        # a resumed bar starts at what is durable: committed, and finished in the shards (snapshot counts both)
+        self.bar = ProgressBar(total, initial=self.snap.done) if cfg.generation.show_progress else None
         self._startup_logged = False
         self._stack = ExitStack()
 

@@ -2,7 +2,9 @@
 warnings and errors of every role's log.
 
 - `snapshot(run, n)`: checkpoint.json + the unit manifest + the latest stats line of each role, in
-  one summary (also read by `pipegen.observe.run_status` and `pipegen.observe.tracking`).
+  one summary (also read by `pipegen.observe.run_status` and `pipegen.observe.tracking`); with no live
+  writer, the finished units durable in the shards past the checkpoint's offsets count as done too (a
+  Ctrl-C leaves them there, uncommitted: they are not lost, and not generated again).
 - `ProgressBar`: tqdm with done/total, rate, ETA and `Saved: B batches | Pending: P | In-flight: F |
   Failed: X` (plus output tokens/s when the actors report them).
 - `LogWatcher`: follows DIR/logs/<role>.log from each role's latest start banner and hands back the
@@ -21,17 +23,20 @@ from pathlib import Path
 from typing import IO, Any
 
 
-from pipegen.run.checkpoint import load_checkpoint
+from pipegen.run.checkpoint import Checkpoint, load_checkpoint
 from pipegen.run.layout import RunDir, role_logs
 from pipegen.observe.stats import aggregate, human_rate, latest_stats, line_alive
 from pipegen.run.stats_line import StatsLine, WriterStats
+from pipegen.run.stream import UnitKeys, scan_units
 
 
 @dataclass
 class Snapshot:
     total: int = 0
     committed: int = 0
-    buffered: int = 0  # in a shard and read by the writer, not yet in a batch file (durable all the same)
+    # finished and durable in a shard line, not yet in a batch file: the live writer's buffer, or, with no
+    # writer alive, the complete shard lines past the checkpoint's offsets whose units are not committed
+    buffered: int = 0
     batches: int = 0
     failed: int = 0
     in_flight: int = 0
@@ -93,7 +98,17 @@ def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
         snap.committed = max(snap.committed, writer.committed or 0)
         snap.batches = max(snap.batches, writer.batches or 0)
         snap.buffered = writer.buffered or 0
+    elif ckpt is not None and not snap.complete:
+        snap.buffered = durable_in_shards(run, n, ckpt)
     return snap
+
+
+def durable_in_shards(run: RunDir, n: int, ckpt: Checkpoint) -> int:
+    """Units whose complete line is in a shard past the checkpoint's offsets and not committed, each once: what
+    a writer would commit now. Reads only the lines after the offsets (the uncommitted tail of each shard)."""
+    keys = UnitKeys(n)
+    return sum(1 for index, sample in scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
+               if keys.valid_sample(sample) and keys.key(index, sample) not in ckpt.committed)
 
 
 class ProgressBar:
