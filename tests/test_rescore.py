@@ -93,3 +93,48 @@ def test_rescore_after_a_reward_fix_scores_every_row_keeps_the_old_scores_and_ge
     assert worst["which"] == "worst" and worst["reward"] == pytest.approx(min(rewards), abs=1e-4)
     assert best["text"] in {text for text, _ in texts} and worst["text"] in {text for text, _ in texts}
     assert "Best and worst answers" in (out / "report.html").read_text()
+
+    only_unscored_rescores_a_batch_without_scores_and_skips_one_with(out, tiny_model)
+
+
+def only_unscored_rescores_a_batch_without_scores_and_skips_one_with(out: Path, tiny_model: str) -> None:
+    """--only-unscored on a batch file whose rows have no score (rm_scores and the provenance columns taken out, as a
+    batch of rows no reward applied to holds), then on the same file again: the first call scores every row, the
+    second finds them scored and leaves the file alone."""
+    import asyncio
+    import shutil
+
+    from pipegen.actor.scoring import Scorer
+    from pipegen.inputs.dataset import load_tokenizer
+    from pipegen.rescore.batches import rescore_batch
+    from pipegen.run.atomic import atomic_write
+    from pipegen.run.batchfile import encode_batch_file, read_batch
+    from pipegen.run.config import load_run_config
+    from pipegen.run.layout import RunDir
+    from pipegen.run.provenance import COLUMNS, current_reward
+
+    run = RunDir(out)
+    path = out.parent / "unscored.arrow"
+    shutil.copy(run.batch_file(0), path)
+    stored = read_batch(path)
+    tensors = {k: v for k, v in stored.tensors.items() if k != "rm_scores"}
+    non_tensor = {k: v for k, v in stored.non_tensor.items() if k not in COLUMNS}
+    atomic_write(path, lambda f: [f.write(c) for c in encode_batch_file(tensors, non_tensor, stored.meta_info, True)])
+    assert "rm_scores" not in read_batch(path).tensors
+
+    cfg = load_run_config(run)
+
+    async def rescore(only_unscored: bool):
+        scorer = Scorer(cfg, load_tokenizer(cfg))
+        try:
+            return await rescore_batch(path, scorer, current_reward(cfg), "at generation", only_unscored)
+        finally:
+            await scorer.close()
+
+    first = asyncio.run(rescore(True))
+    assert (first.rescored, first.skipped, first.failed) == (stored.rows, 0, {})
+    again = read_batch(path)
+    assert "rm_scores" in again.tensors and list(again.non_tensor["previous_score"]) == [None] * stored.rows
+    before = path.read_bytes()
+    second = asyncio.run(rescore(True))
+    assert (second.rescored, second.skipped) == (0, stored.rows) and path.read_bytes() == before

@@ -4,7 +4,8 @@ A row is handed to the reward exactly as an actor hands it (actor/scoring.py's `
 response, the row's data_source, ground truth and extra_info with its turns). The new score goes where
 the writer puts one (verl's `rm_scores`: the reward at the row's last response token, present only when
 every row of the batch has a score), a dict reward's extra keys into their columns (`reward_extra_keys`),
-and the old score and the reward names into run/provenance.py's columns. The file is written beside the old
+and the old score and the reward names into run/provenance.py's columns (every scored row of a rewritten file
+names its reward, a row left as it was the reward at generation). The file is written beside the old
 one, fsynced and renamed over it (run/atomic.py): after a crash it is the old file or the new one, whole;
 its rows, units and size in rows do not change, so the checkpoint that lists it stays true.
 
@@ -85,7 +86,12 @@ async def rescore_batch(path: Path, scorer, reward_by: str, generated_by: str, o
         scores[i], by[i] = float(output.reward_score), reward_by
         extras[i] = dict(output.extra_fields.get("reward_extra_info") or {})
         outcome.rescored += 1
-    if not outcome.rescored:
+    # a scored row not rescored (its reward failed again, or it was skipped) names the reward of its score too: the
+    # run's fingerprint names the new reward from now on, so "at generation" could no longer be read from it
+    unnamed = [i for i in range(n) if scores[i] is not None and by[i] is None]
+    for i in unnamed:
+        by[i] = generated_by
+    if not outcome.rescored and not unnamed:
         return outcome
     tensors = dict(t)
     if all(s is not None for s in scores):

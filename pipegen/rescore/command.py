@@ -5,8 +5,8 @@ Reward overrides are the reward's own keys only (`custom_reward_function.path|na
 run's saved reward is used, its file as it is on disk now. Every refusal is one line naming the fix.
 
 Owns: the command (see pipegen/rescore/__init__.py for what it does, in order). Must never: generate, run
-beside a launcher or a writer of the same directory (it holds the writer lock while it rewrites batch
-files, and refuses while a launcher holds its own), or import the writer (it starts it as a process).
+beside a launcher or a writer of the same directory (it holds the launcher lock and the writer lock while it
+rewrites batch files, and refuses while either is held), or import the writer (it starts it as a process).
 """
 
 from __future__ import annotations
@@ -84,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not run.config_file.exists():
         return refuse(f"{run.root} is not a pipegen run directory (no conf/config.yaml): pass a run's output_dir")
-    launcher = lock_status(run.launcher_lock)
-    if launcher.held:
-        return refuse(f"a launch (pid {launcher.pid}) is running on {run.root}: rescore once it has ended "
-                      "(Ctrl-C it, or wait)")
+    from pipegen.run.batchfile import BatchFileError
     from pipegen.run.checkpoint import load_checkpoint
     from pipegen.run.config import load_run_config
     from pipegen.run.integrity import DamagedFile
@@ -97,16 +94,28 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = load_checkpoint(run.checkpoint)
     except (ValueError, DamagedFile) as e:
         return refuse(str(e))
-    lock = DirectoryLock(run.writer_lock)
+    # both locks while the batch files are rewritten: no launch starts and no writer commits meanwhile
+    launch_lock, lock = DirectoryLock(run.launcher_lock, "launcher", name_host=True), DirectoryLock(run.writer_lock)
+    try:
+        launch_lock.acquire()
+    except LockHeld:
+        holder = lock_status(run.launcher_lock)
+        return refuse(f"a launch (pid {holder.pid}) is running on {run.root}: rescore once it has ended "
+                      "(Ctrl-C it, or wait)")
     try:
         lock.acquire()
     except LockHeld as e:
+        launch_lock.release()
         return refuse(str(e))
     setup_logging("rescore")
     started = time.monotonic()
     try:
         reward_by = current_reward(cfg)
-        outcome = asyncio.run(rescore_run(cfg, run, ckpt, reward_by, args.only_unscored))
+        try:
+            outcome = asyncio.run(rescore_run(cfg, run, ckpt, reward_by, args.only_unscored))
+        except (BatchFileError, DamagedFile) as e:  # the files rescored so far are whole; a rerun skips their rows
+            return refuse(f"{e}; python -m pipegen.writer output_dir={run.root} --rebuild sets a damaged batch file "
+                          "aside, then rerun pipegen rescore")
         settle_setup(cfg, run)
         # the merged output holds the old scores: the writer below merges again (and marks the run complete)
         from pipegen.run.checkpoint import save_checkpoint
@@ -115,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         save_checkpoint(run.checkpoint, ckpt)
     finally:
         lock.release()
+        launch_lock.release()  # before the writer: with no launcher alive it commits, merges and exits (writer/alone.py)
     # the writer commits the failed units' scored samples and merges (the output now holds the new scores)
     writer = subprocess.run([sys.executable, "-m", "pipegen.writer", f"output_dir={run.root}"],
                             capture_output=True, text=True)
