@@ -86,7 +86,6 @@ class Writer:
         self.ckpt = load_checkpoint(run.checkpoint)
         self.buffer: dict[int, RolloutRecord] = {}
         self.buffered_rows = 0
-        self.committed_here = 0  # units this process committed (a writer alone re-merges only when it added some)
         self.duplicates = 0
         self.unknown_units = 0
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
@@ -193,7 +192,7 @@ class Writer:
         ckpt = self.ckpt
         ckpt.batches.add(len(batch), len(keys))
         ckpt.committed.add_sorted(keys)
-        self.committed_here += len(keys)
+        ckpt.merged = False  # a merged output (a partial one a writer alone left) no longer holds every committed row
         if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
             for k in keys:
                 ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
@@ -230,9 +229,7 @@ class Writer:
         complete = ckpt.num_committed == self.total_units
         deliver = complete or not self.gen.get("all_or_nothing", False)
         self._list_failed(complete, pending or [])
-        if pending and ckpt.merged and not self.committed_here:
-            log.info("nothing new to commit: the partial output %s is up to date", self.run.trajectories)
-        elif deliver and self.gen.final_merge and ckpt.batches:
+        if deliver and self.gen.final_merge and ckpt.batches:
             from pipegen.writer.merge import merge_run
 
             try:
