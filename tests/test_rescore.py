@@ -138,3 +138,24 @@ def only_unscored_rescores_a_batch_without_scores_and_skips_one_with(out: Path, 
     before = path.read_bytes()
     second = asyncio.run(rescore(True))
     assert (second.rescored, second.skipped) == (0, stored.rows) and path.read_bytes() == before
+
+
+def test_rescore_takes_the_rewards_own_keys_only_each_checked_as_a_launch_checks_it(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pipegen.rescore.command import with_reward_overrides
+
+    cfg = OmegaConf.create({"reward": {"verifier_url": None},
+                            "custom_reward_function": {"path": None, "name": "compute_score", "reward_kwargs": {}}})
+    with pytest.raises(ValueError, match=r"temperature=0.5: rescore takes only the reward's keys"):
+        with_reward_overrides(cfg, ["temperature=0.5"])
+    with pytest.raises(ValueError, match="is not an http"):
+        with_reward_overrides(cfg, ["reward.verifier_url=localhost:8000"])
+    with pytest.raises(ValueError, match="no such file"):
+        with_reward_overrides(cfg, [f"custom_reward_function.path={tmp_path / 'missing.py'}"])
+    reward = tmp_path / "v3.py"
+    reward.write_text(REWARD_V2.replace("my_score", "v3"))
+    given = with_reward_overrides(cfg, [f"custom_reward_function.path={reward}", "custom_reward_function.name=v3",
+                                        "+custom_reward_function.reward_kwargs.scale=2"])
+    assert (given.custom_reward_function.path, given.custom_reward_function.name) == (str(reward), "v3")
+    assert given.custom_reward_function.reward_kwargs.scale == 2 and cfg.custom_reward_function.path is None
