@@ -4,7 +4,8 @@ warnings and errors of every role's log.
 - `snapshot(run, n)`: checkpoint.json + the unit manifest + the latest stats line of each role, in
   one summary (also read by `pipegen.observe.run_status` and `pipegen.observe.tracking`); with no live
   writer, the finished units durable in the shards past the checkpoint's offsets count as done too (a
-  Ctrl-C leaves them there, uncommitted: they are not lost, and not generated again).
+  Ctrl-C leaves them there, uncommitted: they are not lost, and not generated again), counted by
+  `DurableShards`, which reads each shard line once however often the console asks.
 - `ProgressBar`: tqdm with done/total, rate, ETA and `Saved: B batches | Pending: P | In-flight: F |
   Failed: X` (plus output tokens/s when the actors report them).
 - `LogWatcher`: follows DIR/logs/<role>.log from each role's latest start banner and hands back the
@@ -27,7 +28,7 @@ from pipegen.run.checkpoint import Checkpoint, load_checkpoint
 from pipegen.run.layout import RunDir, role_logs
 from pipegen.observe.stats import aggregate, human_rate, latest_stats, line_alive
 from pipegen.run.stats_line import StatsLine, WriterStats
-from pipegen.run.stream import UnitKeys, scan_units
+from pipegen.run.stream import ShardTailer, UnitKeys, read_head
 
 
 @dataclass
@@ -71,8 +72,10 @@ class Snapshot:
         return text
 
 
-def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
-    """The run's state now. Pass total when known: the manifest of a big dataset is not re-read."""
+def snapshot(run: RunDir, n: int, total: int | None = None, shards: "DurableShards | None" = None) -> Snapshot:
+    """The run's state now. Pass total when known: the manifest of a big dataset is not re-read. `shards`: the
+    caller's counter of the units in the shards, kept across snapshots so each reads only new lines (the
+    console's, refreshed every second; a one-off snapshot scans the shards' uncommitted tails once)."""
     snap = Snapshot()
     snap.total = run.total_units(n) if total is None else total
     try:
@@ -99,16 +102,32 @@ def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
         snap.batches = max(snap.batches, writer.batches or 0)
         snap.buffered = writer.buffered or 0
     elif ckpt is not None and not snap.complete:
-        snap.buffered = durable_in_shards(run, n, ckpt)
+        snap.buffered = (shards or DurableShards(run, n)).count(ckpt)
     return snap
 
 
-def durable_in_shards(run: RunDir, n: int, ckpt: Checkpoint) -> int:
-    """Units whose complete line is in a shard past the checkpoint's offsets and not committed, each once: what
-    a writer would commit now. Reads only the lines after the offsets (the uncommitted tail of each shard)."""
-    keys = UnitKeys(n)
-    return sum(1 for index, sample in scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
-               if keys.valid_sample(sample) and keys.key(index, sample) not in ckpt.committed)
+class DurableShards:
+    """Units whose complete line is in a shard and not committed, each once: what a writer would commit now.
+
+    The first count reads the shards from the checkpoint's offsets (their uncommitted tails); later counts read
+    only the lines added since, and forget the units committed meanwhile, so a console that counts every second
+    beside a run without a writer (generation.run_writer=false) never reads a shard twice."""
+
+    def __init__(self, run: RunDir, n: int):
+        self.run = run
+        self.keys = UnitKeys(n)
+        self.tailer: ShardTailer | None = None
+        self.found: set[int] = set()
+
+    def count(self, ckpt: Checkpoint) -> int:
+        if self.tailer is None:
+            self.tailer = ShardTailer(self.run.rollouts, dict(ckpt.rollout_offsets), dict(ckpt.rollout_sealed))
+        for _, _, line in self.tailer.lines():
+            head = read_head(line)
+            if head is not None and self.keys.valid_sample(head[1]):
+                self.found.add(self.keys.key(*head))
+        self.found = {k for k in self.found if k not in ckpt.committed}
+        return len(self.found)
 
 
 class ProgressBar:

@@ -3,7 +3,8 @@
 line as it lands, across every shard, surviving a relaunch and an empty directory.)
 
 Shows: the run's state (running / finished / finished with failures / stopped before completion),
-progress (committed/total, batches, pending, in flight, failed units with their reasons), rates from
+progress (done/total: committed, and finished in the shards not yet batched, which a Ctrl-C leaves durable;
+batches, pending, in flight, failed units with their reasons), rates from
 the stats stream (units/s and output tokens/s, recent and over the current processes; latency
 p50/p95), what the outputs look like over every launch of the run (finish reasons, response lengths,
 turns, mean reward, errors by kind, duplicates dropped, torn lines skipped), per-role liveness (the pid of each role's latest
