@@ -93,6 +93,11 @@ def test_rescore_after_a_reward_fix_scores_every_row_keeps_the_old_scores_and_ge
     assert worst["which"] == "worst" and worst["reward"] == pytest.approx(min(rewards), abs=1e-4)
     assert best["text"] in {text for text, _ in texts} and worst["text"] in {text for text, _ in texts}
     assert "Best and worst answers" in (out / "report.html").read_text()
+    from pipegen.export.card import card_text
+    from pipegen.run.config import load_run_config
+
+    card = card_text(load_run_config(RunDir(out)), RunDir(out), out / "trajectories.parquet", numbers)
+    assert f"- scored by: {next(iter(reward_by))} (12 rows)" in card  # the dataset card names the reward too
 
     only_unscored_rescores_a_batch_without_scores_and_skips_one_with(out, tiny_model)
 
