@@ -7,7 +7,8 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
     batch_NNNNN.arrow (pipegen/run/batchfile.py). A partial batch is written only when every unit is
-    settled, or after partial_batch_quiet_s seconds (minutes by default) without new lines: each sample
+    settled, when nothing of the run generates any more (a writer alone, step 6), or after
+    partial_batch_quiet_s seconds (minutes by default) without new lines: each sample
     is already durable in its shard line, so small batches would buy nothing but files;
  4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
     fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
