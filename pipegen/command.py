@@ -33,6 +33,8 @@ COMMANDS: dict[str, Subcommand] = {
                          "python -m pipegen.status"),
     "verify": Subcommand("pipegen.observe.run_status", "check a run directory: every unit exactly once (exit 1 if not)",
                          "python -m pipegen.status DIR --verify", ("--verify",)),
+    "rescore": Subcommand("pipegen.rescore.command", "score a run's rows again with the current reward, generating "
+                          "nothing (old scores kept beside the new)", "python -m pipegen.rescore"),
     "export": Subcommand("pipegen.export", "a run's trajectories as Parquet or JSON lines",
                          "python -m pipegen.export"),
     "report": Subcommand("pipegen.report", "a run's report", "python -m pipegen.report"),

@@ -1,7 +1,9 @@
 """The run report's statistics against hand computations on fixed rows: the prompt-clustered bootstrap
-interval, the unbiased pass@k, the share of responses at the length limit and the length percentiles.
+interval, the unbiased pass@k, the share of responses at the length limit, the length percentiles, a dict reward's
+extra keys and the best and worst answers.
 (The report of real runs is checked where those runs are made: the demo in test_python_entry.py, a run with
-failures and its resume in test_failures.py, the dataset card in test_outputs.py, ATIF in test_gateway.py.)"""
+failures and its resume in test_failures.py, the dataset card in test_outputs.py, ATIF in test_gateway.py, a rescored
+run's in test_rescore.py.)"""
 
 from __future__ import annotations
 
@@ -85,3 +87,22 @@ def test_source_numbers_of_fixed_rows_by_hand():
     assert got["response_length_mean"] == 5.2
     assert got["response_length"] == {"p10": 2.4, "p50": 5.0, "p90": 8.0, "p99": 8.0, "max": 8.0}
     assert got["reward_ci_prompts"] == 3 and 0.0 <= got["reward_ci95"][0] <= 0.4 <= got["reward_ci95"][1] <= 1.0
+
+
+def test_a_dict_rewards_extra_keys_and_the_best_and_worst_answers_by_hand():
+    from pipegen.report.numbers import best_and_worst, extra_statistics
+
+    rows = [RowFacts(0, 0, "s", 0.5, 4, extras={"length": 10, "exact": True, "verdict": "close"}),
+            RowFacts(0, 1, "s", 1.0, 6, extras={"length": 20, "exact": False, "verdict": "right"}),
+            RowFacts(1, 0, "s", 0.0, 2, extras={"length": 30, "exact": False, "verdict": "close"}),
+            RowFacts(1, 1, "s", None, 3, extras={"length": None, "exact": None, "verdict": None}),  # unscored
+            RowFacts(2, 0, "s", 0.0, 5, extras={"length": np.int64(40), "exact": True, "verdict": "close"})]
+    got = rounded(extra_statistics(rows))
+    assert got["length"] == {"rows": 4, "mean": 25.0, "min": 10.0, "max": 40.0}  # numpy numbers count as numbers
+    assert got["exact"] == {"rows": 4, "mean": 0.5, "min": 0.0, "max": 1.0}  # a boolean's mean: the share of true
+    assert got["verdict"] == {"rows": 4, "distinct": 2, "most_common": {"close": 3, "right": 1}}
+    picks = best_and_worst(rows)
+    assert [(which, r.index, r.sample) for which, r in picks] == [("best", 0, 1), ("worst", 1, 0)]  # a tie: first
+    assert best_and_worst([RowFacts(0, 0, "s", None, 1)]) == []  # nothing scored: no example
+    one = RowFacts(0, 0, "s", 0.5, 1)
+    assert best_and_worst([one]) == [("best", one)]  # one row is not shown twice

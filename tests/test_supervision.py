@@ -212,7 +212,8 @@ def test_supervise_returns_what_ended_the_launch(tmp_path):
     from pipegen.run.layout import LaunchRecord, RunDir
 
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 1}}, "trainer": {"logger": []},
-                            "generation": {"restart_limit": 0, "show_progress": False}})
+                            "generation": {"restart_limit": 0, "restart_window_s": 600.0,
+                                           "show_progress": False}})
     run = RunDir(tmp_path / "run")
     run.launch_file.parent.mkdir(parents=True)
     run.write_launch(LaunchRecord(launch="l", run_key="k"))
@@ -235,3 +236,29 @@ def test_supervise_returns_what_ended_the_launch(tmp_path):
         # so does a placement that cannot go on
         with pytest.raises(RuntimeError, match="every node failed"):
             supervise(_Placement(RuntimeError("every node failed")), writer_exiting(0), console)
+
+
+def test_the_restart_budget_counts_crashes_within_its_window_not_over_the_whole_run(tmp_path):
+    """generation.restart_limit=2 in a 10-minute window: crashes hours apart are restarted all week long; the
+    third within ten minutes stops the run naming the role. A real child that exits 3 each time; the
+    supervisor's clock is the test's, so hours pass at no cost."""
+    from pipegen.launch.supervise import CrashLoop, Role, Supervisor
+    from pipegen.run.layout import RunDir
+
+    now = [0.0]
+    sup = Supervisor(RunDir(tmp_path / "run"), clock=lambda: now[0])
+    role = sup.add(Role("actor_0", ["sh", "-c", "exit 3"], {}, tmp_path / "run" / "logs" / "actor_0.log",
+                        max_restarts=2, restart_window_s=600.0))
+
+    def crash_at(t: float) -> None:
+        now[0] = t
+        sup.start(role)
+        role.proc.wait(timeout=60)
+        sup.poll()  # reaps the exit: a restart is scheduled, or CrashLoop
+
+    for day in range(7):  # two crashes 30 s apart each day: 2 in any window, within the budget
+        crash_at(day * 86400.0)
+        crash_at(day * 86400.0 + 30.0)
+    assert role.restarts == 14 and role.restart_at is not None  # fourteen crashes over a week: all restarted
+    with pytest.raises(CrashLoop, match=r"actor_0 crashed 3 times within 10 min .*exit code 3.*actor_0.log"):
+        crash_at(6 * 86400.0 + 60.0)

@@ -119,8 +119,13 @@ def test_second_writer_is_refused_and_changes_nothing(tmp_path, tiny_model):
     out = tmp_path / "run"
     result = launch(out, f"model_path={tiny_model}", *FAST, FAKE_ENGINE, "generation.run_writer=false")
     assert result.returncode == 0, result.stderr[-2000:]
-    # Hide the streams so the first writer finds nothing to finish and keeps owning the directory.
+    # Hide the streams so the first writer finds nothing to finish, and stand in for a live launcher (its lock,
+    # held by this process) so that writer waits for actors and keeps owning the directory.
     (out / "streams" / "rollouts").rename(tmp_path / "hidden")
+    from pipegen.run.ownership import DirectoryLock
+
+    launcher_lock = DirectoryLock(out / ".launcher.lock", "launcher", name_host=True)
+    launcher_lock.acquire()
     first = _writer(out)
     try:
         deadline = time.time() + 60
@@ -138,3 +143,4 @@ def test_second_writer_is_refused_and_changes_nothing(tmp_path, tiny_model):
     finally:
         first.kill()
         first.wait()
+        launcher_lock.release()

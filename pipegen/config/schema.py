@@ -136,7 +136,10 @@ class Generation:
     batch_int32: bool = key(True, "store token tensors as int32 in batch files (the merge restores int64)",
                             choices=(True, False))
     max_attempts: int = key(8, "tries per request before its unit goes to the failures stream", at_least=1)
-    restart_limit: int = key(5, "restarts per role before the run stops with that role's log", at_least=0)
+    restart_limit: int = key(5, "crashes of one role within generation.restart_window_s that are restarted; one more "
+                                "stops the run with that role's log", at_least=0)
+    restart_window_s: float = key(600.0, "seconds over which a role's crashes count toward restart_limit (crashes "
+                                         "further apart are not a crash loop)", above=0)
     run_writer: bool = key(True, "false: start no writer here (run python -m pipegen.writer output_dir=DIR)",
                            choices=(True, False))
     preflight: bool = key(True, "before any unit runs, call the run's reward once on the first row (a verifier: one "

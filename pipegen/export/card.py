@@ -78,6 +78,9 @@ def card_text(cfg: DictConfig, run: RunDir, export: Path, numbers: dict[str, Any
              f"- config fingerprint (run key): `{run.run_key() or 'none'}` (the digest of conf/fingerprint.json: "
              f"model, tokenizer, data, sampling and scoring)",
              f"- counts: {p['rows_read']} rows, {p['committed']} of {p['units']} units committed, {p['failed']} failed",
+             # which reward gave the scores (run/provenance.py; a rescored row names its own in reward_by)
+             "- scored by: " + ("; ".join(f"{by} ({rows} rows)" for by, rows in numbers.get("scored_by", {}).items())
+                                or "no reward"),
              "", "## Rewards and lengths", "",
              "| data source | rows | prompts | mean reward | 95% interval | "
              + " | ".join(f"pass@{k}" for k in range(1, numbers["n"] + 1))

@@ -32,8 +32,9 @@ class NodeProcesses:
         self.launch_started = run.read_launch().started  # the origin of every start-up phase
 
     def role(self, name: str, argv: list[str], env: dict[str, str] | None = None, restartable: bool = True) -> Role:
+        gen = self.cfg.generation
         return self.sup.add(Role(name, argv, env or {}, self.run.role_log(name), restartable,
-                                 int(self.cfg.generation.restart_limit)))
+                                 int(gen.restart_limit), float(gen.restart_window_s)))
 
     def start_actor(self, name: str, rank: int | str, num_actors: int, node: str | None = None,
                     leases: str | None = None) -> None:

@@ -1,7 +1,9 @@
 """The resume guard: a new run's config and fingerprint saved, a resumed run's checked against them, and the
 small files a launch finds checked before any process starts.
 
-A changed setup is refused unless resume_with_changes=true; a damaged fingerprint is restored only when this
+A changed setup is refused unless resume_with_changes=true; a change of the reward alone is refused naming
+`pipegen rescore DIR`, which scores the rows already generated with the new reward and generates nothing (and
+resume_with_changes=true only where units are still to generate); a damaged fingerprint is restored only when this
 launch reproduces the run key the run recorded. What the launcher can write again (the config, the launch
 record, the unit manifest) is set aside when damaged; what it cannot re-derive (the checkpoint, the batch
 files it lists) is refused with the rebuild command, never overwritten or deleted.
@@ -19,8 +21,8 @@ from omegaconf import DictConfig
 
 from pipegen.run.checkpoint import check_listed_batches, load_checkpoint
 from pipegen.run.config import load_run_config, save_run_config
-from pipegen.run.fingerprint import (OVERRIDE_KEY, compute_fingerprint, has_output, load_fingerprint, mismatch_message,
-                                     run_key_of, save_fingerprint)
+from pipegen.run.fingerprint import (OVERRIDE_KEY, compute_fingerprint, describe_changes, has_output, load_fingerprint,
+                                     mismatch_message, run_key_of, save_fingerprint)
 from pipegen.run.integrity import DamagedFile, set_aside
 from pipegen.run.layout import RunDir
 
@@ -47,7 +49,7 @@ def guard_resume(cfg: DictConfig, run: RunDir, pending: Mapping[str, bytes] | No
         if problem:
             return problem
     elif stored is not None:
-        problem = mismatch_message(stored, current, run.root)
+        problem = reward_only_message(stored, current, run) or mismatch_message(stored, current, run.root)
         if problem and not has_output(run):
             # nothing generated yet (an earlier launch was refused or stopped early): the new
             # settings replace the old ones, and the unit manifest is read again from them
@@ -63,6 +65,26 @@ def guard_resume(cfg: DictConfig, run: RunDir, pending: Mapping[str, bytes] | No
     save_run_config(run, cfg)  # also what restores a damaged or missing config.yaml
     save_fingerprint(run.fingerprint_file, current)
     return None
+
+
+def reward_only_message(stored: dict, current: dict, run: RunDir) -> str | None:
+    """The refusal when the reward alone changed: the fix for that is a rescore, not a mixed resume."""
+    changes = describe_changes(stored, current)
+    if not changes or not all(change.startswith("reward.") for change in changes):
+        return None
+    shown = "; ".join(changes[:3]) + (f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+    line = (f"{run.root} was scored with another reward ({shown}), and only the reward changed: score its rows "
+            f"with the new one, generating nothing, with pipegen rescore {run.root} (the old scores are kept beside "
+            f"the new ones)")
+    try:
+        ckpt = load_checkpoint(run.checkpoint)
+        to_generate = run.total_units(int(stored["n"])) - ckpt.num_committed - len(ckpt.failed)
+    except (OSError, ValueError, KeyError, TypeError):
+        to_generate = 0
+    if to_generate > 0:  # units never generated: rescore does not make them, a resume with the new reward does
+        line += (f"; then generate the {to_generate} unit(s) still missing with the new reward by adding "
+                 f"{OVERRIDE_KEY}=true")
+    return line
 
 
 def recorded_run_keys(run: RunDir) -> set[str]:

@@ -1,7 +1,9 @@
 """Process supervision: start roles, restart them with bounded backoff, stop the whole tree.
 
 Owns: each child's process group, its log file (DIR/logs/<role>.log), the saved command line and
-environment next to it (DIR/logs/<role>.cmd.sh, runnable by hand), and the restart policy.
+environment next to it (DIR/logs/<role>.cmd.sh, runnable by hand), and the restart policy: a role is given up
+after more than `max_restarts` crashes within `restart_window_s` seconds (crashes days apart in a week-long run
+are not a crash loop).
 Must never: leave a child running after stop_all(), restart a role that exited 0, or count a role
 that stood by for another process (a writer started by hand) as crashed.
 """
@@ -16,6 +18,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from pipegen.launch.forks import ForkedRole, forkable
 from pipegen.observe.logs import PARENT_ENV, last_log_line
@@ -39,7 +42,8 @@ class CrashLoop(RuntimeError):
         # one line that ends naming the log, with what the role said last: on a Ray cluster the log is on
         # another machine, and the launcher's terminal is where the user looks
         said = last_log_line(role.log_path)
-        super().__init__(f"{role.name} crashed {role.restarts + 1} times (last exit code {role.last_rc})"
+        super().__init__(f"{role.name} crashed {len(role.crashes)} times within {role.restart_window_s / 60:g} "
+                         f"min (last exit code {role.last_rc})"
                          + (f"; it said last: {said[-300:]}" if said else "") + f"; see its log: {role.log_path}")
         self.role = role
 
@@ -51,7 +55,8 @@ class Role:
     env: dict[str, str]
     log_path: Path
     restartable: bool = True
-    max_restarts: int = 5
+    max_restarts: int = 5  # crashes within restart_window_s that are still restarted (generation.restart_limit)
+    restart_window_s: float = 600.0  # generation.restart_window_s
     final_codes: frozenset[int] = frozenset({0})  # exit codes that end the role without a restart
     # exit codes that mean "another process does this role's work now" (the writer lock is held):
     # no crash and no restart; whoever owns the role calls Supervisor.start() again when it is free
@@ -65,6 +70,12 @@ class Role:
     finished: bool = False
     restart_at: float | None = None
     started_at: float = field(default=0.0)
+    crashes: list[float] = field(default_factory=list)  # clock times of the crashes within the window
+
+    def crashed(self, now: float) -> int:
+        """Record a crash at `now`; how many crashes fall within the window ending now (this one included)."""
+        self.crashes = [t for t in self.crashes if now - t < self.restart_window_s] + [now]
+        return len(self.crashes)
 
     @property
     def alive(self) -> bool:
@@ -72,8 +83,9 @@ class Role:
 
 
 class Supervisor:
-    def __init__(self, run: RunDir):
+    def __init__(self, run: RunDir, clock: Callable[[], float] = time.monotonic):
         self.run = run
+        self.clock = clock  # the restart window's clock (a test passes its own to span hours at no cost)
         run.logs.mkdir(parents=True, exist_ok=True)
         self.roles: dict[str, Role] = {}
 
@@ -94,7 +106,7 @@ class Supervisor:
                 # child's whole process group (servers spawn their own subprocesses).
                 role.proc = subprocess.Popen(role.argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True, stdin=subprocess.DEVNULL)
-        role.started_at = time.monotonic()
+        role.started_at = self.clock()
         role.restart_at = None
         role.standing_by = False
         log.debug("started %s pid %d", role.name, role.proc.pid)
@@ -111,11 +123,12 @@ class Supervisor:
     def poll(self) -> list[Role]:
         """Reap exited roles, schedule restarts; returns roles that finished (a final exit code) this call."""
         finished = []
-        now = time.monotonic()
+        now = self.clock()
         for role in self.roles.values():
             if role.proc is None:
                 if role.restart_at is not None and now >= role.restart_at:
-                    log.warning("restarting %s (restart %d/%d)", role.name, role.restarts, role.max_restarts)
+                    log.warning("restarting %s (restart %d; %d of %d crash(es) allowed within %g min)", role.name,
+                                role.restarts, len(role.crashes), role.max_restarts, role.restart_window_s / 60)
                     self.start(role)
                 continue
             rc = role.proc.poll()
@@ -132,7 +145,8 @@ class Supervisor:
                 continue
             if rc == EXIT_DISK_FULL:
                 raise DiskFull(self.run, role)
-            if not role.restartable or role.restarts >= role.max_restarts:
+            recent = role.crashed(now)
+            if not role.restartable or recent > role.max_restarts:
                 peers = [r for r in self.roles.values() if r.group and r.group == role.group and r is not role
                          and not r.abandoned]
                 if not peers:
@@ -143,7 +157,7 @@ class Supervisor:
                 continue
             role.restarts += 1
             # a role that ran a while before dying is not in a crash loop: restart it quickly
-            backoff = 0.5 if now - role.started_at > 30 else min(10.0, 0.5 * 2 ** role.restarts)
+            backoff = 0.5 if now - role.started_at > 30 else min(10.0, 0.5 * 2 ** recent)
             role.restart_at = now + backoff
             log.warning("%s exited with code %s; restarting in %.1fs (log: %s)", role.name, rc, backoff, role.log_path)
         return finished

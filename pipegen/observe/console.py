@@ -21,7 +21,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipegen.observe.summary import job_lines
 from pipegen.observe.outcomes import unit_outcomes
-from pipegen.observe.progress import LogWatcher, ProgressBar, Snapshot, snapshot
+from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import across_processes, aggregate, human_rate, latest_stats, stats_history
 from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, LAUNCH_UNITS_PER_S, RunTracker
@@ -51,8 +51,10 @@ class Console:
         self.launch_started = run.read_launch().started  # the origin of every start-up phase
         self.watcher = LogWatcher(run.logs)
         self.tracker = RunTracker(cfg, run) if tracked else None
-        self.snap = snapshot(run, self.n, total)
-        self.bar = ProgressBar(total, initial=self.snap.committed) if cfg.generation.show_progress else None
+        self.shards = DurableShards(run, self.n)  # the units in the shards, read incrementally at each refresh
+        self.snap = snapshot(run, self.n, total, self.shards)
+        # a resumed bar starts at what is durable: committed, and finished in the shards (snapshot counts both)
+        self.bar = ProgressBar(total, initial=self.snap.done) if cfg.generation.show_progress else None
         self._startup_logged = False
         self._stack = ExitStack()
 
@@ -67,7 +69,7 @@ class Console:
                 self.bar.write(line)
             else:
                 print(line, file=sys.stderr, flush=True)
-        self.snap = snapshot(self.run, self.n, self.total)
+        self.snap = snapshot(self.run, self.n, self.total, self.shards)
         self.log_startup(final)
         if self.tracker is not None:
             self.tracker.update(self.snap, force=final)

@@ -2,7 +2,10 @@
 warnings and errors of every role's log.
 
 - `snapshot(run, n)`: checkpoint.json + the unit manifest + the latest stats line of each role, in
-  one summary (also read by `pipegen.observe.run_status` and `pipegen.observe.tracking`).
+  one summary (also read by `pipegen.observe.run_status` and `pipegen.observe.tracking`); with no live
+  writer, the finished units durable in the shards past the checkpoint's offsets count as done too (a
+  Ctrl-C leaves them there, uncommitted: they are not lost, and not generated again), counted by
+  `DurableShards`, which reads each shard line once however often the console asks.
 - `ProgressBar`: tqdm with done/total, rate, ETA and `Saved: B batches | Pending: P | In-flight: F |
   Failed: X` (plus output tokens/s when the actors report them).
 - `LogWatcher`: follows DIR/logs/<role>.log from each role's latest start banner and hands back the
@@ -21,17 +24,20 @@ from pathlib import Path
 from typing import IO, Any
 
 
-from pipegen.run.checkpoint import load_checkpoint
+from pipegen.run.checkpoint import Checkpoint, load_checkpoint
 from pipegen.run.layout import RunDir, role_logs
 from pipegen.observe.stats import aggregate, human_rate, latest_stats, line_alive
 from pipegen.run.stats_line import StatsLine, WriterStats
+from pipegen.run.stream import ShardTailer, UnitKeys, read_head
 
 
 @dataclass
 class Snapshot:
     total: int = 0
     committed: int = 0
-    buffered: int = 0  # in a shard and read by the writer, not yet in a batch file (durable all the same)
+    # finished and durable in a shard line, not yet in a batch file: the live writer's buffer, or, with no
+    # writer alive, the complete shard lines past the checkpoint's offsets whose units are not committed
+    buffered: int = 0
     batches: int = 0
     failed: int = 0
     in_flight: int = 0
@@ -66,8 +72,10 @@ class Snapshot:
         return text
 
 
-def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
-    """The run's state now. Pass total when known: the manifest of a big dataset is not re-read."""
+def snapshot(run: RunDir, n: int, total: int | None = None, shards: "DurableShards | None" = None) -> Snapshot:
+    """The run's state now. Pass total when known: the manifest of a big dataset is not re-read. `shards`: the
+    caller's counter of the units in the shards, kept across snapshots so each reads only new lines (the
+    console's, refreshed every second; a one-off snapshot scans the shards' uncommitted tails once)."""
     snap = Snapshot()
     snap.total = run.total_units(n) if total is None else total
     try:
@@ -93,7 +101,33 @@ def snapshot(run: RunDir, n: int, total: int | None = None) -> Snapshot:
         snap.committed = max(snap.committed, writer.committed or 0)
         snap.batches = max(snap.batches, writer.batches or 0)
         snap.buffered = writer.buffered or 0
+    elif ckpt is not None and not snap.complete:
+        snap.buffered = (shards or DurableShards(run, n)).count(ckpt)
     return snap
+
+
+class DurableShards:
+    """Units whose complete line is in a shard and not committed, each once: what a writer would commit now.
+
+    The first count reads the shards from the checkpoint's offsets (their uncommitted tails); later counts read
+    only the lines added since, and forget the units committed meanwhile, so a console that counts every second
+    beside a run without a writer (generation.run_writer=false) never reads a shard twice."""
+
+    def __init__(self, run: RunDir, n: int):
+        self.run = run
+        self.keys = UnitKeys(n)
+        self.tailer: ShardTailer | None = None
+        self.found: set[int] = set()
+
+    def count(self, ckpt: Checkpoint) -> int:
+        if self.tailer is None:
+            self.tailer = ShardTailer(self.run.rollouts, dict(ckpt.rollout_offsets), dict(ckpt.rollout_sealed))
+        for _, _, line in self.tailer.lines():
+            head = read_head(line)
+            if head is not None and self.keys.valid_sample(head[1]):
+                self.found.add(self.keys.key(*head))
+        self.found = {k for k in self.found if k not in ckpt.committed}
+        return len(self.found)
 
 
 class ProgressBar:

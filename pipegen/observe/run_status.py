@@ -3,7 +3,8 @@
 line as it lands, across every shard, surviving a relaunch and an empty directory.)
 
 Shows: the run's state (running / finished / finished with failures / stopped before completion),
-progress (committed/total, batches, pending, in flight, failed units with their reasons), rates from
+progress (done/total: committed, and finished in the shards not yet batched, which a Ctrl-C leaves durable;
+batches, pending, in flight, failed units with their reasons), rates from
 the stats stream (units/s and output tokens/s, recent and over the current processes; latency
 p50/p95), what the outputs look like over every launch of the run (finish reasons, response lengths,
 turns, mean reward, errors by kind, duplicates dropped, torn lines skipped), per-role liveness (the pid of each role's latest
@@ -144,9 +145,9 @@ def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
     elif anything_alive and not any(r.alive is not False for r in roles if r.pid is not None and r.name != WriterStats.ROLE):
         # a writer started by hand, or left after the launcher: it commits what the shards hold, generates nothing
         state = "writer only"
-        hint = ("only the writer is alive (no launcher, actor or server): it commits what the shards hold and "
-                f"waits for the rest; relaunch the same command to generate it (python -m pipegen.launch "
-                f"output_dir={run.root} ...)")
+        hint = ("only the writer is alive (no launcher, actor or server): it commits what the shards hold, merges "
+                f"that partial output and exits; relaunch the same command to generate the rest (python -m "
+                f"pipegen.launch output_dir={run.root} ...)")
     elif anything_alive:
         state = "running"
         hint = "live; rerun this command to refresh"
@@ -160,11 +161,14 @@ def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
         hint = "no process has reported yet; start it with: python -m pipegen.launch output_dir=" + str(run.root)
     else:
         state = "stopped before completion"
-        hint = ("no pipegen process of this run is alive (crashed, killed or interrupted); relaunch the same "
+        partial = (f"partial output: {run.merged_output()} ({snap.committed} committed; the units left out are "
+                   f"listed in {run.failed_units}); " if snap.merged and run.merged_output() is not None else "")
+        hint = (f"{partial}no pipegen process of this run is alive (crashed, killed or interrupted); relaunch the same "
                 "command to resume")
 
     progress = {
         "total": snap.total,
+        "done": snap.done,  # committed + buffered: every finished unit durable on disk
         "committed": snap.committed,
         "buffered": snap.buffered,
         "batches": snap.batches,
@@ -222,11 +226,15 @@ def _size(n: int) -> str:
 
 def render(st: RunStatus) -> str:
     p, m, r = st.progress, st.metrics, st.rates
-    pct = 100.0 * p["committed"] / p["total"] if p["total"] else 0.0
+    done = p["committed"] + p.get("buffered", 0)
+    pct = 100.0 * done / p["total"] if p["total"] else 0.0
     out = [f"pipegen run {st.root}: {st.state.upper()}", f"  {st.hint}"]
-    buffered = f" + {p['buffered']} in shards, not yet batched" if p.get("buffered") else ""
-    out.append(f"  progress   {p['committed']}/{p['total']} samples committed ({pct:.1f}%) in {p['batches']} batches"
-               f"{buffered} | pending {p['pending']} | in flight {p['in_flight']} | failed {p['failed']}")
+    if p.get("buffered"):  # finished units durable in the shards count as done: nothing of them is lost
+        headline = (f"{done}/{p['total']} samples done ({pct:.1f}%): {p['committed']} committed yet in "
+                    f"{p['batches']} batches, {p['buffered']} durable in shards, not yet batched")
+    else:
+        headline = f"{p['committed']}/{p['total']} samples committed ({pct:.1f}%) in {p['batches']} batches"
+    out.append(f"  progress   {headline} | pending {p['pending']} | in flight {p['in_flight']} | failed {p['failed']}")
     if p.get("partial_units"):
         out.append(f"  partial    {p['partial_units']} unit(s) hold {p['partial_tokens']} tokens of progress inside "
                    "their answers (streams/progress/; the next launch continues them)")

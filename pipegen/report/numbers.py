@@ -12,10 +12,13 @@ Read from what the run already keeps, through its existing readers:
 
 Per data source: rows, prompts, the mean reward with its 95% interval (a bootstrap over prompts, each prompt's
 samples kept together, seed fixed: pipegen/report/estimators.py), pass@k for k = 1..n, the share of responses
-at the length limit, and length percentiles. A run whose agent loop returned several trajectories (pieces) for
-a sample also gets `pieces`: the same reward and length figures per piece kind, `snapshot` (every piece but a
-sample's last) and `final` (its last), with how many rows each reward rule (`reward_rule`) scored. Floats are
-rounded to DIGITS places once, here, so the page and report.json show the same numbers.
+at the length limit, length percentiles, statistics of each extra key a dict reward returned (its columns,
+`reward_extra_keys`), the best and the worst answer (decoded with the model's tokenizer), and which reward
+scored the rows (run/provenance.py: `pipegen rescore`'s `reward_by`, else the reward at generation). A run whose
+agent loop returned several trajectories (pieces) for a sample also gets `pieces`: the same reward and length
+figures per piece kind, `snapshot` (every piece but a sample's last) and `final` (its last), with how many rows
+each reward rule (`reward_rule`) scored. Floats are rounded to DIGITS places once, here, so the page and
+report.json show the same numbers.
 
 Owns: the report's numbers. Must never: write anything, import a role, or parse a run file itself (each file
 has one reader, and this module calls it).
@@ -35,9 +38,12 @@ import numpy as np
 from pipegen.report.estimators import (BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, CONFIDENCE, clustered_bootstrap,
                                        pass_at_ks, percentiles, share_at_limit)
 from pipegen.run.layout import RunDir
+from pipegen.run.provenance import REWARD_BY, generation_reward
 from pipegen.run.stream import PieceKeys
 
 DIGITS = 4
+EXTRA_VALUES_SHOWN = 5  # most common values of a non-numeric reward extra key
+ANSWER_CHARS = 1500  # of each best or worst answer shown
 TIMELINE_POINTS = 60  # throughput is drawn over at most this many equal time bins
 ALL_SOURCES = "(all)"
 
@@ -66,6 +72,10 @@ class RowFacts:
     response_length: int  # response tokens, model and tool tokens alike (what response_length limits)
     trajectory: int = 0  # the piece's place in its sample (0, 1, ...; the last is the final one)
     reward_rule: str | None = None  # which rule gave its reward (actor/scoring.py), None: unscored or older run
+    batch: int = -1  # where the row is: its batch file's number and its place in it (for its answer's text)
+    position: int = -1
+    reward_by: str | None = None  # the reward that scored it when rescored (None: the reward at generation)
+    extras: dict[str, Any] = field(default_factory=dict)  # a dict reward's extra keys for this row
 
 
 @dataclass
@@ -95,14 +105,106 @@ def committed_rows(run: RunDir) -> Rows:
         lengths = t[BatchColumns.ATTENTION_MASK][:, width:].astype(np.int64).sum(axis=1)
         scores = t[BatchColumns.RM_SCORES].sum(axis=1) if BatchColumns.RM_SCORES in t else None
         sources, rules = nt.get("data_source"), nt.get(PieceKeys.REWARD_RULE)
+        extra_keys = [k for k in part.meta_info.get("reward_extra_keys") or [] if k in nt and k != "score"]
+        by = nt.get(REWARD_BY)
         for i in range(part.rows):
             out.rows.append(RowFacts(
                 index=int(nt[BatchColumns.INDEX][i]), sample=int(nt[BatchColumns.SAMPLE][i]),
                 source=str(sources[i]) if sources is not None and sources[i] is not None else "unknown",
                 reward=float(scores[i]) if scores is not None else None, response_length=int(lengths[i]),
                 trajectory=int(nt[BatchColumns.TRAJECTORY][i]),
-                reward_rule=str(rules[i]) if rules is not None and rules[i] is not None else None))
+                reward_rule=str(rules[i]) if rules is not None and rules[i] is not None else None,
+                batch=number, position=i, reward_by=str(by[i]) if by is not None and by[i] is not None else None,
+                extras={k: nt[k][i] for k in extra_keys}))
     return out
+
+
+def extra_statistics(rows: list[RowFacts]) -> dict[str, dict[str, Any]]:
+    """Each extra key of a dict reward over the rows that have it: numbers (and booleans, as shares) by mean, min
+    and max; any other value by its most common values."""
+    values: dict[str, list[Any]] = defaultdict(list)
+    for r in rows:
+        for key, value in r.extras.items():
+            if value is not None:
+                values[key].append(value.item() if isinstance(value, np.generic) else value)
+    out: dict[str, dict[str, Any]] = {}
+    for key, vals in values.items():
+        if all(isinstance(v, (int, float)) for v in vals):  # bool is an int: a share of True
+            arr = np.asarray(vals, dtype=float)
+            out[key] = {"rows": len(vals), "mean": float(arr.mean()), "min": float(arr.min()), "max": float(arr.max())}
+        else:
+            counts: dict[str, int] = defaultdict(int)
+            for v in vals:
+                counts[str(v)[:80]] += 1
+            top = sorted(counts.items(), key=lambda kv: -kv[1])[:EXTRA_VALUES_SHOWN]
+            out[key] = {"rows": len(vals), "distinct": len(counts), "most_common": dict(top)}
+    return out
+
+
+def best_and_worst(rows: list[RowFacts]) -> list[tuple[str, RowFacts]]:
+    """The scored row with the highest reward and the one with the lowest (the first by index on a tie)."""
+    scored = sorted((r for r in rows if r.reward is not None), key=lambda r: (r.index, r.sample, r.position))
+    if not scored:
+        return []
+    best = max(scored, key=lambda r: r.reward)  # type: ignore[arg-type, return-value]
+    worst = min(scored, key=lambda r: r.reward)  # type: ignore[arg-type, return-value]
+    return [("best", best)] + ([("worst", worst)] if worst is not best else [])
+
+
+def answer_texts(run: RunDir, cfg: Any, rows: list[RowFacts]) -> dict[tuple[int, int], str]:
+    """(batch, position) -> the row's response as text (its valid tokens, special tokens left out), decoded with
+    the model's tokenizer; empty when the tokenizer cannot be loaded (the report then shows the tokens' count)."""
+    from pipegen.run.batchfile import BatchColumns, read_batch
+
+    decode = _decoder(cfg)
+    out: dict[tuple[int, int], str] = {}
+    for number in sorted({r.batch for r in rows}):
+        t = read_batch(run.batch_file(number)).tensors
+        responses = t[BatchColumns.RESPONSES]
+        for r in rows:
+            if r.batch == number:
+                ids = responses[r.position, : r.response_length].tolist()
+                out[(r.batch, r.position)] = decode(ids) if decode else ""
+    return out
+
+
+def _decoder(cfg: Any):
+    """The model's tokenizer's decode (skip_special_tokens, as verl decodes for scoring): the `tokenizers`
+    file when the model folder has one (milliseconds to load), else transformers'; None when neither loads."""
+    model = cfg.actor_rollout_ref.model
+    path = str(model.get("tokenizer_path") or model.path)
+    try:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    except Exception:  # no tokenizer.json (a slow tokenizer, a hub id): transformers finds it
+        pass
+    try:
+        from transformers import AutoTokenizer
+
+        slow = AutoTokenizer.from_pretrained(path, trust_remote_code=bool(model.get("trust_remote_code")))
+        return lambda ids: slow.decode(ids, skip_special_tokens=True)
+    except Exception:
+        return None
+
+
+def examples(run: RunDir, cfg: Any, by_source: dict[str, list[RowFacts]]) -> dict[str, list[dict[str, Any]]]:
+    """Per data source, its best and its worst answer: which row, its reward, its length and its text."""
+    picks = {name: best_and_worst(rows) for name, rows in by_source.items()}
+    texts = answer_texts(run, cfg, [r for chosen in picks.values() for _, r in chosen])
+    return {name: [{"which": which, "unit": f"{r.index}:{r.sample}", "reward": r.reward,
+                    "response_length": r.response_length, "text": texts.get((r.batch, r.position), "")[:ANSWER_CHARS]}
+                   for which, r in chosen] for name, chosen in picks.items()}
+
+
+def scored_by(rows: list[RowFacts], at_generation: str) -> dict[str, int]:
+    """How many rows each reward scored: `reward_by` of a rescored row, else the run's reward at generation."""
+    counts: dict[str, int] = defaultdict(int)
+    for r in rows:
+        if r.reward is not None:
+            counts[r.reward_by or at_generation] += 1
+    return dict(counts)
 
 
 def source_numbers(rows: list[RowFacts], n: int, limit: int) -> dict[str, Any]:
@@ -133,6 +235,7 @@ def source_numbers(rows: list[RowFacts], n: int, limit: int) -> dict[str, Any]:
         "at_length_limit_share": share,
         "response_length_mean": float(np.mean(lengths)) if lengths else None,
         "response_length": percentiles(lengths),
+        "reward_extras": extra_statistics(rows),
     }
 
 
@@ -273,6 +376,12 @@ def report_numbers(run: RunDir) -> tuple[dict[str, Any], list[RowFacts], list[di
     if len(sources) > 1:
         sources[ALL_SOURCES] = source_numbers(found.rows, n, limit)
     line = timeline(run)
+    from pipegen.run.fingerprint import load_fingerprint
+
+    try:
+        stored = load_fingerprint(run)
+    except ValueError:  # a damaged fingerprint (status says so): its reward is not named
+        stored = None
     numbers = {
         "run": str(run.root),
         "state": st.state,
@@ -290,6 +399,8 @@ def report_numbers(run: RunDir) -> tuple[dict[str, Any], list[RowFacts], list[di
                                     "samples; correct = a reward above 0"},
         "sources": sources,
         "pieces": piece_numbers(found.rows, limit),
+        "examples": examples(run, cfg, dict(sorted(by_source.items()))),
+        "scored_by": scored_by(found.rows, generation_reward(stored)),
         "throughput": throughput(line),
         "failures": failure_groups(st.failed_units),
         "engine": engine_settings(cfg, run),

@@ -76,6 +76,24 @@ def render(numbers: dict[str, Any], plots: dict[str, str]) -> str:
                  f"{shown(stats['resampling_unit'])}; {shown(stats['draws'])} draws, seed {shown(stats['seed'])}. "
                  f"pass@k: {shown(stats['pass_at_k'])}. Lengths in response tokens; the limit is "
                  f"{shown(numbers['response_limit'])} tokens; n = {shown(n)}.</p>")
+    extra_rows = [[name, key, x["rows"], x.get("mean"), x.get("min"), x.get("max"),
+                   ", ".join(f"{v} ({c})" for v, c in x.get("most_common", {}).items()) or None]
+                  for name, s in numbers["sources"].items() for key, x in s.get("reward_extras", {}).items()]
+    if extra_rows:
+        parts.append("<h2>The reward's extra keys</h2>")
+        parts.append(_table(["data source", "key", "rows", "mean", "min", "max", "most common values"], extra_rows))
+        parts.append("<p class='note'>What a dict reward returned beside its score; a boolean's mean is the share "
+                     "of true.</p>")
+    if numbers.get("examples"):
+        parts.append("<h2>Best and worst answers</h2>")
+        for name, picks in numbers["examples"].items():
+            for pick in picks:
+                parts.append(f"<p><b>{shown(name)}</b>, {shown(pick['which'])}: unit {shown(pick['unit'])}, reward "
+                             f"{shown(pick['reward'])}, {shown(pick['response_length'])} tokens</p>"
+                             f"<pre>{shown(pick['text']) if pick['text'] else '(the tokenizer could not be loaded)'}"
+                             f"</pre>")
+    if numbers.get("scored_by"):
+        parts.append(_table(["scored by", "rows"], [[by, rows] for by, rows in numbers["scored_by"].items()]))
     pass_rows = [[name, int(k), v["value"], v["prompts"]] for name, s in numbers["sources"].items()
                  for k, v in s["pass_at_k"].items()]
     if pass_rows:

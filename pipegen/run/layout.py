@@ -17,7 +17,8 @@ DIR/
   checkpoint.json         the writer's commit record (checkpoint.py)
   batch_00000.arrow ...   padded DataProto batches (batchfile.py: Arrow IPC, nothing in one executes on load)
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
-  failed_units.json       the units whose tries were spent, each with its reason, while the output is partial
+  failed_units.json       the units whose tries were spent, each with its reason, while the output is partial (and
+                          the units still pending when a writer alone merged it)
   trajectories/           the sharded output instead (part_00000.pkl ..., index.json), for runs larger than RAM
   trajectories.parquet    the export (or trajectories.jsonl), one row per trajectory; README.md, its dataset card
   trajectories.atif/      the ATIF export: one document per trajectory

@@ -7,7 +7,8 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
     batch_NNNNN.arrow (pipegen/run/batchfile.py). A partial batch is written only when every unit is
-    settled, or after partial_batch_quiet_s seconds (minutes by default) without new lines: each sample
+    settled, when nothing of the run generates any more (a writer alone, step 6), or after
+    partial_batch_quiet_s seconds (minutes by default) without new lines: each sample
     is already durable in its shard line, so small batches would buy nothing but files;
  4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
     fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
@@ -16,6 +17,9 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
     does not list (orphans of a crash between 3 and 4: whole, since fsynced before their rename);
  6. when every unit is committed or failed in this launch: merge, zip, upload; mark complete when none failed,
     else list the failed units beside the partial output (generation.all_or_nothing=true: no output then).
+    A writer left alone (no launcher and no actor alive: alone.py) has nothing more to wait for: once it has
+    read every shard it commits what they hold at once (no quiet period), merges that partial output, lists
+    the units still pending beside it (failed_units.json) and exits 0; a relaunch generates the rest.
 
 Steps 3-4's disk half (writing the encoded batch files, then the checkpoint) runs on one background
 thread, `Committer` (committer.py), while the main loop parses the next lines; this module decides
@@ -56,12 +60,15 @@ from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.run.stats_line import WriterStats
 from pipegen.run.stream import (FailureRecord, LineParser, RolloutRecord, ShardTailer, UnitKeys, parse_unit_label,
                                 read_head, unit_label)
+from pipegen.writer.alone import who_generates
 from pipegen.writer.committer import Committer
 
 log = logging.getLogger("pipegen.writer")
 
 MAX_QUEUED_BATCHES = 4  # encoded batches waiting for the disk before the main loop waits too
 WAITING_LINE_S = 60.0  # how often a writer without new lines says what it waits for
+ALONE_CHECK_S = 1.0  # how often a writer that has caught up with the shards asks whether anything still generates
+PENDING_LISTED = 10000  # pending units named one by one in failed_units.json (the count is always there)
 
 
 class Writer:
@@ -186,6 +193,7 @@ class Writer:
         ckpt = self.ckpt
         ckpt.batches.add(len(batch), len(keys))
         ckpt.committed.add_sorted(keys)
+        ckpt.merged = False  # a merged output (a partial one a writer alone left) no longer holds every committed row
         if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
             for k in keys:
                 ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
@@ -211,16 +219,17 @@ class Writer:
         pending = self.total_units - self.ckpt.num_committed - len(self.buffer) - len(failed_keys)
         return pending <= 0
 
-    def finalize(self) -> None:
-        """Every unit is settled: deliver what is committed. A complete run is merged, zipped and uploaded; so
-        is a partial one (units whose tries were spent), whose failed units are listed in failed_units.json,
+    def finalize(self, pending: list[str] | None = None) -> None:
+        """Every unit is settled, or (`pending`: a writer alone) nothing more will arrive: deliver what is
+        committed. A complete run is merged, zipped and uploaded; so is a partial one (units whose tries were
+        spent, or units no process generates now), whose left-out units are listed in failed_units.json,
         unless generation.all_or_nothing=true keeps its output back until a launch completes it."""
         ckpt = self.ckpt
         # failure offsets may have moved since the last batch: persist them with the final state
         self._record_offsets()
         complete = ckpt.num_committed == self.total_units
         deliver = complete or not self.gen.get("all_or_nothing", False)
-        self._list_failed(complete)
+        self._list_failed(complete, pending or [])
         if deliver and self.gen.final_merge and ckpt.batches:
             from pipegen.writer.merge import merge_run
 
@@ -246,23 +255,54 @@ class Writer:
             for line in failure_summary(ckpt.failed):
                 log.error("  %s", line)
 
-    def _list_failed(self, complete: bool) -> None:
-        """failed_units.json: each failed unit (index:sample) with its reason; removed once the run is complete."""
-        if complete or not self.ckpt.failed:
+    def _list_failed(self, complete: bool, pending: list[str]) -> None:
+        """failed_units.json: each failed unit (index:sample) with its reason, and the units still pending when a
+        writer alone delivers a partial output; removed once the run is complete."""
+        if complete or not (self.ckpt.failed or pending):
             self.run.failed_units.unlink(missing_ok=True)
             return
         listing = {"committed": self.ckpt.num_committed, "total": self.total_units, "failed": len(self.ckpt.failed),
                    "retry": "rerun the same command: it retries only these units, each with a fresh seed",
                    "units": {unit: failure_reason(info) for unit, info in self.ckpt.failed.items()}}
+        if pending:
+            listing["pending"] = len(pending)
+            listing["pending_why"] = ("not generated: no launcher or actor was alive when the writer ran alone; "
+                                      "rerun the same command to generate only them")
+            listing["pending_units"] = pending[:PENDING_LISTED]  # the first ones; the count says how many
         atomic_write_bytes(self.run.failed_units, orjson.dumps(listing, option=orjson.OPT_INDENT_2))
+
+    def pending_units(self) -> list[str]:
+        """index:sample of every unit of the manifest neither committed nor failed, in the manifest's order."""
+        failed = set(self.ckpt.failed)
+        return [unit_label(index, sample) for index in self.run.read_manifest() for sample in range(self.keys.n)
+                if self.keys.key(index, sample) not in self.ckpt.committed
+                and unit_label(index, sample) not in failed]
+
+    async def finish_alone(self) -> int:
+        """No launcher and no actor of this run is alive: nothing more will reach the shards. Read what they
+        hold (a line written just before its actor died included), commit it now, deliver the partial output
+        and name what is still pending. Exit 0, or EXIT_FAILED_UNITS when units failed in this launch."""
+        while await self.pull():
+            pass
+        await self.flush()
+        pending = [] if self.settled() else self.pending_units()
+        self.finalize(pending)
+        self.write_stats(final=True)
+        self.export()
+        if pending:
+            log.warning("no launcher or actor of this run is alive: committed %d of %d unit(s) (%s); %d still "
+                        "pending, listed in %s; rerun the same command to generate only them",
+                        self.ckpt.num_committed, self.total_units,
+                        self.run.merged_output() or self.run.root, len(pending), self.run.failed_units)
+        return 0 if self.ckpt.complete or not self.ckpt.failed else EXIT_FAILED_UNITS
 
     def say_waiting(self) -> None:
         """What a quiet writer waits for (alone, it would otherwise say nothing): the units not yet in a shard."""
         failed = len(self.ckpt.failed)
         pending = self.total_units - self.ckpt.num_committed - len(self.buffer) - failed
-        log.info("waiting for %d of %d unit(s) to appear in %s (the actors write them; a writer alone commits what "
-                 "is there and exits once every unit is settled; to generate them, relaunch the same command)",
-                 pending, self.total_units, self.run.rollouts)
+        log.info("waiting for %d of %d unit(s) to appear in %s (the actors write them; alive: %s; with no launcher "
+                 "or actor alive the writer commits what is there and exits)", pending, self.total_units,
+                 self.run.rollouts, ", ".join(who_generates(self.run)) or "none")
 
     def export(self, only_if_missing: bool = False) -> None:
         """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it
@@ -318,6 +358,7 @@ class Writer:
         sleep = 0.005
         last_stats = 0.0
         said_waiting = time.monotonic() - WAITING_LINE_S + 5.0  # the first line after 5 s without new lines
+        asked_alone = 0.0
         while True:
             got = await self.pull()
             self.committer.poll()
@@ -332,6 +373,10 @@ class Writer:
             if now - last_stats >= 2.0:
                 self.write_stats()
                 last_stats = now
+            if not got and not self.settled() and now - asked_alone >= ALONE_CHECK_S:
+                asked_alone = now  # caught up with the shards: does anything still generate?
+                if not who_generates(self.run):
+                    return await self.finish_alone()
             if now - idle_since >= 5.0 and now - said_waiting >= WAITING_LINE_S:
                 self.say_waiting()
                 said_waiting = now

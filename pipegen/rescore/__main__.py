@@ -1,0 +1,8 @@
+"""`python -m pipegen.rescore DIR ...`: the same command as `pipegen rescore` (command.py)."""
+
+import sys
+
+from pipegen.rescore.command import main
+
+if __name__ == "__main__":
+    sys.exit(main())
