@@ -155,13 +155,13 @@ def check_harness(cfg: DictConfig) -> str:
     if ext.get("harness"):
         try:
             Harness.from_config(ext).callable()
-        except HarnessFailed as e:
+        except (HarnessFailed, ValueError) as e:
             return str(e)
-        except ValueError as e:
-            return f"{e}; set external.harness=module:function"
         except Exception as e:  # noqa: BLE001 (the module's own import error, named)
-            return (f"external.harness={ext.harness}: importing it raised {type(e).__name__}: {e}; put its module on "
-                    f"PYTHONPATH (or install it) so that `python -c 'import {str(ext.harness).partition(':')[0]}'` works")
+            where = str(ext.harness).rpartition(":")[0]
+            return (f"external.harness={ext.harness}: loading it raised {type(e).__name__}: {e}; give its file "
+                    f"(external.harness=path/to/file.py:NAME), or make `python -c 'import {where}'` work from this "
+                    f"folder (install it or put it on PYTHONPATH)")
         return ""
     if ext.get("command"):
         try:
@@ -177,7 +177,7 @@ def check_harness(cfg: DictConfig) -> str:
 
 def preflight(cfg: DictConfig) -> tuple[str, str]:
     """(refusal, note): a one-line refusal ('' when every check passed) and what was checked at what cost."""
-    if not bool(cfg.generation.get("preflight", True)):
+    if not cfg.generation.preflight:
         return "", ""
     started = time.perf_counter()
     checked = []
