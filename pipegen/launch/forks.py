@@ -29,7 +29,6 @@ import traceback
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any, Callable
-from unittest import mock
 
 from pipegen.observe.logs import PARENT_ENV
 from pipegen.run.handshake import ACTOR_IMPORTS, WRITER_IMPORTS
@@ -62,8 +61,16 @@ def context() -> ForkServerContext:
     # lock, and would then warn of "leaked semaphore objects" on the launcher's terminal: that one warning is off.
     spawn_env = {PARENT_ENV: str(os.getpid()),
                  "PYTHONWARNINGS": ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), TRACKER_WARNING]))}
-    with mock.patch.dict(os.environ, spawn_env):  # the stdlib's way to set variables for a moment
+    saved = {k: os.environ.get(k) for k in spawn_env}
+    os.environ.update(spawn_env)  # for these two spawns only, then put back as it was
+    try:
         multiprocessing.forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return ctx
 
 
