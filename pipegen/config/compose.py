@@ -16,7 +16,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.config.schema import LLM_KINDS, check_values, describe_keys, key_info
+from pipegen.config.overrides import given, parse
+from pipegen.config.schema import DEFAULT_LLM, LLM_KINDS, check_values, describe_keys, key_info
 from pipegen.config.schema import register as register_schema
 
 # the shipped config folder: pipegen/conf/, inside the package (pyproject.toml ships it as package data)
@@ -45,9 +46,10 @@ def new_key_allowed(key: str) -> bool:
 def refuse_new_keys(overrides: list[str]) -> None:
     """A `+key` under pipegen's root or its own groups would be accepted and ignored: one line instead."""
     for override in overrides:
-        if not override.startswith("+") or "=" not in override:
+        parsed = parse(override)
+        if parsed is None or parsed.prefix not in ("+", "++"):
             continue
-        key = override.lstrip("+").split("=", 1)[0]
+        key = parsed.key
         if new_key_allowed(key):
             continue
         if "." not in key or key.split(".", 1)[0] in PIPEGEN_GROUPS:
@@ -121,7 +123,7 @@ def describe_config_error(error: Exception, overrides: list[str] = ()) -> str:
     while cause is not None:  # a value of the wrong type for a schema key: OmegaConf names the key
         full_key = getattr(cause, "full_key", None)
         if full_key and type(cause).__name__ == "ValidationError":
-            kind = next((o.split("=", 1)[1] for o in overrides if o.startswith("llm=")), "cpu")
+            kind = given(list(overrides), "llm") or DEFAULT_LLM
             info = key_info(str(full_key), kind if kind in LLM_KINDS else None)
             value = getattr(cause, "value", None)
             allowed = info.allowed() if info is not None and info.allowed() else _type_name(cause)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from pipegen.config.overrides import given
 from pipegen.launch.world import listed_gpus, visible_gpus
 
 ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
@@ -57,14 +58,6 @@ def sglang_python(env: Mapping[str, str], prefix: str = sys.prefix) -> tuple[str
     return (str(beside), True) if beside.is_file() else (None, False)
 
 
-def _given(overrides: list[str], key: str) -> str | None:
-    for o in overrides:
-        k, sep, v = o.partition("=")
-        if sep and k.lstrip("+") == key:
-            return v.strip().strip("'\"")
-    return None
-
-
 def _gpus(n: int) -> str:
     return f"{n} NVIDIA GPU{'s' if n != 1 else ''}"
 
@@ -73,8 +66,8 @@ def choose_engine(overrides: list[str], env: Mapping[str, str] = os.environ,
                   listed: Callable[[], int] = listed_gpus, prefix: str = sys.prefix) -> EngineChoice:
     """The launch's engine (see the module's header). ValueError, one line, when verl's rollout.name and llm=
     disagree or rollout.name names an engine pipegen does not start."""
-    kind = _given(overrides, "llm")
-    name = _given(overrides, ROLLOUT_NAME)
+    kind = given(overrides, "llm")
+    name = given(overrides, ROLLOUT_NAME)
     if name is not None and name not in ENGINE_NAMES:
         raise ValueError(f"{ROLLOUT_NAME}={name}: pipegen starts sglang or vllm servers (or llm=cpu, its CPU "
                          f"server; llm=external for your own)")
@@ -99,6 +92,6 @@ def choose_engine(overrides: list[str], env: Mapping[str, str] = os.environ,
         return EngineChoice(overrides, "cpu",
                             f"llm=cpu: {_gpus(gpus)} visible but SGLang is not set up (./launch.sh sets it up): "
                             f"the GPUs go unused")
-    added = ["llm=sglang", *([f"llm.python={python}"] if name_it and _given(overrides, "llm.python") is None else [])]
+    added = ["llm=sglang", *([f"llm.python={python}"] if name_it and given(overrides, "llm.python") is None else [])]
     return EngineChoice([*overrides, *added], "sglang",
                         f"llm=sglang: {_gpus(gpus)} visible and SGLang set up ({python})")
