@@ -21,10 +21,12 @@ from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from pipegen.config.compose import check_types, compose, describe_config_error, resolved
+from pipegen.config.overrides import parse
 from pipegen.config.verl_keys import translate as translate_verl_keys
 from pipegen.gateway.harness import absolute_target
 from pipegen.inputs.demo import resolve_train_files
 from pipegen.inputs.models import resolve_model_path
+from pipegen.launch.early import MISSING_OUTPUT_DIR
 from pipegen.launch.engine_choice import choose_engine
 from pipegen.run.layout import RunDir
 from pipegen.tasks.manifest import apply_task_defaults
@@ -68,8 +70,8 @@ def with_task_defaults(overrides: list[str]) -> DictConfig:
 def resolve_job(argv: list[str]) -> Job:
     """The launch's one resolved config from its command line (`key=value` overrides, output_dir among them).
     Raises JobRefused with one line naming the fix."""
-    if not any(a.startswith("output_dir=") for a in argv):
-        raise JobRefused("missing output_dir=DIR (where the run's files go); see --help")
+    if not any((p := parse(a)) is not None and p.key == "output_dir" for a in argv):
+        raise JobRefused(MISSING_OUTPUT_DIR)
     try:
         choice = choose_engine(list(argv))  # llm= as given, else verl's rollout.name, else what this machine has
         overrides = translate_verl_keys(choice.overrides)  # verl's own keys: pipegen's equivalents set, or refused

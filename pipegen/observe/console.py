@@ -28,6 +28,7 @@ from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, L
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
+from pipegen.config.invocation import command
 from pipegen.config.schema import RewardSpec
 from pipegen.run.stats_line import LaunchStats, WriterStats
 
@@ -173,5 +174,5 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
               f"{run.failed_units}; rerun the same command to retry only them.", file=sys.stderr)
     for line in failure_summary(snap.failed_units):
         print(f"  {line}", file=sys.stderr)
-    print(f"  logs: {run.logs}/   details: python -m pipegen.status {run.root}", file=sys.stderr)
+    print(f"  logs: {run.logs}/   details: {command('status')} {run.root}", file=sys.stderr)
     return 1
