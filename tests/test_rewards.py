@@ -94,7 +94,7 @@ def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny
         ([f"custom_reward_function.path={wrong}"], "cannot take verl's reward call", "missing a required argument: 'text'"),
         ([f"custom_reward_function.path={wrong}", "custom_reward_function.name=raises"], "raised ValueError",
          "generation.preflight=false"),
-        ([f"reward.verifier_url={dead}"], f"reward.verifier_url={dead} does not answer", "start the verifier"),
+        ([f"reward.verifier_url={dead}"], f"verifier {dead} failed 1 tries", "start the verifier"),
         ([external, "external.harness=no_such_harness_mod:run"], "external.harness=no_such_harness_mod:run",
          "No module named 'no_such_harness_mod'"),
         ([external, "external.command='no-such-program-xyz --go'"], "external.command",
@@ -106,6 +106,26 @@ def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny
         lines = [ln for ln in result.stderr.splitlines() if ln.startswith("pipegen: error:")]
         assert len(lines) == 1 and named in lines[0] and why in lines[0], result.stderr[-2000:]
         assert not (tmp_path / "refused" / "streams").exists()
+
+
+def test_the_launcher_runs_a_reward_files_top_level_code_once(tmp_path, tiny_model):
+    """The launch checks the reward file (loaded with verl's loader) and its preflight calls the function: one load,
+    so the file's own top-level code (a model load, a print, a counter) runs once in the launcher. The launch is
+    refused afterwards (a dataset without extra_info.index), before any process starts."""
+    import pandas as pd
+
+    from pipegen.config.schema import DEMO_PARQUET
+
+    loads = tmp_path / "loads.txt"
+    reward = tmp_path / "counted_reward.py"
+    reward.write_text(f"with open({str(loads)!r}, 'a') as f:\n    f.write('loaded\\n')\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    pd.read_parquet(DEMO_PARQUET).head(2).drop(columns=["extra_info"]).to_parquet(rows := tmp_path / "rows.parquet")
+    result = launch(tmp_path / "run", f"model_path={tiny_model}", f"train_files={rows}",
+                    f"custom_reward_function.path={reward}")
+    assert result.returncode == 2 and "has no extra_info.index" in result.stderr, result.stderr[-2000:]
+    assert "scored the first row" in result.stdout  # the preflight called it
+    assert loads.read_text() == "loaded\n"
 
 
 class Verifier(Proc):

@@ -18,7 +18,8 @@ from pathlib import Path
 COMMAND_ENV = "PIPEGEN_COMMAND"  # "pipegen", "python -m pipegen" or "python -m" (each module by its own name)
 # each subcommand as a module, as pipegen/command.py's table runs it
 MODULES = {"run": "pipegen.launch", "status": "pipegen.status", "verify": "pipegen.status --verify",
-           "report": "pipegen.report", "export": "pipegen.export", "tasks": "pipegen.tasks"}
+           "report": "pipegen.report", "export": "pipegen.export", "tasks": "pipegen.tasks",
+           "serve-reward": "pipegen.rewards.serve"}
 
 
 def typed() -> str:

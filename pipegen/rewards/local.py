@@ -34,6 +34,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
+import orjson
 from pebble import ProcessExpired, ProcessPool  # a per-task time limit that kills and replaces a stuck process
 
 from pipegen.rewards.batching import MicroBatcher
@@ -48,9 +49,22 @@ POOL_BATCH = 32  # samples per trip to the process pool
 POOL_GRACE_S = 10.0  # a pool batch gets its samples' limits plus this before its process is killed
 
 
+_loaded: dict[tuple[str, str, bytes], Callable[..., Any]] = {}  # per process: a file's top-level code runs once
+
+
 def load_function(spec: RewardSpec) -> Callable[..., Any]:
     """The callable verl's trainer would use: `get_custom_reward_fn` (reward_kwargs merged into every
-    call), or default_compute_score."""
+    call), or default_compute_score. A function file is loaded once per process (the launcher checks it, then
+    its preflight calls it: the user's top-level code runs once there, as in each actor)."""
+    if spec.path:
+        key = (spec.path, spec.name, orjson.dumps(spec.reward_kwargs, option=orjson.OPT_SORT_KEYS, default=str))
+        if key not in _loaded:
+            _loaded[key] = _load(spec)
+        return _loaded[key]
+    return _load(spec)
+
+
+def _load(spec: RewardSpec) -> Callable[..., Any]:
     if not spec.path:
         from verl.utils.reward_score import default_compute_score
 
