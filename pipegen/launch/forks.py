@@ -163,15 +163,16 @@ def call_forked(fn: Callable[..., Any], *args: Any, log_path: Path | None = None
 
 
 def _call(send, fn: Callable[..., Any], args: tuple, log_path: str | None) -> None:
-    import logging
-
     from pipegen.observe.logs import setup_logging
 
+    if log_path:  # the call's prints (verl's "dataset len: 96", datasets' bars) and log lines go to the log alone
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     setup_logging("launch")
-    if log_path:  # the caller's log file too, as the launcher's own lines go to DIR/logs/launch.log
-        handler = logging.FileHandler(log_path)
-        handler.setFormatter(logging.getLogger().handlers[0].formatter)
-        logging.getLogger().addHandler(handler)
     try:
         result = (True, fn(*args))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller, which raises it
