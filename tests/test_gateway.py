@@ -102,6 +102,20 @@ def test_every_dialect_streaming_or_not_records_the_engines_ids_token_exact(scen
         assert data.batch["rm_scores"][row].sum().item() == 1.0  # "#### 5": the task's reward, scored as usual
 
 
+def test_the_closing_summary_names_the_harness_as_the_reward(scenarios):
+    """A harness's own reward is the one used (the run's scores only what it leaves unscored): the summary says so,
+    and the server line names the engine that answered, not its protocol alone."""
+    from pipegen.observe.console import reward_name
+    from pipegen.run.layout import RunDir
+
+    _, _, out = scenarios
+    assert reward_name(RunDir(out)) == ("what external.harness=" + str(REPO / "tests" / "gateway_harnesses.py")
+                                        + ":harness returns; for a unit it returns no reward for, verl's "
+                                        "default_compute_score by data_source (rows without one, or a code "
+                                        "data_source, stay unscored)")
+    assert "external server ready at" in (out / "logs" / "launch.log").read_text()
+
+
 def test_sdk_retry_gives_one_sample(scenarios):
     records, entries, _ = scenarios
     (traj,) = records["retry"]["trajectories"]

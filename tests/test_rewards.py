@@ -72,8 +72,10 @@ def test_user_reward_file_gives_rm_scores_equal_to_what_it_returns(tmp_path, tin
     assert result.returncode == 0, result.stderr[-3000:]
     assert_scores_are_the_files(load_trajectories(out / "trajectories.pkl"), tiny_model, scale=2.0)
     # verl's and datasets' own prints while the launcher reads the dataset go to its log, not the terminal
+    log = (out / "logs" / "launch.log").read_text()
     for printed in ("Using dataset class", "dataset len"):
-        assert printed not in result.stdout + result.stderr and printed in (out / "logs" / "launch.log").read_text()
+        assert printed not in result.stdout + result.stderr and printed in log
+    assert "server_0 ready at http://" in log and "(pipegen's CPU server, SGLang's protocol)" in log  # the engine
 
 
 def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny_model, reward_file):

@@ -549,6 +549,13 @@ def _kinds(cfg: DictConfig) -> tuple[str | None, str | None]:
     return (llm if llm in LLM_KINDS else None), (cluster if cluster in CLUSTER_KINDS else None)
 
 
+def uses_external_loop(cfg: DictConfig) -> bool:
+    """Whether the run's units run the user's harness (the `external` agent loop, external.*)."""
+    loop = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop")
+    return loop == "external" or bool(OmegaConf.select(cfg, "external.harness")) or bool(
+        OmegaConf.select(cfg, "external.command"))
+
+
 def fill_defaults(cfg: DictConfig) -> DictConfig:
     """A saved config with every pipegen key it lacks (an older pipegen saved it) set to its one default here,
     so that a reader writes `cfg.generation.preflight`, never a second default of its own. A key whose default

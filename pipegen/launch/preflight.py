@@ -29,6 +29,7 @@ import orjson
 from omegaconf import DictConfig, OmegaConf
 
 from pipegen.config.invocation import command
+from pipegen.config.schema import uses_external_loop
 
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest, parse_result
 
@@ -136,12 +137,6 @@ def check_verifier(cfg: DictConfig, row: dict[str, Any]) -> str:
         return (f"{e} on the first row with an empty response; start the verifier ({command('serve-reward')} "
                 f"--port PORT), fix reward.verifier_url, or fix the verifier ({SKIP})")
     return ""
-
-
-def uses_external_loop(cfg: DictConfig) -> bool:
-    loop = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop")
-    ext = cfg.get("external") or {}
-    return loop == "external" or bool(ext.get("harness")) or bool(ext.get("command"))
 
 
 def check_harness(cfg: DictConfig) -> str:
