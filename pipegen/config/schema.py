@@ -82,7 +82,8 @@ class Actors:
                                    "and load", auto_or_count=True)
     max_memory_mb: int = key(2048, "bound on what an actor's units may hold (auto concurrency stays under it)",
                              at_least=1)
-    hedge: bool = key(True, "in the tail, re-send requests far older than the recent p90 to idle capacity",
+    hedge: bool = key(True, "in the tail, send a request older than the recent p90 latency once more, to idle "
+                            "capacity (the first answer wins)",
                       choices=(True, False))
     group_requests: bool = key(True, "send the requests that are ready together (a prompt's n samples first) as one "
                                      "batched request where the engine takes one (SGLang); false = one each",

@@ -3,8 +3,8 @@
 Owns: building the dataset from the saved config, checking the data files before verl reads them
 (format, readability, rows, the prompt column, an `extra_info.index` in their schema: before any server
 starts), that every row has a unique `index` (the unit manifest's content) and that every prompt fits.
-Must never: modify a data file, or be imported by the launcher before the config is validated
-(importing verl costs seconds).
+Must never: modify a data file, or import verl at its top (the launcher imports it for the footer checks;
+verl costs seconds, and is imported only where a dataset or tokenizer is built).
 """
 
 from __future__ import annotations
