@@ -61,16 +61,14 @@ def context() -> ForkServerContext:
     # lock, and would then warn of "leaked semaphore objects" on the launcher's terminal: that one warning is off.
     spawn_env = {PARENT_ENV: str(os.getpid()),
                  "PYTHONWARNINGS": ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), TRACKER_WARNING]))}
-    saved = {k: os.environ.get(k) for k in spawn_env}
+    before = {k: os.environ[k] for k in spawn_env if k in os.environ}
     os.environ.update(spawn_env)  # for these two spawns only, then put back as it was
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        for k in spawn_env:
+            os.environ.pop(k, None)
+        os.environ.update(before)
     return ctx
 
 
