@@ -113,6 +113,35 @@ def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny
         assert not (tmp_path / "refused" / "streams").exists()
 
 
+def test_the_reward_function_is_verls_get_custom_reward_fn_without_importing_verl(tmp_path, reward_file):
+    """verl_private.custom_reward_fn (the launcher checks the file before verl is imported) gives what verl's
+    get_custom_reward_fn gives: the same scores with reward_kwargs winning over a call's, the async wrapper for a
+    coroutine function, the same error for a missing name."""
+    import inspect
+
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    from pipegen.verl_private import custom_reward_fn
+
+    def verls(path, name, kwargs):
+        return get_custom_reward_fn(OmegaConf.create({"reward": {"custom_reward_function": {
+            "path": str(path), "name": name, "reward_kwargs": kwargs}}}))
+
+    call = dict(data_source="d", solution_str="abcd", ground_truth="1", extra_info={"index": 3}, scale=9.0)
+    ours, theirs = custom_reward_fn(str(reward_file), "my_score", {"scale": 2.0}), verls(reward_file, "my_score",
+                                                                                          {"scale": 2.0})
+    assert ours(**call) == theirs(**call) == {"score": 2.0 * 4 / 6 + 0.003, "length": 4, "source_seen": "d"}
+    async_file = tmp_path / "async_reward.py"
+    async_file.write_text("async def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                          "    return 1.0\n")
+    assert inspect.iscoroutinefunction(custom_reward_fn(str(async_file), "score", {}).func)
+    assert inspect.iscoroutinefunction(verls(async_file, "score", {}).func)
+    for load in (lambda: custom_reward_fn(str(reward_file), "nope", {}), lambda: verls(reward_file, "nope", {})):
+        with pytest.raises(AttributeError):
+            load()
+
+
 def test_the_launcher_runs_a_reward_files_top_level_code_once(tmp_path, tiny_model):
     """The launch checks the reward file (loaded with verl's loader) and its preflight calls the function: one load,
     so the file's own top-level code (a model load, a print, a counter) runs once in the launcher. The launch is
