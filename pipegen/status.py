@@ -1,4 +1,5 @@
-"""`python -m pipegen.status DIR [--json]`: a snapshot of any run (the code lives in pipegen.observe.run_status)."""
+"""`python -m pipegen.status DIR [--json | --verify | --follow]` (`pipegen status`, `pipegen verify`): a snapshot of
+any run (the code lives in pipegen.observe.run_status)."""
 
 import sys
 

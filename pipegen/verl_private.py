@@ -75,3 +75,41 @@ def performance_metrics(metrics: list[Any], batch: Any) -> dict[str, Any]:
     from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
     return AgentLoopManager._performance_metrics(None, metrics, batch)
+
+
+def custom_reward_fn(path: str, name: str, reward_kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """verl's `get_custom_reward_fn` for custom_reward_function.{path,name,reward_kwargs}, without importing verl's
+    package. Why: verl's lives in verl/trainer/ppo/reward.py, whose imports (DataProto, torch) cost ~6 s of CPU,
+    and the launcher checks the user's reward file before anything imports verl (a refusal in seconds, not 15).
+    Its parts are verl's own: the file loaded by `load_extern_object` of verl/utils/import_utils.py (executed from
+    its file, which imports only the standard library), wrapped as verl wraps it, reward_kwargs merged into every
+    call and taking precedence (verl's `_call_with_kwargs`, or its async twin for a coroutine function).
+    tests/test_rewards.py holds it equal to verl's."""
+    import importlib.util
+    import inspect
+    import sys
+    from functools import partial
+    from pathlib import Path
+
+    utils = sys.modules.get("verl.utils.import_utils")
+    if utils is None:
+        found = importlib.util.find_spec("verl")
+        if found is None or not found.submodule_search_locations:
+            raise ImportError("verl is not installed: run ./launch.sh --setup")
+        source = Path(list(found.submodule_search_locations)[0]) / "utils" / "import_utils.py"
+        spec = importlib.util.spec_from_file_location("pipegen_verl_import_utils", source)
+        assert spec is not None and spec.loader is not None
+        utils = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(utils)
+    raw = utils.load_extern_object(module_path=path, object_name=name)
+    call = _call_with_kwargs_async if inspect.iscoroutinefunction(raw) else _call_with_kwargs
+    return partial(call, raw, dict(reward_kwargs))
+
+
+def _call_with_kwargs(raw_fn: Callable[..., Any], extra_kwargs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    return raw_fn(*args, **{**kwargs, **extra_kwargs})  # verl's: the reward_kwargs win
+
+
+async def _call_with_kwargs_async(raw_fn: Callable[..., Any], extra_kwargs: dict[str, Any], *args: Any,
+                                  **kwargs: Any) -> Any:
+    return await raw_fn(*args, **{**kwargs, **extra_kwargs})

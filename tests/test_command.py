@@ -58,7 +58,11 @@ def test_pipegen_run_help_is_the_launchers_help_composed_as_a_launch() -> None:
     launch = subprocess.run([sys.executable, "-m", "pipegen.launch", *argv], capture_output=True, text=True,
                             timeout=120, env=env)
     assert run.returncode == launch.returncode == 0, run.stderr + launch.stderr
-    assert run.stdout == launch.stdout and "\n  n=3\n" in run.stdout, run.stdout[-3000:]
+    (run_usage, run_rest), (launch_usage, launch_rest) = (p.stdout.split("\n", 1) for p in (run, launch))
+    assert run_rest == launch_rest and "\n  n=3\n" in run_rest, run.stdout[-3000:]
+    # each usage line names the command that was typed (config/invocation.py)
+    assert run_usage.startswith("usage: python -m pipegen run output_dir=DIR"), run_usage
+    assert launch_usage.startswith("usage: python -m pipegen.launch output_dir=DIR"), launch_usage
 
 
 def test_a_wheel_install_runs_a_job_from_its_own_package(tmp_path: Path, tiny_model: str) -> None:

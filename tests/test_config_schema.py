@@ -223,3 +223,20 @@ def test_every_engine_key_changes_the_servers_pipegen_starts(kind: str) -> None:
     assert len(keys) >= 6
     same = [i.path for i in keys if started(f"{i.path}={good_value(i)}") == default]
     assert not same, same
+
+
+def test_a_config_an_older_pipegen_saved_reads_each_key_it_lacks_as_the_schemas_default(tmp_path: Path) -> None:
+    """Readers write `cfg.generation.preflight`, not a second default of their own: a run directory saved before
+    a key existed reads it as the schema's default (config/schema.py's fill_defaults)."""
+    from pipegen.config.compose import resolved
+    from pipegen.launch.job import compose_job
+    from pipegen.run.config import load_run_config, save_run_config
+    from pipegen.run.layout import RunDir
+
+    cfg = resolved(compose_job([f"output_dir={tmp_path}"]))
+    del cfg.generation["preflight"], cfg["export"], cfg.llm["dtype"], cfg.actors["group_requests"]
+    run = RunDir(tmp_path)
+    save_run_config(run, cfg)
+    back = load_run_config(run)
+    assert back.generation.preflight is True and back.export.license is None and back.llm.dtype == "auto"
+    assert back.actors.group_requests is True and back.output_dir == str(tmp_path)

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import orjson
 import pytest
@@ -118,9 +119,34 @@ def test_user_errors_are_one_line_naming_the_fix(tmp_path, tiny_model):
         error = one_line_error(launch(tmp_path / "run", f"model_path={tiny_model}", override, timeout=120))
         for text in expected:
             assert text in error, (override, error)
+    # a dataset without extra_info.index is refused from its footer, before any server starts (it used to be
+    # refused by the dataset read, once the servers had started)
+    demo.drop(columns=["extra_info"]).to_parquet(no_index := tmp_path / "no_index.parquet")
+    error = one_line_error(launch(tmp_path / "no_index_run", f"model_path={tiny_model}", f"train_files={no_index}"))
+    assert f"train_files: {no_index} has no extra_info.index" in error and "add a unique integer" in error
+    assert not list((tmp_path / "no_index_run" / "logs").glob("server_*")), "a server was started"
+    assert not (tmp_path / "no_index_run" / "conf" / "launch.json").exists()
     error = one_line_error(subprocess.run([sys.executable, "-m", "pipegen.launch", f"output_dir={a_file}"], cwd=REPO,
                                           capture_output=True, text=True, timeout=60))
     assert "is a file" in error and str(a_file) in error
+
+
+def test_a_mistyped_key_is_refused_before_the_launcher_imports_its_machinery(tmp_path):
+    """A typo is refused from the schema alone (launch/early.py), before numpy, pydantic, torch or
+    verl are imported (the seconds a refusal used to take), and nothing is written; it names the command typed."""
+    script = ("import sys\nfrom pipegen.launch.launcher import main\n"
+              f"rc = main(['output_dir={tmp_path / 'run'}', 'generation.max_attempt=3'])\n"
+              "print(rc, sorted(m for m in ('numpy', 'pydantic', 'verl', 'torch') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split("\n")[0] == "2 []", done.stdout + done.stderr
+    assert done.stderr.strip() == "pipegen: error: unknown key 'generation.max_attempt'; did you mean " \
+                                  "generation.max_attempts?"
+    assert not (tmp_path / "run").exists()
+    pipegen = Path(sys.executable).with_name("pipegen")  # the installed command: its messages name it
+    typed = subprocess.run([str(pipegen), "run", f"output_dir={tmp_path / 'run'}", "nosuch_key=1"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+    assert typed.returncode == 2 and typed.stderr.strip() == ("pipegen: error: unknown key 'nosuch_key': check its "
+                                                              "spelling against pipegen run --help")
 
 
 def test_unreachable_external_server_fails_fast_naming_it(tmp_path, tiny_model):

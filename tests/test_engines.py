@@ -153,7 +153,7 @@ def fake_gpu_machine(tmp_path, gpus: int = 2, sglang_imports: bool = False) -> d
 
 
 def test_no_llm_on_a_gpu_machine_gives_sglang_and_rollout_name_picks_the_engine(tmp_path, monkeypatch):
-    from pipegen.launch.engine_choice import choose_engine, visible_gpus
+    from pipegen.launch.engine_choice import choose_engine, gpus_for_launch
 
     env = fake_gpu_machine(tmp_path)
     monkeypatch.setenv("PATH", env["PATH"])
@@ -161,7 +161,8 @@ def test_no_llm_on_a_gpu_machine_gives_sglang_and_rollout_name_picks_the_engine(
     choice = choose_engine(base, env)
     assert choice.kind == "sglang" and "llm=sglang" in choice.overrides
     assert choice.reason.startswith("llm=sglang: 2 NVIDIA GPUs visible and SGLang set up")
-    assert visible_gpus({**env, "CUDA_VISIBLE_DEVICES": "1"}) == 1 and visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == 0
+    assert gpus_for_launch({**env, "CUDA_VISIBLE_DEVICES": "1"}) == 1
+    assert gpus_for_launch({**env, "CUDA_VISIBLE_DEVICES": ""}) == gpus_for_launch({**env, "CUDA_VISIBLE_DEVICES": "-1"}) == 0
     # verl's own key
     vllm = choose_engine([*base, "actor_rollout_ref.rollout.name=vllm"], env)
     assert vllm.kind == "vllm" and "llm=vllm" in vllm.overrides and "rollout.name=vllm" in vllm.reason

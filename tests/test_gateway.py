@@ -45,8 +45,10 @@ def scenarios(tiny_model, scripted, tmp_path_factory):
     data = write_dataset(tmp / "rows.parquet", [{"content": f"What is 2 + 3? {n}"} for n in names])
     out = tmp / "run"
     try:
-        result = launch(out, *overrides(tiny_model, data, proxy.url, "external.harness=gateway_harnesses:harness"),
-                        env={**ENV, "GATEWAY_TEST_DIR": str(tmp)})
+        # the harness by its file, relative to the launcher's folder (REPO), as custom_reward_function.path takes one
+        result = launch(out, *overrides(tiny_model, data, proxy.url,
+                                        "external.harness=tests/gateway_harnesses.py:harness"),
+                        env={"GATEWAY_TEST_DIR": str(tmp)})
         entries = proxy.entries()
     finally:
         proxy.stop()
@@ -98,6 +100,20 @@ def test_every_dialect_streaming_or_not_records_the_engines_ids_token_exact(scen
         n = int(data.batch["response_mask"][row].sum())
         assert n == sum(records[name]["trajectories"][0]["response_mask"])
         assert data.batch["rm_scores"][row].sum().item() == 1.0  # "#### 5": the task's reward, scored as usual
+
+
+def test_the_closing_summary_names_the_harness_as_the_reward(scenarios):
+    """A harness's own reward is the one used (the run's scores only what it leaves unscored): the summary says so,
+    and the server line names the engine that answered, not its protocol alone."""
+    from pipegen.observe.console import reward_name
+    from pipegen.run.layout import RunDir
+
+    _, _, out = scenarios
+    assert reward_name(RunDir(out)) == ("what external.harness=" + str(REPO / "tests" / "gateway_harnesses.py")
+                                        + ":harness returns; for a unit it returns no reward for, verl's "
+                                        "default_compute_score by data_source (rows without one, or a code "
+                                        "data_source, stay unscored)")
+    assert "external server ready at" in (out / "logs" / "launch.log").read_text()
 
 
 def test_sdk_retry_gives_one_sample(scenarios):
@@ -305,3 +321,28 @@ def test_a_harness_whose_sdk_is_missing_fails_in_one_line_naming_the_extra(monke
                                  "which is not installed: pip install 'pipegen-rl[examples]'")
     with pytest.raises(ModuleNotFoundError):
         Harness("pipegen_no_such_module:harness", None, 10.0).callable()
+
+
+def test_a_harness_module_in_the_current_folder_is_found_as_python_c_finds_it(tmp_path, monkeypatch):
+    """`external.harness=my_agent:harness` with my_agent.py in the current folder: the installed `pipegen` command
+    has its own folder, not the current one, on sys.path; the harness is found as `python -c 'import my_agent'`
+    finds it, loaded once (its top-level code runs once), and a file path works from any folder."""
+    from pipegen.gateway.harness import Harness, absolute_target
+
+    agent = tmp_path / "pipegen_cwd_agent.py"
+    agent.write_text("import os\nLOADS = int(os.environ.get('LOADS', '0')) + 1\nos.environ['LOADS'] = str(LOADS)\n"
+                     "def harness(row, base_url, api_key):\n    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delenv("LOADS", raising=False)
+    fn = Harness("pipegen_cwd_agent:harness", None, 10.0).callable()
+    assert fn({}, "", "") == 0.5 and Harness("pipegen_cwd_agent:harness", None, 10.0).callable() is fn
+    assert os.environ["LOADS"] == "1"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target = absolute_target("pipegen_cwd_agent.py:harness")  # made absolute from the launcher's folder
+    assert target == f"{agent}:harness"
+    monkeypatch.chdir(elsewhere)
+    assert Harness(target, None, 10.0).callable()({}, "", "") == 0.5
+    with pytest.raises(ValueError, match=r"no such file; give the \.py file holding harness"):
+        absolute_target("missing_agent.py:harness")

@@ -362,4 +362,5 @@ def test_a_hub_id_resolves_through_huggingface_hubs_cache_offline(tmp_path: Path
     missing = resolve("acme/not-cached")
     assert missing.returncode == 2
     line = missing.stderr.strip()
-    assert "\n" not in line and "huggingface-cli download acme/not-cached --local-dir DIR" in line, line
+    # the installed huggingface_hub's own command (hf since 0.34; huggingface-cli is its deprecated name)
+    assert "\n" not in line and "`hf download acme/not-cached --local-dir DIR`" in line, line

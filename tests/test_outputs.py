@@ -4,6 +4,7 @@ of the single merged trajectories.pkl, in order, once each."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,13 +90,15 @@ def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
 
     from pipegen.distribution import DISTRIBUTION
 
-    for fact in (f"pipegen version: {version(DISTRIBUTION)}", f"model: `{tiny_model}`", "revision: not known",
+    assert str(tmp_path) not in card and str(Path.home()) not in card  # the card travels: no local path
+    for fact in (f"pipegen version: {version(DISTRIBUTION)}", f"model: `{Path(tiny_model).name}` (a local folder)",
+                 "revision: not known", "license: not known",
                  "temperature 1.0", "n 2 samples per prompt", "responses up to 24 tokens",
                  f"config fingerprint (run key): `{run.run_key()}`", "12 rows, 12 of 12 units committed, 0 failed",
                  f"| {source} | 12 | 6 | {stats['mean_reward']} | "
                  f"[{stats['reward_ci95'][0]}, {stats['reward_ci95'][1]}] |",
                  f"{stats['at_length_limit']} ({stats['at_length_limit_share']})",
-                 "hf upload USER/NAME", "huggingface-cli upload USER/NAME"):
+                 "hf upload USER/NAME . . --repo-type dataset"):
         assert fact in card, fact
 
     # The CLI (in-process: verl is already imported), in another format and smaller writes, gives the same rows.
@@ -105,6 +108,34 @@ def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
     lines = [orjson.loads(line) for line in run.export_file("jsonl").read_bytes().splitlines()]
     _assert_rows_equal(lines, ref)
     assert [line["reward_model"] for line in lines] == [r["reward_model"] for r in rows]
+
+
+def test_the_dataset_card_names_no_local_path_and_a_license(tmp_path):
+    """The card travels with the data: the model by its Hub id or folder name, the prompts by file name, the upload
+    run from the card's folder; the license is export.license, else the model card's."""
+    from omegaconf import OmegaConf
+
+    from pipegen.export.card import card_text
+    from pipegen.run.layout import RunDir
+
+    model = tmp_path / "hub" / "models--Org--Model-1B" / "snapshots" / "abc123"
+    model.mkdir(parents=True)
+    (model / "README.md").write_text("---\nlicense: mit\nlanguage: en\n---\n# Model-1B\n")
+    prompts = tmp_path / "data" / "my_prompts.parquet"
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {}, "model": {"path": str(model)}},
+                            "data": {"train_files": [str(prompts)]}, "export": {"license": None}})
+    sampling = dict.fromkeys(("temperature", "top_p", "top_k", "n", "response_length", "prompt_length", "seed"), 1)
+    numbers = {"progress": {"rows_read": 1, "committed": 1, "units": 1, "failed": 0}, "n": 1, "sources": {},
+               "engine": {"sampling": sampling, "llm": "cpu", "agent_loop": None}, "response_limit": 8,
+               "statistics": {"interval": "-", "resampling_unit": "-", "draws": 0, "seed": 0, "pass_at_k": "-"}}
+    run = RunDir(tmp_path / "run")
+    card = card_text(cfg, run, run.root / "trajectories.parquet", numbers)
+    assert str(tmp_path) not in card
+    assert "license: mit\n" in card.partition("\n---\n")[0] and "- license: `mit`" in card
+    assert "- model: `Org/Model-1B`; revision: `abc123`" in card and "- prompts from: `my_prompts.parquet`" in card
+    assert "upload USER/NAME . . --repo-type dataset --include README.md --include trajectories.parquet" in card
+    cfg.export.license = "cc-by-4.0"
+    assert "license: cc-by-4.0\n" in card_text(cfg, run, run.root / "trajectories.parquet", numbers)
 
 
 def _assert_rows_equal(rows: list[dict], ref) -> None:

@@ -71,6 +71,11 @@ def test_user_reward_file_gives_rm_scores_equal_to_what_it_returns(tmp_path, tin
                     "custom_reward_function.name=my_score", "+custom_reward_function.reward_kwargs.scale=2.0")
     assert result.returncode == 0, result.stderr[-3000:]
     assert_scores_are_the_files(load_trajectories(out / "trajectories.pkl"), tiny_model, scale=2.0)
+    # verl's and datasets' own prints while the launcher reads the dataset go to its log, not the terminal
+    log = (out / "logs" / "launch.log").read_text()
+    for printed in ("Using dataset class", "dataset len"):
+        assert printed not in result.stdout + result.stderr and printed in log
+    assert "server_0 ready at http://" in log and "(pipegen's CPU server, SGLang's protocol)" in log  # the engine
 
 
 def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny_model, reward_file):
@@ -94,7 +99,7 @@ def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny
         ([f"custom_reward_function.path={wrong}"], "cannot take verl's reward call", "missing a required argument: 'text'"),
         ([f"custom_reward_function.path={wrong}", "custom_reward_function.name=raises"], "raised ValueError",
          "generation.preflight=false"),
-        ([f"reward.verifier_url={dead}"], f"reward.verifier_url={dead} does not answer", "start the verifier"),
+        ([f"reward.verifier_url={dead}"], f"verifier {dead} failed 1 tries", "start the verifier"),
         ([external, "external.harness=no_such_harness_mod:run"], "external.harness=no_such_harness_mod:run",
          "No module named 'no_such_harness_mod'"),
         ([external, "external.command='no-such-program-xyz --go'"], "external.command",
@@ -106,6 +111,55 @@ def test_reward_settings_that_cannot_work_are_refused_in_one_line(tmp_path, tiny
         lines = [ln for ln in result.stderr.splitlines() if ln.startswith("pipegen: error:")]
         assert len(lines) == 1 and named in lines[0] and why in lines[0], result.stderr[-2000:]
         assert not (tmp_path / "refused" / "streams").exists()
+
+
+def test_the_reward_function_is_verls_get_custom_reward_fn_without_importing_verl(tmp_path, reward_file):
+    """verl_private.custom_reward_fn (the launcher checks the file before verl is imported) gives what verl's
+    get_custom_reward_fn gives: the same scores with reward_kwargs winning over a call's, the async wrapper for a
+    coroutine function, the same error for a missing name."""
+    import inspect
+
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    from pipegen.verl_private import custom_reward_fn
+
+    def verls(path, name, kwargs):
+        return get_custom_reward_fn(OmegaConf.create({"reward": {"custom_reward_function": {
+            "path": str(path), "name": name, "reward_kwargs": kwargs}}}))
+
+    call = dict(data_source="d", solution_str="abcd", ground_truth="1", extra_info={"index": 3}, scale=9.0)
+    ours, theirs = custom_reward_fn(str(reward_file), "my_score", {"scale": 2.0}), verls(reward_file, "my_score",
+                                                                                          {"scale": 2.0})
+    assert ours(**call) == theirs(**call) == {"score": 2.0 * 4 / 6 + 0.003, "length": 4, "source_seen": "d"}
+    async_file = tmp_path / "async_reward.py"
+    async_file.write_text("async def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                          "    return 1.0\n")
+    assert inspect.iscoroutinefunction(custom_reward_fn(str(async_file), "score", {}).func)
+    assert inspect.iscoroutinefunction(verls(async_file, "score", {}).func)
+    for load in (lambda: custom_reward_fn(str(reward_file), "nope", {}), lambda: verls(reward_file, "nope", {})):
+        with pytest.raises(AttributeError):
+            load()
+
+
+def test_the_launcher_runs_a_reward_files_top_level_code_once(tmp_path, tiny_model):
+    """The launch checks the reward file (loaded with verl's loader) and its preflight calls the function: one load,
+    so the file's own top-level code (a model load, a print, a counter) runs once in the launcher. The launch is
+    refused afterwards (a dataset without extra_info.index), before any process starts."""
+    import pandas as pd
+
+    from pipegen.config.schema import DEMO_PARQUET
+
+    loads = tmp_path / "loads.txt"
+    reward = tmp_path / "counted_reward.py"
+    reward.write_text(f"with open({str(loads)!r}, 'a') as f:\n    f.write('loaded\\n')\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    pd.read_parquet(DEMO_PARQUET).head(2).drop(columns=["extra_info"]).to_parquet(rows := tmp_path / "rows.parquet")
+    result = launch(tmp_path / "run", f"model_path={tiny_model}", f"train_files={rows}",
+                    f"custom_reward_function.path={reward}")
+    assert result.returncode == 2 and "has no extra_info.index" in result.stderr, result.stderr[-2000:]
+    assert "scored the first row" in result.stdout  # the preflight called it
+    assert loads.read_text() == "loaded\n"
 
 
 class Verifier(Proc):

@@ -95,3 +95,20 @@ def test_a_late_answer_of_a_superseded_attempt_is_a_duplicate_never_a_second_row
     assert sorted(units) == sorted(set(units)) and len(units) == 8
     row = units.index((first.index, first.sample))
     assert data.batch["responses"][row].tolist() == [7] * 16  # the retry's answer, the first to arrive
+
+
+def test_failures_are_summarised_by_reason_class_each_on_one_cut_line():
+    """Six units whose reward raised on their own broken responses are one group, not five: the class is what
+    raised what; the shown reason is the first unit's, its line breaks folded and cut."""
+    from pipegen.run.checkpoint import REASON_SHOWN, failure_summary
+
+    reward = "reward custom_reward_function /home/u/r.py:score raised ValueError: invalid literal for int(): "
+    failed = {f"{i}:0": {"reason": reward + f"'The answer\n\nis {i}" + " and more" * 40 + "'"} for i in range(6)}
+    failed["9:0"] = {"reason": "request failed after 8 attempts: HTTP 503"}
+    lines = failure_summary(failed)
+    assert len(lines) == 2 and all("\n" not in line for line in lines)
+    assert lines[0].startswith("6 unit(s) (0:0, 1:0, 2:0, 3:0 and 2 more): reward custom_reward_function "
+                               "/home/u/r.py:score raised ValueError; the first: ")
+    assert "'The answer is 0" in lines[0] and lines[0].endswith("…")
+    assert len(lines[0].partition("; the first: ")[2]) == REASON_SHOWN
+    assert lines[1] == "1 unit(s) (9:0): request failed after 8 attempts: HTTP 503"

@@ -30,6 +30,17 @@ def test_cuda_visible_devices_is_respected():
     assert [s.gpus for s in p.servers] == [(4, 5), (6, 7)]
 
 
+def test_cuda_visible_devices_minus_one_hides_every_gpu_for_the_servers_as_for_the_engine_choice():
+    """One reading of CUDA_VISIBLE_DEVICES: `-1` (or empty) gives the servers no GPU, as the engine choice has none."""
+    from pipegen.launch.engine_choice import gpus_for_launch
+
+    for hidden in ("-1", "", "-1,0"):
+        with pytest.raises(PlanError, match="needs GPUs"):
+            plan({"kind": "sglang", "tp": 1}, {"CUDA_VISIBLE_DEVICES": hidden})
+        assert gpus_for_launch({"CUDA_VISIBLE_DEVICES": hidden}, listed=lambda: 8) == 0
+    assert [s.gpus for s in plan({"kind": "sglang", "tp": 1}, {"CUDA_VISIBLE_DEVICES": "3,-1,4"}).servers] == [(3,)]
+
+
 def test_gpu_count_not_divisible_by_tp_is_a_clear_error():
     with pytest.raises(PlanError, match="do not divide.*tp=4"):
         plan({"kind": "sglang", "tp": 4}, {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5"})

@@ -5,6 +5,7 @@ from), `admission` (how many units run at once and how long each request may tak
 the hold, stall deadlines, hedging), `rollout` (one unit: dataset row -> verl agent loop -> RolloutRecord),
 `client` (the engine's /generate over HTTP, as verl's server manager: routing, retries, aborts),
 `limits` (the client's limits), `readiness` (the start-up clock, the wait for the first server),
+`continuation` (progress inside a sample: a long answer's kept tokens, a restarted unit's answers given again),
 `scoring` (the row's reward, as verl's reward loop calls it: pipegen/rewards/), `loop_cache` (the verl agent
 loop, built once per actor), `detokenize` (a response's text).
 `python -m pipegen.actor output_dir=DIR rank=K` runs one actor.

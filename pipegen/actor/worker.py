@@ -173,7 +173,7 @@ class Actor:
                                          self.runner.indices, lambda: (rollouts.sync(), failures.sync()))
             pool = ServerPool(list(self.launch.servers), limits, session, str(self.cfg.llm.protocol), admission,
                               on_first_request=lambda: self.clock.mark("first_request"),
-                              group=bool(self.cfg.actors.get("group_requests", True)))
+                              group=bool(self.cfg.actors.group_requests))
             reporter = asyncio.create_task(self._report(pool, stats))
             # servers may still be loading (the launcher starts actors beside them): send once one answers,
             # then read the limits of those that answer (a late one starts at the default; its load adapts it)

@@ -13,11 +13,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+from dataclasses import fields
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipegen.config.schema import LLM_KINDS, check_values, describe_keys, key_info
+from pipegen.config.invocation import command
+from pipegen.config.overrides import given, parse
+from pipegen.config.schema import (DEFAULT_LLM, LLM_KINDS, PipegenConfig, check_values, describe_keys, key_info,
+                                   schema_keys)
 from pipegen.config.schema import register as register_schema
 
 
@@ -46,7 +50,8 @@ def verl_config_dir() -> str:
 
 
 # pipegen's own groups: every key of them is the schema's, so a new key (+key) there could only be ignored
-PIPEGEN_GROUPS = ("actors", "generation", "trainer", "reward", "external", "llm", "cluster")
+PIPEGEN_GROUPS = ("actors", "generation", "trainer", "reward", "external", "export", "llm", "cluster")
+VERL_GROUPS = ("actor_rollout_ref", "data", "distillation")  # verl's own YAML: only a composition knows its keys
 
 
 def new_key_allowed(key: str) -> bool:
@@ -58,13 +63,14 @@ def new_key_allowed(key: str) -> bool:
 def refuse_new_keys(overrides: list[str]) -> None:
     """A `+key` under pipegen's root or its own groups would be accepted and ignored: one line instead."""
     for override in overrides:
-        if not override.startswith("+") or "=" not in override:
+        parsed = parse(override)
+        if parsed is None or parsed.prefix not in ("+", "++"):
             continue
-        key = override.lstrip("+").split("=", 1)[0]
+        key = parsed.key
         if new_key_allowed(key):
             continue
         if "." not in key or key.split(".", 1)[0] in PIPEGEN_GROUPS:
-            close = did_you_mean(key)
+            close = did_you_mean(key, pipegen_keys())
             raise ValueError(f"+{key}: pipegen has no such key, and a new one would be ignored; "
                              + (f"did you mean {close}? " if close else "")
                              + "(a leading + adds a key only to a kwargs group, as in "
@@ -91,12 +97,43 @@ def known_keys() -> list[str]:
     return _KNOWN
 
 
-def did_you_mean(key: str) -> str:
-    """The known keys closest to a misspelt one ('' when none is close), as "a or b"."""
+def unknown_key(overrides: list[str]) -> str:
+    """One line for the first override whose key the schema alone rules out, before Hydra composes anything: a
+    root key that is neither pipegen's nor one of verl's groups, or a key that pipegen's own groups (every llm and
+    cluster kind's) do not have; '' when none. verl's groups, `+key` (refuse_new_keys) and `~key` are left to the
+    composition."""
+    known = {info.path for info in schema_keys()}
+    roots = {f.name for f in fields(PipegenConfig)}
+    for override in overrides:
+        parsed = parse(override)
+        if parsed is None or parsed.prefix:
+            continue
+        key = parsed.key
+        root = key.split(".", 1)[0]
+        if root in VERL_GROUPS or root == "hydra" or key in known or key in roots:
+            continue
+        if root in roots and any(key.startswith(k + ".") for k in known):
+            continue  # inside a key that holds a mapping (custom_reward_function.reward_kwargs.NAME)
+        close = did_you_mean(key, pipegen_keys())
+        plus = f" (a new key there needs a leading +, as in +{key}=...)" if new_key_allowed(key) else ""
+        return f"unknown key '{key}'" + (f"; did you mean {close}?" if close else f": check its spelling against "
+                                         f"{help_command()}") + plus
+    return ""
+
+
+def pipegen_keys() -> list[str]:
+    """pipegen's own keys (every llm and cluster kind's) and the root's names: what a typo there is compared with,
+    without composing."""
+    return sorted({info.path for info in schema_keys()} | {f.name for f in fields(PipegenConfig)})
+
+
+def did_you_mean(key: str, known: list[str] | None = None) -> str:
+    """The known keys closest to a misspelt one ('' when none is close), as "a or b" (`known`: every key of the
+    composed config when not given)."""
     import difflib
 
     try:
-        known = known_keys()
+        known = known_keys() if known is None else known
     except Exception:  # noqa: BLE001 (a hint only: a config that does not compose has its own error)
         return ""
     close = difflib.get_close_matches(key, known, n=2, cutoff=0.8)
@@ -126,7 +163,11 @@ def resolved(cfg: DictConfig) -> DictConfig:
     return out
 
 
-HELP = "python -m pipegen.launch --help"
+def help_command() -> str:
+    """`pipegen run --help` or `python -m pipegen.launch --help`, as the user started pipegen."""
+    return f"{command('run')} --help"
+
+
 def describe_config_error(error: Exception, overrides: list[str] = ()) -> str:
     """One line naming the fix for a Hydra / OmegaConf error (theirs span many lines); `overrides` tell
     which llm kind's keys were composed."""
@@ -134,7 +175,7 @@ def describe_config_error(error: Exception, overrides: list[str] = ()) -> str:
     while cause is not None:  # a value of the wrong type for a schema key: OmegaConf names the key
         full_key = getattr(cause, "full_key", None)
         if full_key and type(cause).__name__ == "ValidationError":
-            kind = next((o.split("=", 1)[1] for o in overrides if o.startswith("llm=")), "cpu")
+            kind = given(list(overrides), "llm") or DEFAULT_LLM
             info = key_info(str(full_key), kind if kind in LLM_KINDS else None)
             value = getattr(cause, "value", None)
             allowed = info.allowed() if info is not None and info.allowed() else _type_name(cause)
@@ -147,7 +188,7 @@ def describe_config_error(error: Exception, overrides: list[str] = ()) -> str:
     if m:
         key = m.group(1)
         close = did_you_mean(key)
-        hint = (f"; did you mean {close}?" if close else f": check its spelling against {HELP}")
+        hint = (f"; did you mean {close}?" if close else f": check its spelling against {help_command()}")
         plus = f" (a new key there needs a leading +, as in +{key}=...)" if new_key_allowed(key) else ""
         return f"unknown key '{key}'{hint}{plus}"
     m = re.search(r"Could not find '([^'/]+)/([^']+)'", first)
@@ -155,10 +196,10 @@ def describe_config_error(error: Exception, overrides: list[str] = ()) -> str:
         group = m.group(1)
         options = [ln for ln in lines[2:] if not ln.startswith(("Config search path", "provider="))]
         choices = ", ".join(f"{group}={o}" for o in options if "=" not in o)
-        return f"{group}={m.group(2)} does not exist" + (f"; choose {choices}" if choices else f"; see {HELP}")
+        return f"{group}={m.group(2)} does not exist" + (f"; choose {choices}" if choices else f"; see {help_command()}")
     if type(error).__name__ == "OverrideParseException":
         return f"cannot parse an override ({first}); overrides are key=value (quote lists: 'key=[a,b]')"
-    return f"{first} (see {HELP})"
+    return f"{first} (see {help_command()})"
 
 
 def _type_name(error: BaseException) -> str:

@@ -18,7 +18,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,10 @@ class External:
     (pipegen/gateway/). Select it with actor_rollout_ref.rollout.agent.default_agent_loop=external or a row's
     agent_name."""
 
-    harness: Optional[str] = key(None, "module:function called per unit as function(row, base_url, api_key), sync "
-                                       "or async; returns a reward, {'reward': ..., more fields}, or nothing", non_empty=True)
+    harness: Optional[str] = key(None, "module:function or path/to/file.py:function (a module is also looked for in "
+                                       "the current folder), called per unit as function(row, base_url, api_key), "
+                                       "sync or async; returns a reward, {'reward': ..., more fields}, or nothing",
+                                 non_empty=True)
     command: Optional[str] = key(None, "a shell command run per unit with OPENAI_BASE_URL, OPENAI_API_KEY, "
                                        "ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY and PIPEGEN_ROW (the row as a JSON "
                                        "file); its result is the JSON on its last stdout line", non_empty=True)
@@ -239,6 +241,14 @@ class Rows:
 
 
 @dataclass
+class Export:
+    """export.*: what the Parquet export's dataset card (pipegen/export/card.py) says beyond the run's facts."""
+
+    license: Optional[str] = key(None, "the dataset card's license (a Hub license id, e.g. apache-2.0); null = the "
+                                       "model card's license where the model folder has one", non_empty=True)
+
+
+@dataclass
 class Trainer:
     """trainer.*: verl's tracking keys, which pipegen's launcher uses as verl's trainer does."""
 
@@ -248,6 +258,7 @@ class Trainer:
 
 
 KIND_NAMES = ("cpu", "sglang", "vllm", "external")
+DEFAULT_LLM = "cpu"  # the llm kind when none is chosen (conf/pipegen.yaml's defaults list names it for Hydra)
 
 
 @dataclass
@@ -255,7 +266,7 @@ class Servers:
     """What every llm kind shares: the protocol its servers speak, how long to wait for a server and for one
     request."""
 
-    kind: str = key("cpu", "which servers: cpu | sglang | vllm | external", choices=KIND_NAMES)
+    kind: str = key(DEFAULT_LLM, "which servers: cpu | sglang | vllm | external", choices=KIND_NAMES)
     urls: list[str] = key([], "server URLs (set for llm=external; filled in by the launcher otherwise)")
     protocol: str = key("sglang", "the protocol the servers speak (pipegen/engines/)", choices=("sglang",))
     max_running_requests: Optional[int] = key(None, "the servers' limit on running requests where the engine does "
@@ -454,6 +465,7 @@ class PipegenConfig:
     reward: Reward = field(default_factory=Reward)
     rows: Rows = field(default_factory=Rows)
     external: External = field(default_factory=External)
+    export: Export = field(default_factory=Export)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
     # verl's groups, composed from verl's own YAML in verl's layout: verl owns their keys and defaults
@@ -551,9 +563,32 @@ def _unset(cfg: DictConfig, path: str) -> bool:
 
 def _kinds(cfg: DictConfig) -> tuple[str | None, str | None]:
     """The config's llm and cluster kinds (None for one the schema does not know: every kind's keys)."""
-    llm = str(OmegaConf.select(cfg, "llm.kind", default="cpu"))
+    llm = str(OmegaConf.select(cfg, "llm.kind", default=DEFAULT_LLM))
     cluster = str(OmegaConf.select(cfg, "cluster.kind", default="local"))
     return (llm if llm in LLM_KINDS else None), (cluster if cluster in CLUSTER_KINDS else None)
+
+
+def uses_external_loop(cfg: DictConfig) -> bool:
+    """Whether the run's units run the user's harness (the `external` agent loop, external.*)."""
+    loop = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop")
+    return loop == "external" or bool(OmegaConf.select(cfg, "external.harness")) or bool(
+        OmegaConf.select(cfg, "external.command"))
+
+
+def fill_defaults(cfg: DictConfig) -> DictConfig:
+    """A saved config with every pipegen key it lacks (an older pipegen saved it) set to its one default here,
+    so that a reader writes `cfg.generation.preflight`, never a second default of its own. A key whose default
+    depends on the data (job_default) or that has none is left as saved."""
+    with open_dict(cfg):
+        for info in schema_keys(*_kinds(cfg)):
+            default, group = info.default, info.path.partition(".")[0]
+            if isinstance(default, str) and (default == "???" or default.startswith("${")):
+                continue
+            if group in ("llm", "cluster") and not OmegaConf.is_config(cfg.get(group)):
+                continue  # no such group saved: nothing of a kind to complete
+            if _unset(cfg, info.path):
+                OmegaConf.update(cfg, info.path, default, force_add=True)
+    return cfg
 
 
 def check_values(cfg: DictConfig) -> None:

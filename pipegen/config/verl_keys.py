@@ -23,6 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Union
 
+from pipegen.config.overrides import parse
+from pipegen.config.schema import DEFAULT_LLM
+
 ROLLOUT = "actor_rollout_ref.rollout."
 
 
@@ -206,11 +209,10 @@ def handling(key: str) -> Handling | None:
 
 def _split(override: str) -> tuple[str, str, str] | None:
     """(prefix, key, value) of `[+|++|~]key=value`; None for anything else (a group choice, a flag)."""
-    if "=" not in override:
+    parsed = parse(override)
+    if parsed is None or "=" not in override:
         return None
-    key, value = override.split("=", 1)
-    prefix = key[: len(key) - len(key.lstrip("+~"))]
-    return prefix, key[len(prefix):], value
+    return parsed.prefix, parsed.key, parsed.text
 
 
 def _plain(value: str) -> str:
@@ -223,7 +225,7 @@ def translate(overrides: list[str]) -> list[str]:
     for a verl key pipegen cannot honour or two settings of one key that disagree."""
     parsed = [_split(o) for o in overrides]
     given = {p[1]: p[2] for p in parsed if p is not None}
-    llm_kind = given.get("llm", "cpu")
+    llm_kind = given.get("llm", DEFAULT_LLM)
     out: list[str] = []
     added: dict[str, tuple[str, str]] = {}  # pipegen key -> (value, the verl key that set it)
     for override, part in zip(overrides, parsed):

@@ -1,8 +1,12 @@
 """The Hugging Face dataset card of a Parquet export: `README.md` beside the data, with the YAML header the Hub
 reads (`configs:` naming the data file, so `datasets.load_dataset(FOLDER)` loads it and the Hub's viewer shows
-it) and the run's facts in its body: pipegen's version, the model path and, where known, its revision, the
-sampling settings, the config fingerprint (the run key), the counts, and the reward and length statistics of
-the run report (pipegen/report/numbers.py: the same numbers as report.json), and how to load and upload it.
+it, and its `license`) and the run's facts in its body: pipegen's version, the model by name (its Hub id where the
+path says it, never a local path) and, where known, its revision, the prompts by file name, the sampling
+settings, the config fingerprint (the run key), the counts, and the reward and length statistics of the run
+report (pipegen/report/numbers.py: the same numbers as report.json), and how to load and upload it (with the
+installed huggingface_hub's command, run from the card's folder). The card travels: it names no local path.
+The license is `export.license` when set, else the model card's (a `license:` in the model folder's README.md;
+the embedded SmolLM2's is known), else the card says it is not known and how to set it.
 
 A README.md already in the folder that pipegen did not write is left alone (the card is then skipped, said in
 one line): the export never overwrites a user's file.
@@ -19,10 +23,15 @@ import yaml
 from omegaconf import DictConfig
 
 from pipegen.distribution import DISTRIBUTION
+from pipegen.config.schema import is_demo
+from pipegen.inputs.models import SMOLLM2_FOLDER, SMOLLM2_HUB_ID, SMOLLM2_LICENSE, hub_cli
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.layout import RunDir
 
 MARKER = "<!-- dataset card written by pipegen's export (python -m pipegen.export); it rewrites this file -->"
+
+
+NO_LICENSE = "not known (the model folder has no card naming one); set export.license=ID and export again"
 
 
 def pipegen_version() -> str:
@@ -44,17 +53,55 @@ def model_revision(path: str) -> str | None:
     return None
 
 
+def model_name(path: str) -> str:
+    """The model as a reader elsewhere finds it: its Hub id where the path is a Hugging Face cache snapshot
+    (`.../models--ORG--NAME/snapshots/<commit>`) or the embedded SmolLM2's folder, else the folder's own name."""
+    hub = next((p for p in Path(path).parts if p.startswith("models--")), None)
+    if hub is not None:
+        return f"`{hub.removeprefix('models--').replace('--', '/', 1)}`"
+    folder = Path(path).name
+    return (f"`{SMOLLM2_HUB_ID}` (pipegen's embedded copy)" if folder == SMOLLM2_FOLDER
+            else f"`{folder}` (a local folder)")
+
+
+def model_license(path: str) -> str | None:
+    """The `license:` of the model card (README.md's YAML header) in the model folder, if it has one."""
+    if Path(path).name == SMOLLM2_FOLDER:
+        return SMOLLM2_LICENSE
+    readme = Path(path) / "README.md"
+    try:
+        text = readme.read_text(errors="replace")
+    except OSError:
+        return None
+    if not text.startswith("---"):
+        return None
+    try:
+        header = yaml.safe_load(text[3:].partition("\n---")[0])
+    except yaml.YAMLError:
+        return None
+    value = header.get("license") if isinstance(header, dict) else None
+    return str(value) if value else None
+
+
+def prompts_from(files: list[str]) -> str:
+    if is_demo(files):
+        return "pipegen's demo set (arithmetic problems shipped with pipegen)"
+    return ", ".join(f"`{Path(f).name}`" for f in files)
+
+
 def card_text(cfg: DictConfig, run: RunDir, export: Path, numbers: dict[str, Any]) -> str:
     """The card of the Parquet file `export`, from the run report's numbers."""
-    data_file, folder = Path(export).name, Path(export).parent
+    data_file = Path(export).name
     rollout = cfg.actor_rollout_ref.rollout
     model = str(cfg.actor_rollout_ref.model.path)
     revision = model_revision(model)
     files = cfg.data.train_files
     files = [str(files)] if isinstance(files, str) else [str(f) for f in files]
     name = run.root.name
+    license_id = cfg.export.license or model_license(model)
     header = {
         "pretty_name": f"pipegen trajectories: {name}",
+        **({"license": str(license_id)} if license_id else {}),
         "tags": ["pipegen", "synthetic", "rollouts", "reinforcement-learning"],
         "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": data_file}]}],
     }
@@ -68,9 +115,10 @@ def card_text(cfg: DictConfig, run: RunDir, export: Path, numbers: dict[str, Any
              f"row's fields).", "",
              "## The run", "",
              f"- pipegen version: {pipegen_version()}",
-             f"- model: `{model}`; revision: {f'`{revision}`' if revision else 'not known (a local folder)'}",
+             f"- model: {model_name(model)}; revision: {f'`{revision}`' if revision else 'not known'}",
+             f"- license: {f'`{license_id}`' if license_id else NO_LICENSE}",
              f"- engine: {numbers['engine']['llm']}",
-             f"- prompts from: {', '.join(f'`{f}`' for f in files)}",
+             f"- prompts from: {prompts_from(files)}",
              f"- sampling: temperature {sampling['temperature']}, top_p {sampling['top_p']}, top_k "
              f"{sampling['top_k']}, n {sampling['n']} samples per prompt, responses up to "
              f"{sampling['response_length']} tokens, prompts up to {sampling['prompt_length']}, seed "
@@ -100,10 +148,8 @@ def card_text(cfg: DictConfig, run: RunDir, export: Path, numbers: dict[str, Any
                   f"tokens; the limit is {numbers['response_limit']}.", "",
               "## Load", "", "```python", "from datasets import load_dataset",
               "ds = load_dataset(\"path/to/this/folder\", split=\"train\")   # or \"USER/NAME\" once uploaded",
-              "```", "", "## Upload", "", "```bash",
-              f"hf upload USER/NAME {folder} . --repo-type dataset --include README.md --include {data_file}",
-              f"# huggingface_hub < 1.0 has the same command as huggingface-cli:",
-              f"huggingface-cli upload USER/NAME {folder} . --repo-type dataset --include README.md {data_file}",
+              "```", "", "## Upload", "", "From this folder:", "", "```bash",
+              f"{hub_cli()} upload USER/NAME . . --repo-type dataset --include README.md --include {data_file}",
               "```", ""]
     return "\n".join(lines)
 

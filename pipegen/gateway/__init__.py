@@ -4,7 +4,8 @@ through pipegen's engines, and every conversation becomes a token-exact verl tra
 It runs inside each actor process, on loopback, and only for runs that use the `external` agent loop:
 - `loop.py`: the verl agent loop `external` (per unit: open a session, run the harness, return its
   trajectories);
-- `harness.py`: running the user's harness (`external.harness=module:function` or `external.command=...`),
+- `harness.py`: running the user's harness (`external.harness=module:function`, a file's `path/to/file.py:function`, or
+  `external.command=...`),
   its time limit, its result, its failure reasons;
 - `http_server.py`: the aiohttp server (`/s/<session>/v1/...`), who gets in (session id + key), the three dialects'
   routes, a retry's headers handed to its session;

@@ -1,7 +1,11 @@
 """Running the user's harness for one unit, unmodified: it gets a base URL and a key, nothing else changes.
 
-- `external.harness=module:function`: called as `function(row, base_url, api_key)`; sync (in a thread) or
-  async. Its return value is the result.
+- `external.harness=module:function` or `external.harness=path/to/file.py:function`: called as
+  `function(row, base_url, api_key)`; sync (in a thread) or async. Its return value is the result. A file is
+  loaded as `custom_reward_function.path`'s is: by its path (the launch makes it absolute, `absolute_target`),
+  with its own folder on sys.path so that its siblings import, as `python file.py` has. A module name is
+  imported; one that is not installed is then looked for in the current folder, as `python -c 'import NAME'`
+  finds it there (an actor's current folder is its launcher's). Either is loaded once per process.
 - `external.command='...'`: a shell command with `OPENAI_BASE_URL` (ends in /v1), `OPENAI_API_KEY`,
   `ANTHROPIC_BASE_URL` (the same session without /v1, as Anthropic's SDK expects), `ANTHROPIC_API_KEY` and
   `PIPEGEN_ROW` (a JSON file holding the row) set, in its own process group. Its result is the JSON value on its
@@ -21,13 +25,17 @@ command's stderr tail (an exit 0 keeps it in the result, for a unit that fails l
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import signal
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import orjson
@@ -68,21 +76,7 @@ class Harness:
         return cls(target or None, command or None, float(external.timeout_s))
 
     def callable(self) -> Callable[..., Any]:
-        module, _, name = str(self.target).partition(":")
-        if not module or not name:
-            raise ValueError(f"external.harness={self.target!r}: use module:function")
-        try:
-            loaded = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            sdk = EXAMPLE_SDKS.get((e.name or "").partition(".")[0])
-            if sdk is None:
-                raise
-            raise HarnessFailed(f"external.harness={self.target}: needs the {sdk} SDK, which is not installed: "
-                                f"{EXAMPLES_EXTRA}") from None
-        fn = getattr(loaded, name, None)
-        if not callable(fn):
-            raise ValueError(f"external.harness={self.target!r}: {module} has no callable {name}")
-        return fn
+        return load_callable(str(self.target))
 
     async def run(self, row: dict[str, Any], base_url: str, api_key: str) -> HarnessResult:
         if self.command:
@@ -137,6 +131,81 @@ class Harness:
         except HarnessFailed as e:
             raise HarnessFailed(f"{e}{tail(err)}") from None
         return replace(result, stderr=tail(err))
+
+
+def split_target(target: str) -> tuple[str, str]:
+    """`module:function` or `path/to/file.py:function` -> (module or path, function); ValueError otherwise."""
+    where, _, name = target.rpartition(":")
+    if not where or not name:
+        raise ValueError(f"external.harness={target!r}: use module:function or path/to/file.py:function")
+    return where, name
+
+
+def is_file_target(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or where.startswith("~")
+
+
+def absolute_target(target: str, cwd: str | None = None) -> str:
+    """external.harness with a file's path made absolute (from `cwd`, the launcher's folder), so that every actor
+    loads the same file wherever it runs; a module name unchanged. ValueError, one line, for a missing file."""
+    where, name = split_target(target)
+    if not is_file_target(where):
+        return target
+    path = Path(os.path.expandvars(os.path.expanduser(where)))
+    if not path.is_absolute():
+        path = Path(cwd or os.getcwd()) / path
+    if not path.is_file():
+        raise ValueError(f"external.harness={target}: {path} is no such file; give the .py file holding {name} "
+                         f"(path/to/file.py:{name}) or an importable module (module:{name})")
+    return f"{path.resolve()}:{name}"
+
+
+@functools.cache
+def load_callable(target: str) -> Callable[..., Any]:
+    """The harness function `target` names, its module loaded once in this process (see the module's header)."""
+    where, name = split_target(target)
+    try:
+        loaded = _load_file(where) if is_file_target(where) else _import_module(where)
+    except ModuleNotFoundError as e:
+        sdk = EXAMPLE_SDKS.get((e.name or "").partition(".")[0])
+        if sdk is None:
+            raise
+        raise HarnessFailed(f"external.harness={target}: needs the {sdk} SDK, which is not installed: "
+                            f"{EXAMPLES_EXTRA}") from None
+    fn = getattr(loaded, name, None)
+    if not callable(fn):
+        raise ValueError(f"external.harness={target!r}: {where} has no callable {name}")
+    return fn
+
+
+def _import_module(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != module.partition(".")[0] or here in sys.path:
+            raise  # a module the harness imports is missing, or the current folder was searched already
+        sys.path.append(here)  # `python -c` searches the current folder; an installed package still wins
+        return importlib.import_module(module)
+
+
+def _load_file(where: str) -> Any:
+    path = Path(os.path.expandvars(os.path.expanduser(where))).resolve()
+    if not path.is_file():
+        raise ValueError(f"external.harness: {path} is no such file; give the .py file holding the harness")
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))  # its siblings import, as they do under `python file.py`
+    name = f"pipegen_harness_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: dataclasses and pickling look their module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def in_own_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:

@@ -1,10 +1,10 @@
 """The prompt dataset, read through verl's RLHFDataset exactly as verl's trainer reads it.
 
 Owns: building the dataset from the saved config, checking the data files before verl reads them
-(format, readability, rows, the prompt column), that every row has a unique `index` (the unit
-manifest's content) and that every prompt fits.
-Must never: modify a data file, or be imported by the launcher before the config is validated
-(importing verl costs seconds).
+(format, readability, rows, the prompt column, an `extra_info.index` in their schema: before any server
+starts), that every row has a unique `index` (the unit manifest's content) and that every prompt fits.
+Must never: modify a data file, or import verl at its top (the launcher imports it for the footer checks;
+verl costs seconds, and is imported only where a dataset or tokenizer is built).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+import orjson
 from omegaconf import DictConfig
 
 from pipegen.run.layout import DatasetFacts
@@ -126,20 +127,32 @@ def _columns(path: str) -> list[str]:
 
 def check_file(path: Path, prompt_key: str) -> None:
     """One line naming the fix for a data file verl could only answer with a traceback: missing, of an
-    unknown format, not readable as parquet, empty, or without the prompt column. Reads only the
-    parquet footer (its schema and row count), never the rows."""
+    unknown format, not readable as parquet, empty, without the prompt column, or without extra_info.index.
+    Reads only the parquet footer (its schema and row count), never the rows (of JSON lines, the first)."""
     if not path.exists():
         raise DatasetError(f"train_files: {path} does not exist; pass an existing verl-format parquet file")
     if path.suffix not in (".parquet", ".json", ".jsonl"):
         raise DatasetError(f"train_files: {path} is neither .parquet nor .json/.jsonl, the formats verl reads; "
                            "convert it to verl's parquet format")
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            first = f.readline().strip()
+        try:
+            row = orjson.loads(first) if first else None
+        except orjson.JSONDecodeError:
+            row = None  # verl's reader names a line that is not JSON
+        info = row.get("extra_info") if isinstance(row, dict) else None
+        if isinstance(row, dict) and not (isinstance(info, dict) and "index" in info):
+            raise DatasetError(no_index(path))
     if path.suffix != ".parquet":
         return
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         meta = pq.read_metadata(path)
-        columns = list(pq.read_schema(path).names)
+        schema = pq.read_schema(path)
+        columns = list(schema.names)
     except Exception as e:  # pyarrow says ArrowInvalid / OSError; either way the file cannot be read
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DatasetError(f"train_files: {path} is not a readable parquet file ({reason}); "
@@ -148,6 +161,14 @@ def check_file(path: Path, prompt_key: str) -> None:
         raise DatasetError(f"train_files: {path} has no rows; pass a parquet file with at least one prompt")
     if prompt_key not in columns:
         raise DatasetError(_missing_column(prompt_key, prompt_key, columns))
+    info = schema.field("extra_info").type if "extra_info" in columns else None
+    if info is None or (pa.types.is_struct(info) and info.get_field_index("index") < 0):
+        raise DatasetError(no_index(path))  # a map or a JSON string column: dataset_indices reads every row's
+
+
+def no_index(path: Path) -> str:
+    return (f"train_files: {path} has no extra_info.index; pipegen keys every unit by it: add a unique integer "
+            f"extra_info.index to each row (as verl's data preprocessing scripts write it)")
 
 
 @contextlib.contextmanager

@@ -102,7 +102,7 @@ def check_media(cfg: DictConfig, files: list[str], processor_loaded: tuple[Any |
         raise MediaError(
             f"train_files: column '{column}' (data.image_key) holds images, but the model {model} cannot read them: "
             f"{why}; use a vision-language model with its processor (e.g. Qwen2.5-VL), or drop the column")
-    protocol = str(cfg.llm.get("protocol", "sglang"))
+    protocol = str(cfg.llm.protocol)
     if protocol not in IMAGE_PROTOCOLS and protocol != "auto":
         raise MediaError(
             f"train_files: column '{column}' (data.image_key) holds images, but llm.protocol={protocol} sends token "

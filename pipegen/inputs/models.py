@@ -387,8 +387,22 @@ def convert_smollm2(dest: str | os.PathLike[str], gguf_path: str | os.PathLike[s
 # ----------------------------------------------------------------------------------------------------------
 
 
-# what a model's folder needs of a Hub repository (weights as safetensors; no .bin/.pth/.gguf duplicates)
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
+# what a model's folder needs of a Hub repository (weights as safetensors; no .bin/.pth/.gguf duplicates), and its
+# card (README.md), whose license the export's dataset card names
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py", "README.md"]
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded model is a copy of
+SMOLLM2_LICENSE = "apache-2.0"  # its model card's license (the converted folder has no card of its own)
+
+
+def hub_cli() -> str:
+    """huggingface_hub's own command as installed: `hf` (huggingface_hub 0.34 and later, where
+    `huggingface-cli` is deprecated), else `huggingface-cli`."""
+    import importlib.util
+
+    try:
+        return "hf" if importlib.util.find_spec("huggingface_hub.cli") is not None else "huggingface-cli"
+    except ModuleNotFoundError:
+        return "hf"  # not installed: pip install huggingface_hub brings today's, whose command is hf
 
 
 def is_hub_id(spec: str) -> bool:
@@ -411,7 +425,7 @@ def hub_snapshot(repo_id: str) -> str:
         except Exception:
             reason = str(online).strip().splitlines()[0][:200] if str(online).strip() else type(online).__name__
             raise ValueError(f"model_path={repo_id}: not a local folder, and the Hub id is neither downloadable "
-                             f"({reason}) nor in huggingface_hub's cache; get a local copy with `huggingface-cli "
+                             f"({reason}) nor in huggingface_hub's cache; get a local copy with `{hub_cli()} "
                              f"download {repo_id} --local-dir DIR` (on a machine online) and pass model_path=DIR"
                              ) from None
 

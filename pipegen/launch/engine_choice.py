@@ -8,7 +8,7 @@
   are visible but SGLang is not set up the reason says so.
 
 Visible GPUs: `nvidia-smi -L` must list at least one (launch.sh's own test); `CUDA_VISIBLE_DEVICES`, when set,
-then says how many of them this launch may use (empty or `-1`: none). SGLang set up: `PIPEGEN_SGLANG_PYTHON`
+then says how many of them this launch may use, read as world.py's `visible_gpus` reads it for the servers. SGLang set up: `PIPEGEN_SGLANG_PYTHON`
 names an interpreter that exists, or launch.sh's `.venv-sglang/bin/python` sits beside the virtualenv running
 this launch (then `llm.python` is set to it).
 
@@ -23,12 +23,13 @@ config is composed; `nvidia-smi` answers in well under a second).
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
+
+from pipegen.config.overrides import given
+from pipegen.launch.world import listed_gpus, visible_gpus
 
 ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
 ENGINE_NAMES = ("sglang", "vllm")  # verl's rollout.name values pipegen starts
@@ -41,31 +42,10 @@ class EngineChoice:
     reason: str  # why, for the plan line ("" when llm= was given and there is nothing to add)
 
 
-def listed_gpus(run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> int:
-    """GPUs `nvidia-smi -L` lists (0 without the tool or a driver)."""
-    if shutil.which("nvidia-smi") is None:
-        return 0
-    try:
-        out = run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return 0
-    if out.returncode != 0:
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.strip().startswith("GPU "))
-
-
-def visible_gpus(env: Mapping[str, str], listed: Callable[[], int] = listed_gpus) -> int:
-    """NVIDIA GPUs this launch may use: those nvidia-smi lists, narrowed by CUDA_VISIBLE_DEVICES when set."""
+def gpus_for_launch(env: Mapping[str, str], listed: Callable[[], int] = listed_gpus) -> int:
+    """NVIDIA GPUs this launch may use: none unless nvidia-smi lists one, then world.visible_gpus's."""
     count = listed()
-    if count == 0:
-        return 0
-    cvd = env.get("CUDA_VISIBLE_DEVICES")
-    if cvd is None:
-        return count
-    ids = [x.strip() for x in cvd.split(",") if x.strip()]
-    if not ids or ids[0] == "-1":
-        return 0
-    return min(count, len(ids))
+    return min(count, len(visible_gpus(env, lambda: count))) if count else 0
 
 
 def sglang_python(env: Mapping[str, str], prefix: str = sys.prefix) -> tuple[str | None, bool]:
@@ -78,14 +58,6 @@ def sglang_python(env: Mapping[str, str], prefix: str = sys.prefix) -> tuple[str
     return (str(beside), True) if beside.is_file() else (None, False)
 
 
-def _given(overrides: list[str], key: str) -> str | None:
-    for o in overrides:
-        k, sep, v = o.partition("=")
-        if sep and k.lstrip("+") == key:
-            return v.strip().strip("'\"")
-    return None
-
-
 def _gpus(n: int) -> str:
     return f"{n} NVIDIA GPU{'s' if n != 1 else ''}"
 
@@ -94,8 +66,8 @@ def choose_engine(overrides: list[str], env: Mapping[str, str] = os.environ,
                   listed: Callable[[], int] = listed_gpus, prefix: str = sys.prefix) -> EngineChoice:
     """The launch's engine (see the module's header). ValueError, one line, when verl's rollout.name and llm=
     disagree or rollout.name names an engine pipegen does not start."""
-    kind = _given(overrides, "llm")
-    name = _given(overrides, ROLLOUT_NAME)
+    kind = given(overrides, "llm")
+    name = given(overrides, ROLLOUT_NAME)
     if name is not None and name not in ENGINE_NAMES:
         raise ValueError(f"{ROLLOUT_NAME}={name}: pipegen starts sglang or vllm servers (or llm=cpu, its CPU "
                          f"server; llm=external for your own)")
@@ -104,7 +76,7 @@ def choose_engine(overrides: list[str], env: Mapping[str, str] = os.environ,
             raise ValueError(f"{ROLLOUT_NAME}=vllm and llm={kind} disagree: drop one (llm=vllm starts vLLM)")
         if name == "sglang" and kind == "vllm":
             raise ValueError(f"{ROLLOUT_NAME}=sglang and llm=vllm disagree: drop one (llm=sglang starts SGLang)")
-        gpus = visible_gpus(env, listed) if kind == "cpu" else 0
+        gpus = gpus_for_launch(env, listed) if kind == "cpu" else 0
         if gpus:
             python, _ = sglang_python(env, prefix)
             hint = "leave llm= out for SGLang" if python else "./launch.sh sets SGLang up for them"
@@ -112,7 +84,7 @@ def choose_engine(overrides: list[str], env: Mapping[str, str] = os.environ,
         return EngineChoice(overrides, kind, "")
     if name is not None:
         return EngineChoice([*overrides, f"llm={name}"], name, f"llm={name} from {ROLLOUT_NAME}={name}")
-    gpus = visible_gpus(env, listed)
+    gpus = gpus_for_launch(env, listed)
     if not gpus:
         return EngineChoice(overrides, "cpu", "llm=cpu: no NVIDIA GPU visible, so pipegen's CPU server")
     python, name_it = sglang_python(env, prefix)
@@ -120,6 +92,6 @@ def choose_engine(overrides: list[str], env: Mapping[str, str] = os.environ,
         return EngineChoice(overrides, "cpu",
                             f"llm=cpu: {_gpus(gpus)} visible but SGLang is not set up (./launch.sh sets it up): "
                             f"the GPUs go unused")
-    added = ["llm=sglang", *([f"llm.python={python}"] if name_it and _given(overrides, "llm.python") is None else [])]
+    added = ["llm=sglang", *([f"llm.python={python}"] if name_it and given(overrides, "llm.python") is None else [])]
     return EngineChoice([*overrides, *added], "sglang",
                         f"llm=sglang: {_gpus(gpus)} visible and SGLang set up ({python})")

@@ -29,7 +29,6 @@ import traceback
 from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any, Callable
-from unittest import mock
 
 from pipegen.observe.logs import PARENT_ENV
 from pipegen.run.handshake import ACTOR_IMPORTS, WRITER_IMPORTS
@@ -62,8 +61,14 @@ def context() -> ForkServerContext:
     # lock, and would then warn of "leaked semaphore objects" on the launcher's terminal: that one warning is off.
     spawn_env = {PARENT_ENV: str(os.getpid()),
                  "PYTHONWARNINGS": ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), TRACKER_WARNING]))}
-    with mock.patch.dict(os.environ, spawn_env):  # the stdlib's way to set variables for a moment
+    before = {k: os.environ[k] for k in spawn_env if k in os.environ}
+    os.environ.update(spawn_env)  # for these two spawns only, then put back as it was
+    try:
         multiprocessing.forkserver.ensure_running()
+    finally:
+        for k in spawn_env:
+            os.environ.pop(k, None)
+        os.environ.update(before)
     return ctx
 
 
@@ -156,15 +161,16 @@ def call_forked(fn: Callable[..., Any], *args: Any, log_path: Path | None = None
 
 
 def _call(send, fn: Callable[..., Any], args: tuple, log_path: str | None) -> None:
-    import logging
-
     from pipegen.observe.logs import setup_logging
 
+    if log_path:  # the call's prints (verl's "dataset len: 96", datasets' bars) and log lines go to the log alone
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     setup_logging("launch")
-    if log_path:  # the caller's log file too, as the launcher's own lines go to DIR/logs/launch.log
-        handler = logging.FileHandler(log_path)
-        handler.setFormatter(logging.getLogger().handlers[0].formatter)
-        logging.getLogger().addHandler(handler)
     try:
         result = (True, fn(*args))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller, which raises it

@@ -5,7 +5,7 @@ machine has); verl's own keys translated (config/verl_keys.py); pipegen's and ve
 overrides (config/compose.py), then the named tasks' defaults wherever an override does not set the key
 (`compose_job`, which `--help` lists too); every key's type and rule checked; output_dir made absolute (a file
 is refused); the inputs' short names made real paths (the model, the demo set, each task's file in the run,
-computed in memory); the config resolved (`resolve_job`). Each refusal is one line naming the fix.
+computed in memory; a harness's file made absolute); the config resolved (`resolve_job`). Each refusal is one line naming the fix.
 
 Owns: the order above. Must never: write into the run directory (the task files are handed to prepare, which
 writes them once it holds the run's lock and the resume guard has passed), load the user's reward function
@@ -21,9 +21,12 @@ from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from pipegen.config.compose import check_types, compose, describe_config_error, resolved
+from pipegen.config.overrides import parse
 from pipegen.config.verl_keys import translate as translate_verl_keys
+from pipegen.gateway.harness import absolute_target
 from pipegen.inputs.demo import resolve_train_files
 from pipegen.inputs.models import resolve_model_path
+from pipegen.launch.early import MISSING_OUTPUT_DIR
 from pipegen.launch.engine_choice import choose_engine
 from pipegen.run.layout import RunDir
 from pipegen.tasks.manifest import apply_task_defaults
@@ -67,8 +70,8 @@ def with_task_defaults(overrides: list[str]) -> DictConfig:
 def resolve_job(argv: list[str]) -> Job:
     """The launch's one resolved config from its command line (`key=value` overrides, output_dir among them).
     Raises JobRefused with one line naming the fix."""
-    if not any(a.startswith("output_dir=") for a in argv):
-        raise JobRefused("missing output_dir=DIR (where the run's files go); see --help")
+    if not any((p := parse(a)) is not None and p.key == "output_dir" for a in argv):
+        raise JobRefused(MISSING_OUTPUT_DIR)
     try:
         choice = choose_engine(list(argv))  # llm= as given, else verl's rollout.name, else what this machine has
         overrides = translate_verl_keys(choice.overrides)  # verl's own keys: pipegen's equivalents set, or refused
@@ -110,4 +113,6 @@ def resolve_inputs(cfg: DictConfig) -> list[TaskData]:
             paths = resolve_train_files(files if isinstance(files, str) else list(files))
         cfg.train_files = paths[0] if len(paths) == 1 else paths
         cfg.data.train_files = cfg.train_files
+        if cfg.external.harness:  # a harness's file, as every actor must find it wherever it runs
+            cfg.external.harness = absolute_target(str(cfg.external.harness))
     return tasks

@@ -1,5 +1,6 @@
 """The launcher: `python -m pipegen.launch output_dir=DIR [overrides]`, read top to bottom in `main`.
 
+the first look (launch/early.py: what the command line alone refuses, before the imports that take seconds) →
 prepare (launch/prepare.py: every check and write before a process starts) → place (the run's placement
 starts its servers and actors, the writer starts here, and the unit manifest is read meanwhile) → supervise
 (wait for the run's end while the console shows it) → report (observe/console.py; its last line names the run
@@ -15,21 +16,35 @@ import logging
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from pipegen.launch.forks import call_forked
-from pipegen.launch.unit_manifest import build_manifest
-from pipegen.launch.placement import Placement
-from pipegen.launch.prepare import prepare
-from pipegen.launch.run_writer import RunWriter
-from pipegen.observe.console import Console, refuse, report
-from pipegen.report import end_of_run
-from pipegen.run.diskfull import disk_full_message, is_disk_full
+from pipegen.config.invocation import remember
+from pipegen.launch.early import first_refusal
+
+if TYPE_CHECKING:
+    from pipegen.launch.placement import Placement
+    from pipegen.launch.run_writer import RunWriter
+    from pipegen.observe.console import Console
 
 log = logging.getLogger("pipegen.launch")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ready = prepare(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    problem = "" if "--help" in argv or "-h" in argv else first_refusal(argv)
+    if problem:  # a typo is refused before the imports below (numpy, pydantic, the run's readers: seconds)
+        print(f"pipegen: error: {problem}", file=sys.stderr)
+        return 2
+    remember()  # every child's messages name the command the user typed
+    from pipegen.launch.forks import call_forked
+    from pipegen.launch.prepare import prepare
+    from pipegen.launch.run_writer import RunWriter
+    from pipegen.launch.unit_manifest import build_manifest
+    from pipegen.observe.console import Console, refuse, report
+    from pipegen.report import end_of_run
+    from pipegen.run.diskfull import disk_full_message, is_disk_full
+
+    ready = prepare(argv)
     if isinstance(ready, int):
         return ready  # --help (0), or a one-line refusal (2)
     cfg, run, placement = ready.cfg, ready.run, ready.placement

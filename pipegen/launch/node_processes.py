@@ -20,6 +20,9 @@ from pipegen.launch.supervise import Role, Supervisor
 from pipegen.launch.world import WorldPlan
 from pipegen.run.layout import RunDir
 
+# the engine each llm kind starts, as the log names it once a server answers (the protocol is SGLang's for two)
+SERVING = {"cpu": "pipegen's CPU server, SGLang's protocol", "sglang": "SGLang", "vllm": "vLLM"}
+
 log = logging.getLogger("pipegen.launch")
 
 
@@ -61,7 +64,9 @@ class NodeProcesses:
             roles.append((server, role))
         timeout = float(llm["ready_timeout_s"])
         protocol = str(llm["protocol"])
-        self.watches = [ServerWatch(server.name, server.url, timeout, role, protocol).start() for server, role in roles]
+        serving = SERVING[llm["kind"]] if llm["kind"] in SERVING else llm["kind"]
+        self.watches = [ServerWatch(server.name, server.url, timeout, role, protocol, serving).start()
+                        for server, role in roles]
         self.watches += [ServerWatch("external server", url, timeout, None, protocol).start()
                          for url in plan.external_urls]
         log.info("waiting for %d server(s) to answer; actors and writer start meanwhile", len(self.watches))
@@ -76,7 +81,8 @@ class NodeProcesses:
             if watch.ready_after_s is not None:
                 watch.logged = True
                 log.info("%s ready at %s (%s): answered %.1fs after the launch started", watch.name,
-                         watch.url, watch.protocol, watch.ready_at - self.launch_started)
+                         watch.url, watch.serving or f"speaks {watch.protocol}'s protocol",
+                         watch.ready_at - self.launch_started)
             elif watch.error is not None and ready:
                 watch.logged = True
                 log.error("%s did not become ready; %d other server(s) carry on: %s", watch.name, len(ready),

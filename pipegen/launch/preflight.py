@@ -8,7 +8,7 @@ otherwise cost the whole run's generation. Before any process starts, on the dat
   once with an empty response; what it returns must be a score (protocol.parse_result);
 - the verifier (reward.verifier_url) answers one real request for that row, with a score;
 - the external loop's `external.harness` imports and names a callable, and `external.command`'s program exists.
-Tasks resolve earlier, when their rows are written (launch/manifest.py). Each failure is one line naming the
+Tasks resolve earlier, when their rows are written (launch/job.py computes them, prepare writes them). Each failure is one line naming the
 setting and the fix; the cost (the seconds it took) is stated on the console, and
 `generation.preflight=false` skips it.
 
@@ -22,13 +22,14 @@ import shlex
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import orjson
 from omegaconf import DictConfig, OmegaConf
+
+from pipegen.config.invocation import command
+from pipegen.config.schema import uses_external_loop
 
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest, parse_result
 
@@ -114,37 +115,28 @@ def check_function(cfg: DictConfig, row: dict[str, Any]) -> str:
 
 
 def check_verifier(cfg: DictConfig, row: dict[str, Any]) -> str:
-    """One real request to reward.verifier_url for the row; one line naming the setting and the fix, or ''."""
-    url = str(cfg.reward.verifier_url)
-    body = orjson.dumps({"requests": [request_for(row).kwargs()]}, option=orjson.OPT_SERIALIZE_NUMPY, default=str)
-    timeout = float(cfg.reward.verifier_timeout_s)
+    """One real request to reward.verifier_url for the row, through the actors' own client (rewards/verifier.py)
+    with one try: a verifier that is down is a refusal here, not a retry; one line naming the fix, or ''."""
+    import asyncio
+
+    from pipegen.rewards.spec import run_reward
+    from pipegen.rewards.verifier import VerifierReward
+
+    settings = OmegaConf.merge(cfg.reward, {"verifier_attempts": 1})
+    verifier = VerifierReward(run_reward(cfg), settings)
+
+    async def once() -> Any:
+        try:
+            return await verifier.score(request_for(row))
+        finally:
+            await verifier.close()
+
     try:
-        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as response:
-            answer = response.read()
-    except urllib.error.HTTPError as e:
-        text = e.read()[:200].decode(errors="replace")
-        return (f"reward.verifier_url={url} answered HTTP {e.code}: {text}; start the verifier (python -m "
-                f"pipegen.rewards.serve) or fix the URL ({SKIP})")
-    except (urllib.error.URLError, OSError) as e:
-        why = getattr(e, "reason", e)
-        return (f"reward.verifier_url={url} does not answer ({why}); start the verifier (python -m "
-                f"pipegen.rewards.serve --port PORT) or fix the URL ({SKIP})")
-    try:
-        results = orjson.loads(answer)["results"]
-        parse_result(results[0], f"reward.verifier_url={url}")
+        parse_result(asyncio.run(once()), verifier.describe())
     except RewardFailure as e:
-        return f"{e} on the first row with an empty response; fix the verifier ({SKIP})"
-    except (orjson.JSONDecodeError, KeyError, TypeError, IndexError):
-        return (f"reward.verifier_url={url} answered something other than {{\"results\": [...]}}: "
-                f"{answer[:120].decode(errors='replace')}; point it at a pipegen verifier's /score ({SKIP})")
+        return (f"{e} on the first row with an empty response; start the verifier ({command('serve-reward')} "
+                f"--port PORT), fix reward.verifier_url, or fix the verifier ({SKIP})")
     return ""
-
-
-def uses_external_loop(cfg: DictConfig) -> bool:
-    loop = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.default_agent_loop")
-    ext = cfg.get("external") or {}
-    return loop == "external" or bool(ext.get("harness")) or bool(ext.get("command"))
 
 
 def check_harness(cfg: DictConfig) -> str:
@@ -155,13 +147,13 @@ def check_harness(cfg: DictConfig) -> str:
     if ext.get("harness"):
         try:
             Harness.from_config(ext).callable()
-        except HarnessFailed as e:
+        except (HarnessFailed, ValueError) as e:
             return str(e)
-        except ValueError as e:
-            return f"{e}; set external.harness=module:function"
         except Exception as e:  # noqa: BLE001 (the module's own import error, named)
-            return (f"external.harness={ext.harness}: importing it raised {type(e).__name__}: {e}; put its module on "
-                    f"PYTHONPATH (or install it) so that `python -c 'import {str(ext.harness).partition(':')[0]}'` works")
+            where = str(ext.harness).rpartition(":")[0]
+            return (f"external.harness={ext.harness}: loading it raised {type(e).__name__}: {e}; give its file "
+                    f"(external.harness=path/to/file.py:NAME), or make `python -c 'import {where}'` work from this "
+                    f"folder (install it or put it on PYTHONPATH)")
         return ""
     if ext.get("command"):
         try:
@@ -177,7 +169,7 @@ def check_harness(cfg: DictConfig) -> str:
 
 def preflight(cfg: DictConfig) -> tuple[str, str]:
     """(refusal, note): a one-line refusal ('' when every check passed) and what was checked at what cost."""
-    if not bool(cfg.generation.get("preflight", True)):
+    if not cfg.generation.preflight:
         return "", ""
     started = time.perf_counter()
     checked = []

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from pipegen.config.compose import describe_config_error, help_text
+from pipegen.config.invocation import command
 from pipegen.inputs.dataset import check_files
 from pipegen.launch.job import JobRefused, compose_job, resolve_job
 from pipegen.launch.placement import Placement, placement_for
@@ -42,7 +43,7 @@ from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.tasks.materialize import write_task_files
 
 USAGE = """\
-usage: python -m pipegen.launch output_dir=DIR [key=value ...]   (or: pipegen run ...; ./launch.sh output_dir=DIR ...)
+usage: {run} output_dir=DIR [key=value ...]   (or: {other} ...; ./launch.sh output_dir=DIR ...)
 
 Generates trajectories for every (prompt, sample) of a verl-format parquet dataset and writes
 DIR/trajectories.pkl (a verl DataProto). Re-running the same command resumes an interrupted run.
@@ -67,7 +68,8 @@ pipegen's keys, with their current values (overrides given with --help are appli
 
 def print_help(overrides: list[str]) -> None:
     try:
-        print(USAGE)
+        run = command("run")
+        print(USAGE.format(run=run, other="python -m pipegen.launch" if run.startswith("pipegen") else "pipegen run"))
         try:
             cfg = compose_job([o for o in overrides if o not in ("--help", "-h")] + ["output_dir=DIR"])  # as a launch
             print(help_text(cfg))

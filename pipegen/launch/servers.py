@@ -375,6 +375,7 @@ class ServerWatch:
     timeout_s: float
     role: "Role | None" = None  # the supervisor's role; None: an external server (no process of ours)
     protocol: str = "sglang"  # llm.protocol; `auto` is replaced by what the server turns out to speak
+    serving: str = ""  # the engine that serves, in words ("pipegen's CPU server"); "" for an external server
     ready_after_s: float | None = None
     ready_at: float | None = None  # wall clock, taken in the thread (the launcher's loop may look later)
     error: Exception | None = None

@@ -3,14 +3,16 @@
 Owns: splitting visible GPUs into tensor-parallel groups (SGLang, vLLM; vLLM without GPUs: CPU servers), picking ports, deciding how many
 actors this node runs (`actors.num_actors=auto`: from its servers and cores) and whether it runs the
 writer (rank 0 only), from WORLD_SIZE/RANK/MASTER_ADDR or Slurm's variables.
-Must never: start processes or touch the filesystem; port probing is passed in as a function so tests
-stay pure.
+Must never: start processes (but `nvidia-smi -L`, which lists the GPUs), import torch, or touch the filesystem;
+port probing and the GPU count are passed in as functions so tests stay pure.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -77,11 +79,33 @@ def node_info(env: Mapping[str, str]) -> NodeInfo:
     return NodeInfo()
 
 
-def visible_gpus(env: Mapping[str, str], count_devices: Callable[[], int]) -> list[int]:
-    if env.get("CUDA_VISIBLE_DEVICES", None) is not None:
-        ids = [x.strip() for x in env["CUDA_VISIBLE_DEVICES"].split(",") if x.strip()]
-        return [int(x) for x in ids]
-    return list(range(count_devices()))
+def listed_gpus(run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> int:
+    """GPUs `nvidia-smi -L` lists (0 without the tool or a driver): answered in well under a second, with no
+    torch imported in the launcher."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    if out.returncode != 0:
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.strip().startswith("GPU "))
+
+
+def visible_gpus(env: Mapping[str, str], count_devices: Callable[[], int] = listed_gpus) -> list[int]:
+    """The GPU ids this launch may use: CUDA_VISIBLE_DEVICES's when it is set, read as CUDA reads it (an empty
+    value or `-1` hides every GPU, and an id after a negative one is hidden too), else every GPU the machine
+    lists."""
+    cvd = env.get("CUDA_VISIBLE_DEVICES")
+    if cvd is None:
+        return list(range(count_devices()))
+    ids: list[int] = []
+    for x in (x.strip() for x in cvd.split(",")):
+        if not x or x.startswith("-"):
+            break
+        ids.append(int(x))
+    return ids
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -160,13 +184,4 @@ def _place_servers(llm: Mapping, env: Mapping[str, str], count_devices: Callable
 
 def current_plan(llm: Mapping, num_actors: int | str) -> WorldPlan:
     """The plan for this process's real environment."""
-
-    def count_devices() -> int:
-        try:
-            import torch
-
-            return torch.cuda.device_count()
-        except Exception:
-            return 0
-
-    return plan_world(llm, num_actors, os.environ, count_devices)
+    return plan_world(llm, num_actors, os.environ, listed_gpus)

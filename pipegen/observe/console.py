@@ -28,7 +28,8 @@ from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, L
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
-from pipegen.config.schema import RewardSpec
+from pipegen.config.invocation import command
+from pipegen.config.schema import RewardSpec, uses_external_loop
 from pipegen.run.stats_line import LaunchStats, WriterStats
 
 log = logging.getLogger("pipegen.launch")
@@ -116,18 +117,24 @@ def run_counts(run: RunDir, snap: Snapshot, metrics: dict) -> str:
 
 
 def reward_name(run: RunDir) -> str:
-    """Which reward scored the run (rewards/spec.py's order), as the closing summary names it."""
+    """Which reward scored the run, as the closing summary names it: a harness's own where it returns one
+    (actor/rollout.py scores only what it leaves unscored), then rewards/spec.py's order."""
     from pipegen.run.config import load_run_config
 
     cfg = load_run_config(run)
-    if cfg.reward.get("verifier_url"):
-        return RewardSpec(url=str(cfg.reward.verifier_url)).describe()
-    crf = cfg.custom_reward_function
-    if crf.get("path"):
-        return RewardSpec(str(crf.path), str(crf.name)).describe()
-    if cfg.get("tasks"):
-        return "each task's own, by data_source (tasks=[...])"
-    return "verl's default_compute_score by data_source (rows without one, or a code data_source, stay unscored)"
+    if cfg.reward.verifier_url:
+        run_reward = RewardSpec(url=str(cfg.reward.verifier_url)).describe()
+    elif cfg.custom_reward_function.path:
+        run_reward = RewardSpec(str(cfg.custom_reward_function.path), str(cfg.custom_reward_function.name)).describe()
+    elif cfg.tasks:
+        run_reward = "each task's own, by data_source (tasks=[...])"
+    else:
+        run_reward = "verl's default_compute_score by data_source (rows without one, or a code data_source, stay " \
+                     "unscored)"
+    if not uses_external_loop(cfg):
+        return run_reward
+    harness = f"external.harness={cfg.external.harness}" if cfg.external.harness else "external.command"
+    return f"what {harness} returns; for a unit it returns no reward for, {run_reward}"
 
 
 def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = False) -> int:
@@ -175,5 +182,5 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
               f"{run.failed_units}; rerun the same command to retry only them.", file=sys.stderr)
     for line in failure_summary(snap.failed_units):
         print(f"  {line}", file=sys.stderr)
-    print(f"  logs: {run.logs}/   details: python -m pipegen.status {run.root}", file=sys.stderr)
+    print(f"  logs: {run.logs}/   details: {command('status')} {run.root}", file=sys.stderr)
     return 1

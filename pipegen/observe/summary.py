@@ -70,9 +70,9 @@ def plan_line(cfg: DictConfig, run: RunDir, engine_reason: str = "") -> str:
     line = (f"pipegen: {what}; responses up to {int(rollout.response_length)} tokens, prompts up to "
             f"{int(rollout.prompt_length)}; {engine_reason or f'llm={cfg.llm.kind}'}")
     if cfg.llm.kind == "cpu":  # bf16 log-probs differ from a float32 recomputation: say which one serves
-        dtype = resolve_dtype_name(str(cfg.llm.get("dtype", "auto")))
+        dtype = resolve_dtype_name(str(cfg.llm.dtype))
         line += f" in {dtype}" + (" (this CPU has native bf16; llm.dtype=float32 for float32)"
-                                  if dtype == "bfloat16" and str(cfg.llm.get("dtype")) == "auto" else "")
+                                  if dtype == "bfloat16" and str(cfg.llm.dtype) == "auto" else "")
     if string_prompts([str(f) for f in _files(cfg)], str(cfg.data.prompt_key)):
         line += f"; the {cfg.data.prompt_key} column holds plain strings: each is sent as one user message"
     if is_demo(_files(cfg)):

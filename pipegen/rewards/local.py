@@ -1,6 +1,6 @@
 """A reward function run by the actor: verl's `default_compute_score`, or a function loaded the verl way
-(`custom_reward_function.path/.name/.reward_kwargs` through verl's own `get_custom_reward_fn`, which also
-loads a task's reward).
+(`custom_reward_function.path/.name/.reward_kwargs` as verl's own `get_custom_reward_fn` loads it, which also
+loads a task's reward: verl_private.custom_reward_fn, verl's loader without verl's package imports).
 
 Where it runs, measured per data source: its first samples in a worker thread, timed; from then on a
 data source whose samples took under INLINE_BUDGET_S on average is scored inline (a regex scorer such as
@@ -34,6 +34,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
+import orjson
 from pebble import ProcessExpired, ProcessPool  # a per-task time limit that kills and replaces a stuck process
 
 from pipegen.rewards.batching import MicroBatcher
@@ -48,19 +49,29 @@ POOL_BATCH = 32  # samples per trip to the process pool
 POOL_GRACE_S = 10.0  # a pool batch gets its samples' limits plus this before its process is killed
 
 
+_loaded: dict[tuple[str, str, bytes], Callable[..., Any]] = {}  # per process: a file's top-level code runs once
+
+
 def load_function(spec: RewardSpec) -> Callable[..., Any]:
-    """The callable verl's trainer would use: `get_custom_reward_fn` (reward_kwargs merged into every
-    call), or default_compute_score."""
+    """The callable verl's trainer would use: `get_custom_reward_fn`'s (reward_kwargs merged into every
+    call; verl_private.custom_reward_fn, without importing verl's package), or default_compute_score. A function file is loaded once per process (the launcher checks it, then
+    its preflight calls it: the user's top-level code runs once there, as in each actor)."""
+    if spec.path:
+        key = (spec.path, spec.name, orjson.dumps(spec.reward_kwargs, option=orjson.OPT_SORT_KEYS, default=str))
+        if key not in _loaded:
+            _loaded[key] = _load(spec)
+        return _loaded[key]
+    return _load(spec)
+
+
+def _load(spec: RewardSpec) -> Callable[..., Any]:
     if not spec.path:
         from verl.utils.reward_score import default_compute_score
 
         return default_compute_score
-    from omegaconf import OmegaConf
-    from verl.trainer.ppo.reward import get_custom_reward_fn
+    from pipegen.verl_private import custom_reward_fn
 
-    config = OmegaConf.create({"reward": {"custom_reward_function": {
-        "path": spec.path, "name": spec.name, "reward_kwargs": dict(spec.reward_kwargs)}}})
-    return get_custom_reward_fn(config)
+    return custom_reward_fn(spec.path, spec.name, dict(spec.reward_kwargs))
 
 
 def is_async(fn: Callable[..., Any]) -> bool:

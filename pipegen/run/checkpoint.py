@@ -15,6 +15,7 @@ before the batch file it lists is durable.
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -195,23 +196,46 @@ def failure_reason(entry: dict[str, Any] | None) -> str:
     return str((entry or {}).get("reason", ""))
 
 
-def failures_by_reason(failed: dict[str, Any]) -> list[tuple[str, list[str]]]:
-    """Checkpoint.failed grouped: (reason, its units), the most common reason first."""
-    groups: dict[str, list[str]] = {}
+REASON_SHOWN = 160  # characters of a group's first reason shown in a summary line
+
+# A reason's class: what failed and how, without what a unit's own text adds (the response in a parse error,
+# a row's value): "... raised ValueError", or the text before its first ": ".
+_RAISED = re.compile(r"^(.*? raised [A-Za-z_][\w.]*)")
+
+
+def one_line(text: str, limit: int = REASON_SHOWN) -> str:
+    """`text` with its whitespace folded to single spaces, cut to `limit` characters (an ellipsis says so)."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
+
+
+def reason_class(reason: str) -> str:
+    flat = " ".join(reason.split())
+    raised = _RAISED.match(flat)
+    return raised.group(1) if raised else flat.partition(": ")[0]
+
+
+def failures_by_reason(failed: dict[str, Any]) -> list[tuple[str, list[str], str]]:
+    """Checkpoint.failed grouped by reason class: (class, its units, the first unit's reason on one line and
+    cut), the most common class first."""
+    groups: dict[str, tuple[list[str], str]] = {}
     for unit, info in failed.items():
-        groups.setdefault(failure_reason(info), []).append(unit)
-    return sorted(groups.items(), key=lambda group: -len(group[1]))
+        reason = failure_reason(info)
+        groups.setdefault(reason_class(reason), ([], one_line(reason)))[0].append(unit)
+    return sorted(((c, units, first) for c, (units, first) in groups.items()), key=lambda group: -len(group[1]))
 
 
 def failure_summary(failed: dict[str, Any], reasons: int = 5, units: int = 4) -> list[str]:
-    """Checkpoint.failed as a few lines: each reason once with its count and first units, then "and N more"."""
+    """Checkpoint.failed as a few lines, one per reason class: its count, its first units and the first one's
+    reason (one line, cut), then "and N more"."""
     groups = failures_by_reason(failed)
     lines = []
-    for reason, labels in groups[:reasons]:
+    for cls, labels, first in groups[:reasons]:
         shown = ", ".join(labels[:units]) + (f" and {len(labels) - units} more" if len(labels) > units else "")
-        lines.append(f"{len(labels)} unit(s) ({shown}): {reason}")
+        lines.append(f"{len(labels)} unit(s) ({shown}): {first}" if len(labels) == 1 or first == cls
+                     else f"{len(labels)} unit(s) ({shown}): {cls}; the first: {first}")
     if len(groups) > reasons:
-        rest = sum(len(labels) for _, labels in groups[reasons:])
+        rest = sum(len(labels) for _, labels, _ in groups[reasons:])
         lines.append(f"and {rest} more unit(s) with {len(groups) - reasons} other reason(s)")
     return lines
 

@@ -1,7 +1,8 @@
 """The run's saved config: DIR/conf/config.yaml, written once by the launcher and read by every process.
 
 Owns: writing the resolved config (ending in a marker line, so a truncated file is told from a whole one) and
-reading it back, a damaged file named in one line.
+reading it back, a damaged file named in one line, a key an older pipegen did not save filled in with the
+schema's default (config/schema.py's `fill_defaults`).
 Must never: compose a config (config/compose.py does, once, in the launcher), import verl or torch, or let a
 child process see another config than the one saved.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipegen.config.schema import fill_defaults
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.integrity import DamagedFile, read_yaml_file, relaunch_advice
 from pipegen.run.layout import RunDir
@@ -37,7 +39,7 @@ def _run_config(cfg) -> DictConfig:
     if not isinstance(cfg, DictConfig):
         raise TypeError("the file is not a mapping of keys")
     int(cfg.actor_rollout_ref.rollout.n), int(cfg.generation.save_batch_size)  # what every role reads first
-    return cfg
+    return fill_defaults(cfg)  # a key an older pipegen did not save reads as its one default, the schema's
 
 
 def save_run_config(run: RunDir, cfg: DictConfig) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from pipegen.config.overrides import keys_set
 from pipegen.config.schema import RewardSpec  # a manifest's reward: is the run's one reward shape
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
@@ -216,7 +217,7 @@ def task_defaults(tasks: list[TaskManifest], given: set[str]) -> dict[str, Any]:
 
 def overridden_keys(overrides: list[str]) -> set[str]:
     """The keys a Hydra override list sets (`key=value`, `+key=value`, `++key=value`)."""
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    return keys_set(overrides)
 
 
 def apply_task_defaults(cfg, overrides: list[str]) -> None:

@@ -1,0 +1,30 @@
+"""The launch's refusals that need only the command line, made before the launcher imports anything heavy.
+
+A mistyped key, a missing output_dir, verl's key that pipegen refuses, or `llm=` that disagrees with verl's
+`rollout.name` is refused here, in about the time Python and OmegaConf take to start: the launcher imports its
+roles' machinery (numpy, pydantic, the run's readers, and later verl) only once these have passed. The same
+checks run again inside the launch's composition (launch/job.py), so nothing is refused here that it would accept.
+
+Owns: that first look. Must never: compose a config, read a file, or import verl, torch or numpy.
+"""
+
+from __future__ import annotations
+
+from pipegen.config.compose import refuse_new_keys, unknown_key
+from pipegen.config.overrides import parse
+from pipegen.config.verl_keys import translate as translate_verl_keys
+from pipegen.launch.engine_choice import choose_engine
+
+MISSING_OUTPUT_DIR = "missing output_dir=DIR (where the run's files go); see --help"
+
+
+def first_refusal(argv: list[str]) -> str:
+    """One line refusing the command line, or '' (the launch goes on to compose it)."""
+    if not any((p := parse(a)) is not None and p.key == "output_dir" for a in argv):
+        return MISSING_OUTPUT_DIR
+    try:
+        overrides = translate_verl_keys(choose_engine(list(argv)).overrides)
+        refuse_new_keys(overrides)
+    except ValueError as e:
+        return str(e)
+    return unknown_key(overrides)
