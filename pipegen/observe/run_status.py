@@ -345,9 +345,15 @@ def render_cluster(line: ClusterStats) -> list[str]:
     return out
 
 
-USAGE = ("usage: python -m pipegen.status DIR [--json | --verify | --follow]   (DIR: a run's output_dir; --verify "
-         "checks it against its contract, every unit exactly once, and exits 1 on a problem; --follow prints each "
-         "finished unit's line as it lands, in every shard of every launch, until Ctrl-C)")
+def usage() -> str:
+    """The usage line, naming the command the user typed (`pipegen status` or `python -m pipegen.status`)."""
+    from pipegen.config.invocation import command
+
+    return (f"usage: {command('status')} DIR [--json | --verify | --follow]   (DIR: a run's output_dir; --verify "
+            "checks it against its contract, every unit exactly once, and exits 1 on a problem; --follow prints "
+            "each finished unit's line as it lands, in every shard of every launch, until Ctrl-C)")
+
+
 FOLLOW_CHARS = 200  # of each line --follow prints: index, sample, reward, finish and the response's start
 FOLLOW_POLL_S = 0.5
 
@@ -381,10 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     following = "--follow" in argv
     args = [a for a in argv if a not in ("--json", "--verify", "--follow")]
     if any(a in ("-h", "--help") for a in args):
-        print(USAGE)
+        print(usage())
         return 0
     if len(args) != 1:
-        print(f"pipegen.status: error: {USAGE}", file=sys.stderr)
+        print(f"error: {usage()}", file=sys.stderr)
         return 2
     arg = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
     run = RunDir(Path(arg).expanduser().resolve())

@@ -58,7 +58,9 @@ def end_of_run(cfg: Any, run: RunDir, code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipegen.report",
+    from pipegen.config.invocation import command
+
+    p = argparse.ArgumentParser(prog=command("report"),
                                 description="write DIR/report.html and DIR/report.json for a pipegen run "
                                             "(finished or in progress)")
     p.add_argument("run_dir", help="the run directory (output_dir of the launch)")
