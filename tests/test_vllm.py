@@ -129,7 +129,7 @@ def test_a_run_against_vllm_is_exact_follows_its_load_and_survives_a_stall(vllm_
     finally:
         proxy.stop()
     launch_log = (out / "logs" / "launch.log").read_text()
-    assert "(vllm)" in launch_log  # llm.protocol=auto recognised vLLM behind the URL
+    assert "speaks vllm's protocol" in launch_log  # llm.protocol=auto recognised vLLM behind the URL
 
     # the stalled request: the client gave up on it at its deadline, and its connection closed (vLLM's abort):
     # vLLM runs nothing afterwards, though that request asked for ~8,000 tokens (minutes of work here)

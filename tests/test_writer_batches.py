@@ -133,6 +133,13 @@ def test_a_run_with_pauses_writes_full_batches_and_one_partial_last(setup):
     assert int(cfg.generation.save_batch_size) == 64 and float(cfg.generation.partial_batch_quiet_s) >= 60
     records = c.RecordFactory(cfg).records(80, 64, seed=5)
 
+    from pipegen.run.ownership import DirectoryLock
+
+    # a live launcher (its lock, held by this process) stands in for the actors still writing: a writer run alone,
+    # with nothing alive that could write, would commit what it found at once (writer/alone.py)
+    launcher_lock = DirectoryLock(run.root / ".launcher.lock", "launcher", name_host=True)
+    launcher_lock.acquire()
+
     async def scenario():
         c.write_records(run.rollouts, records[:50])
         writer = Writer(cfg, run)
@@ -145,7 +152,10 @@ def test_a_run_with_pauses_writes_full_batches_and_one_partial_last(setup):
         finally:
             writer.committer.close()
 
-    assert asyncio.run(scenario()) == 0
+    try:
+        assert asyncio.run(scenario()) == 0
+    finally:
+        launcher_lock.release()
     ckpt = load_checkpoint(run.checkpoint)
     assert ckpt.complete and ckpt.num_committed == 80 and ckpt.batches.sizes == [[64, 64, 1], [16, 16, 1]]
     assert len(run.batch_files_on_disk()) == 2 and run.trajectories.exists()

@@ -73,8 +73,10 @@ async def rescore_batch(path: Path, scorer, reward_by: str, generated_by: str, o
             continue
         row = {k: v[i] for k, v in nt.items()}
         output = RowOutput(responses[i, : lengths[i]].tolist(), int(row.get(NUM_TURNS) or 0))
+        reward = scorer.reward_for(row)  # the row's reward, asked once, as the actor asks it per unit
         try:
-            await scorer.score(output, row)
+            if reward is not None:
+                await scorer.score(output, row, reward)
         except RewardFailure as e:
             outcome.failed[unit_label(int(row[BatchColumns.INDEX]), int(row[BatchColumns.SAMPLE]))] = \
                 f"{type(e).__name__}: {e}"
