@@ -147,15 +147,17 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     out = tmp_path / "run"
     workers = [add_generation_node(ray_cluster, NODE_RESOURCE) for _ in range(2)]
     ray_cluster.wait_for_nodes()
-    # 48 prompts x 2 samples, 1,100 tokens at 4.4 ms each (~4.8 s a unit), 4 at a time per node: ~60 s on two
+    # 64 prompts x 2 samples, 1,100 tokens at 4.4 ms each (~4.8 s a unit), 4 at a time per node: ~80 s on two
     # nodes, long enough to lose one mid-run and have a new one join while work is left (its runner starts its
-    # server and forkserver, ~10 s, while the survivor's killed actor is back in milliseconds); answers past the
+    # server and forkserver, ~10 s on a quiet machine and 40 s or more beside the rest of the suite on 2 cores,
+    # while the survivor's killed actor is back in milliseconds; with 48 prompts the survivor finished everything
+    # first there); answers past the
     # default actors.progress_chunk_tokens (1,024), so they are streamed and kept as they come, and the units in
     # flight on the lost node and in the killed actor continue from their durable tokens
     answer = 1100
     replaced = ("max_samples=", "actors.concurrency=", "max_response_length=")
     overrides = [o for o in FAST if not o.startswith(replaced)] + [
-        "max_samples=48", "actors.concurrency=4", f"max_response_length={answer}", FAKE_ENGINE,
+        "max_samples=64", "actors.concurrency=4", f"max_response_length={answer}", FAKE_ENGINE,
         "llm.engine_args=[--token-latency,0.0044,--eos-prob,0]", "cluster=ray",
         f"cluster.node_resource={NODE_RESOURCE}"]
     env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": ray_cluster.address}
@@ -188,7 +190,7 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         log.seek(0)
         console = log.read()
     data = load_trajectories(out / "trajectories.pkl")
-    assert units_of(data) == [(i, s) for i in range(48) for s in range(2)], console[-3000:]  # each unit once
+    assert units_of(data) == [(i, s) for i in range(64) for s in range(2)], console[-3000:]  # each unit once
     # units cut off mid-answer went on elsewhere from their last durable tokens, whole answers as uninterrupted ones
     resumed_at = [at for r, at in zip(data.non_tensor_batch.get("resumed", []),
                                       data.non_tensor_batch.get("resumed_at_token", [])) if r]

@@ -193,8 +193,10 @@ async def score_kept(cfg: DictConfig, run, ckpt, scorer, reward_by: str, outcome
             record = RolloutRecord(**{k: v for k, v in data.items() if k in RolloutRecord.__dataclass_fields__})
             last = record.trajectories[-1]
             output = RowOutput(list(last[TrajectoryKeys.RESPONSE_IDS]), int(last.get(TrajectoryKeys.NUM_TURNS) or 0))
+            reward = scorer.reward_for(record.row)  # asked once per unit, as the actor asks it
             try:
-                await scorer.score(output, record.row)
+                if reward is not None:
+                    await scorer.score(output, record.row, reward)
             except RewardFailure as e:
                 outcome.failed[unit_label(*unit)] = f"{type(e).__name__}: {e}"
                 continue
