@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import aiohttp
 from cachetools import LRUCache
@@ -100,7 +100,8 @@ class Routing:
         self.sticky: LRUCache[Hashable, ServerState] = LRUCache(maxsize=STICKY_CACHE_SIZE)
         self._recovered = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
-        self.on_admit: list = []  # called with a server that (re)joins the rotation (sending.py re-asks its group limit)
+        # called with a server that (re)joins the rotation (sending.py asks its group limit again)
+        self.on_admit: list[Callable[[ServerState], None]] = []
 
     # ---- the choice ----
     def pick(self, sticky_key: Any, exclude: set[str] = frozenset()) -> ServerState | None:

@@ -6,7 +6,8 @@ by hand: it resumes with what is still pending). With cluster=ray a node runner 
 from the runner instead of taking a fixed share.
 
 The parts: units.py (which units: its share of what is pending, or its node's leases), admission.py (how
-many at once, and when), attempts.py (the server pool; routing.py, sending.py), rollout.py (one unit, row to shard line). No sample
+many at once, and when), attempts.py (the server pool; routing.py, sending.py), rollout.py (one unit, row to shard
+line). No sample
 passes through this module: it hands each admitted unit to rollout.py and counts what became of it.
 
 Owns: the actor's shards (a new one per start, so a restart never appends to a line a crash tore), the

@@ -208,8 +208,9 @@ def add_rows(res: c.ScenarioResult, f: Figures) -> None:
                   "first member → last answer ÷ max(kept ÷ capacity, longest answer's own time)", TARGET_MAKESPAN,
                   raw=(f"makespan {f.makespan_s:.2f} s, ideal {f.ideal_s:.2f} s (work {work_s:.2f} s at "
                        f"{case.engine.tokens_per_ms * 1000:,.0f} tok/s a fake; longest answer's own time "
-                       f"{f.longest_own_s:.2f} s, alone it would take {case.engine.alone_s(f.longest):.2f} s); mean batch {batch:.1f} of {case.engine.max_running} "
-                       f"a fake (most {f.max_running_seen}); {f.chunks:,} streamed chunks; "
+                       f"{f.longest_own_s:.2f} s, alone it would take {case.engine.alone_s(f.longest):.2f} s); "
+                       f"mean batch {batch:.1f} of {case.engine.max_running} a fake (most {f.max_running_seen}); "
+                       f"{f.chunks:,} streamed chunks; "
                        f"launcher wall {f.wall_s:.0f} s")))
 
 

@@ -1,7 +1,7 @@
 """The inference engines pipegen speaks, one module per protocol, behind one small interface.
 
-`Engine` is what the actor's request path (routing.py, sending.py, attempts.py), admission.py and readiness.py (and the launcher's readiness wait) ask
-of a server: build the body for one generation (token ids in, a per-unit seed, stop ids, the request's own
+`Engine` is what the actor's request path (routing.py, sending.py, attempts.py), admission.py and readiness.py
+(and the launcher's readiness wait) ask of a server: build the body for one generation (token ids in, a per-unit seed, stop ids, the request's own
 id), read the answer back as verl's `TokenOutput` (ids and one log-prob per id, never re-tokenized) with
 its finish reason as `stop` / `length` / `abort`, abort a stalled request, report readiness, the
 engine's own limit on running requests and its load (running, waiting). Everything after the answer
@@ -35,7 +35,8 @@ from pipegen.engines.base import Engine, EngineRequest, GroupRefused, LoadUnavai
 if TYPE_CHECKING:
     import aiohttp
 
-__all__ = ["AUTO", "PROTOCOLS", "Engine", "EngineRequest", "GroupRefused", "LoadUnavailable", "NotStreamed", "StreamError",
+__all__ = ["AUTO", "PROTOCOLS", "Engine", "EngineRequest", "GroupRefused", "LoadUnavailable", "NotStreamed",
+           "StreamError",
            "UnknownEngine", "detect_protocol",
            "engine", "is_ready", "ready_problem"]
 

@@ -149,7 +149,8 @@ class SGLang(Engine):
 
     def stream_body(self, request: EngineRequest, interval: int) -> dict[str, Any]:
         body = request.body
-        return {**body, "stream": True, "sampling_params": {**body["sampling_params"], "stream_interval": int(interval)}}
+        return {**body, "stream": True,
+                "sampling_params": {**body["sampling_params"], "stream_interval": int(interval)}}
 
     def stream_chunks(self, resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
         return sse_chunks(resp)
