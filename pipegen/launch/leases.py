@@ -27,7 +27,8 @@ from typing import Callable, Iterable
 
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
-from pipegen.run.stream import scan_units, UnitKeys
+from pipegen.run.medium import ROLLOUTS, open_medium
+from pipegen.run.stream import UnitKeys
 
 
 @dataclass
@@ -54,7 +55,7 @@ def open_units(run: RunDir, n: int, units: Iterable[int] | None = None) -> list[
     in the order given (the whole run: prompt-major, in manifest order)."""
     keys = UnitKeys(n)
     ckpt = load_checkpoint(run.checkpoint)
-    written = {keys.key(i, s) for i, s in scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)}
+    written = {keys.key(i, s) for i, s in open_medium(run).units(ROLLOUTS, ckpt)}
     if units is None:
         units = (keys.key(index, s) for index in run.read_manifest() for s in range(n))
     return [u for u in units if u not in ckpt.committed and u not in written]
