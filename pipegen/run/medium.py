@@ -39,6 +39,7 @@ from pipegen.run.stream import ShardAppender, ShardTailer, TailStats, UnitKeys, 
 ROLLOUTS = "rollouts"
 FAILURES = "failures"
 TOPICS = (ROLLOUTS, FAILURES)
+WAIT_S = 120.0  # how long a read-only read (an actor's start, status) waits for an unreachable Redis by default
 # the checkpoint's fields for a files topic: (byte offsets, sealed watermarks)
 _FILE_FIELDS = {ROLLOUTS: ("rollout_offsets", "rollout_sealed"), FAILURES: ("failure_offsets", "failure_sealed")}
 
@@ -199,8 +200,9 @@ class FileReader:
         pass
 
 
-def open_medium(run: RunDir, cfg: DictConfig | None = None) -> StreamMedium:
-    """The run's medium, by `streams.kind` of `cfg` (else the run's saved config; files when it has none)."""
+def open_medium(run: RunDir, cfg: DictConfig | None = None, wait_s: float = WAIT_S) -> StreamMedium:
+    """The run's medium, by `streams.kind` of `cfg` (else the run's saved config; files when it has none). `wait_s`:
+    how long a read waits for an unreachable Redis before it raises OSError (0: a console that must not stall)."""
     if cfg is None:
         if not run.config_file.exists():
             return FileMedium(run)
@@ -211,7 +213,7 @@ def open_medium(run: RunDir, cfg: DictConfig | None = None) -> StreamMedium:
     if streams.get("kind", "files") == "redis":
         from pipegen.run.redis_stream import RedisMedium
 
-        return RedisMedium(run, str(streams.redis_url))
+        return RedisMedium(run, str(streams.redis_url), wait_s)
     return FileMedium(run)
 
 

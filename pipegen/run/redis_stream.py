@@ -43,7 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipegen.run.checkpoint import Checkpoint
 from pipegen.run.layout import RunDir
-from pipegen.run.medium import ROLLOUTS, TOPICS, StreamMedium
+from pipegen.run.medium import ROLLOUTS, TOPICS, WAIT_S, StreamMedium
 from pipegen.run.stream import TailStats
 
 log = logging.getLogger("pipegen.streams")
@@ -56,7 +56,6 @@ MAX_BACKOFF_S = 5.0  # the longest wait between two tries of an XADD while Redis
 OUTAGE_LINE_S = 30.0  # how often a role still waiting for Redis says so again
 CONNECT_TIMEOUT_S = 5.0
 SOCKET_TIMEOUT_S = 30.0
-TAIL_PATIENCE_S = 120.0  # how long a read-only scan (an actor's start, status) waits for Redis before it gives up
 UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)  # BusyLoadingError (AOF loading) is a ConnectionError
 FIX = "start one with persistence (redis-server --appendonly yes --appendfsync always)"
 
@@ -109,9 +108,10 @@ class RedisMedium(StreamMedium):
 
     kind = "redis"
 
-    def __init__(self, run: RunDir, url: str):
+    def __init__(self, run: RunDir, url: str, wait_s: float = WAIT_S):
         self.run = run
         self.url = url
+        self.wait_s = wait_s  # how long a read-only call waits for an unreachable Redis
         self._client: redis.Redis | None = None
 
     @property
@@ -185,7 +185,7 @@ class RedisMedium(StreamMedium):
             self._client.close()
 
     def _patiently(self, call: Callable[[], Any], what: str) -> Any:
-        """A read-only call, tried again while Redis is unreachable, for at most TAIL_PATIENCE_S."""
+        """A read-only call, tried again while Redis is unreachable, for at most `wait_s`."""
         outage, delay, start = Outage(self.url, f"waiting to {what}"), 0.1, time.monotonic()
         while True:
             try:
@@ -193,8 +193,8 @@ class RedisMedium(StreamMedium):
                 outage.up()
                 return result
             except UNREACHABLE as e:
-                if time.monotonic() - start > TAIL_PATIENCE_S:  # an OSError, as a shard that cannot be read
-                    raise OSError(f"the Redis at {shown_url(self.url)} did not answer for {TAIL_PATIENCE_S:.0f} s "
+                if time.monotonic() - start >= self.wait_s:  # an OSError, as a shard that cannot be read
+                    raise OSError(f"the Redis at {shown_url(self.url)} did not answer for {self.wait_s:.0f} s "
                                   f"({type(e).__name__}: {e}); start it again, or check streams.redis_url") from e
                 outage.down(e)
                 time.sleep(delay)

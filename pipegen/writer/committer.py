@@ -32,7 +32,8 @@ IOV_MAX = 1024  # buffers one writev takes (POSIX minimum 16; Linux 1024)
 
 
 class FaultInjector:
-    """Deterministic crash points for the kill tests: batch_write, after_batch_rename, checkpoint_write."""
+    """Deterministic crash points for the kill tests: batch_write, after_batch_rename, checkpoint_write, and
+    before_acknowledge (a checkpoint durable, the Redis entries it covers not yet acknowledged)."""
 
     def __init__(self, spec: str | None):
         self.point, self.remaining = None, 0
@@ -112,6 +113,7 @@ class Committer:
         os.replace(tmp, self.run.checkpoint)
         if after:  # what waits for this checkpoint needs its rename durable too: a power cut must not undo it
             fsync_dir(self.run.root)
+            self.fault.reached("before_acknowledge")  # streams=redis: durable, its entries not yet acknowledged
             for then in after:
                 then()
 
