@@ -6,7 +6,8 @@ RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
 (loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (attempts.py), checks
 what the loop returned, scores it, packs it into a `RolloutRecord` (run/stream.py) and appends its line to
-the actor's rollout stream (or a `FailureRecord` to its failures stream): a shard, or a Redis stream (run/medium.py). A unit whose reward fails keeps its generated
+the actor's rollout stream (or a `FailureRecord` to its failures stream): a shard, or a Redis stream
+(run/medium.py). A unit whose reward fails keeps its generated
 record, unscored, in its FailureRecord; the next launch scores that record (`rescore`) instead of generating.
 
 Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky server,

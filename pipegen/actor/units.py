@@ -34,7 +34,8 @@ def pending_units(keys: UnitKeys, indices: list[int], run: RunDir, medium: Strea
                   num_actors: int) -> list[tuple[int, int]]:
     """One node: the (position, sample) pairs actor `rank` of `num_actors` still has to run - its share of
     the manifest (every num_actors-th position from rank), minus units the checkpoint has committed and
-    units already in a complete line of the run's stream medium past its position - prompt-major, so n samples share a prefix."""
+    units already in a complete line of the run's stream medium past its position - prompt-major, so n samples
+    share a prefix."""
     ckpt = load_checkpoint(run.checkpoint)
     in_shards = set(medium.units(ROLLOUTS, ckpt))
     # a crash between a unit's shard line and the unlink of its progress leaves the file: gone now

@@ -2,8 +2,8 @@
 and how many responses reached the response limit.
 
 Read from the rollout stream, shards or Redis (run/medium.py; each unit's first complete line, as the writer
-keeps it): the mean of every trajectory's `reward_score`, pass@n, the share of prompts with at least one of its n samples
-scoring above 0, and each unit's `finish` (run/stream.py). Only the `index`/`sample` head, the `finish` and
+keeps it): the mean of every trajectory's `reward_score`, pass@n, the share of prompts with at least one of its n
+samples scoring above 0, and each unit's `finish` (run/stream.py). Only the `index`/`sample` head, the `finish` and
 the `reward_score` fields of a line are looked at (a regex over the bytes, no JSON parse), so a summary of a
 100k-unit run costs about a second.
 

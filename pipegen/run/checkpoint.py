@@ -4,7 +4,8 @@ Holds: committed units as compact ranges of unit keys, the batch files (numbered
 row counts run-length encoded), per actor the watermark below which every shard is sealed and fully
 consumed plus byte offsets of the shards above it (streams=redis: the last stream entry ID it covers, per
 topic), units that failed in the current launch, the config fingerprint, and whether the merge finished.
-Every part is O(ranges + actors), not O(units) or O(batches), so a commit costs the same at 1k and at 1M committed units.
+Every part is O(ranges + actors), not O(units) or O(batches), so a commit costs the same at 1k and at 1M
+committed units.
 
 Owns: the checkpoint's schema, its validation on load (a damaged one is a DamagedFile naming the
 rebuild command, never an empty checkpoint), and its atomic replacement.
