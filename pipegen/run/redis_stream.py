@@ -291,6 +291,11 @@ class RedisReader:
                     if "BUSYGROUP" not in str(e):
                         raise
                 self._group = True
+                pending = int(client.xpending(self.key, GROUP)["pending"])
+                if pending:  # an earlier life read them and died before its XACK: read again, committed ones dropped
+                    log.warning("%s: %d entr(ies) read by an earlier writer and never acknowledged (XPENDING): reading "
+                                "them again; the units the checkpoint holds are dropped as duplicates", self.key,
+                                pending)
             while True:
                 try:
                     reply = client.xreadgroup(GROUP, WRITER, {self.key: self._cursor}, count=READ_COUNT)
