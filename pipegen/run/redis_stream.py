@@ -9,8 +9,10 @@ Redis never mix. Each entry holds one field, `line`: the exact bytes an actor wo
   its AOF) the unit's line waits in memory and is sent again with backoff (capped at `MAX_BACKOFF_S`), and the
   actor's log says so; the unit counts as finished only once XADD returned. A retried XADD whose first try
   reached Redis leaves a second entry: the writer keeps the first complete record of a unit, as with shards.
-- The writer reads as the consumer `WRITER` of the group `GROUP` (XREADGROUP): first its own pending entries
-  (ID 0: read by an earlier life of the writer and never acknowledged), then new ones (`>`). It XACKs entries
+- The writer reads as the consumer `WRITER` of the group `GROUP` (XREADGROUP): at its start the group is set to
+  deliver from what the checkpoint covers (XGROUP SETID to `stream_ids`, 0 without one: a rebuilt checkpoint reads
+  the stream again, as a shard is read from its checkpoint's offset), then it reads its own pending entries (ID 0:
+  read by an earlier life of the writer and never acknowledged), then new ones (`>`). It XACKs entries
   only once the checkpoint covering them is durable (the checkpoint's `stream_ids` is the last entry ID it
   covers). A writer killed between reading and acknowledging reads those entries again at its next start and
   drops the units the checkpoint already holds (the writer's duplicate rule), so nothing is lost or doubled.
@@ -164,7 +166,7 @@ class RedisMedium(StreamMedium):
         return RedisAppender(self.url, self.key(topic), f"actor {rank}")
 
     def reader(self, topic: str, ckpt: Checkpoint) -> "RedisReader":
-        return RedisReader(self, topic)
+        return RedisReader(self, topic, ckpt.stream_ids.get(topic, "0"))
 
     def tail(self, topic: str, since: Checkpoint | None = None) -> "RedisTail":
         start = (since.stream_ids.get(topic) if since is not None else None)
@@ -268,9 +270,10 @@ class RedisReader:
     is acknowledged only after the checkpoint covering it is durable: `save` hands the IDs over, the committer
     reports that checkpoint durable (`queue`), and the next `lines` (the main thread) sends their XACK."""
 
-    def __init__(self, medium: RedisMedium, topic: str):
+    def __init__(self, medium: RedisMedium, topic: str, covered: str):
         self.medium = medium
         self.topic = topic
+        self.covered = covered  # the last entry ID the checkpoint covers ("0": none)
         self.key = medium.key(topic)
         self.stats = TailStats()
         self._cursor = "0"  # "0": this consumer's pending entries (an earlier life's); then ">": new entries
@@ -290,6 +293,9 @@ class RedisReader:
                 except ResponseError as e:
                     if "BUSYGROUP" not in str(e):
                         raise
+                # the group delivers from what the checkpoint covers, as a shard is read from its offset: a rebuilt
+                # or lost checkpoint has its entries delivered again (the committed ones are dropped as duplicates)
+                client.xgroup_setid(self.key, GROUP, id=self.covered)
                 self._group = True
                 pending = int(client.xpending(self.key, GROUP)["pending"])
                 if pending:  # an earlier life read them and died before its XACK: read again, committed ones dropped
