@@ -3,7 +3,9 @@
 `python -m pipegen.writer output_dir=DIR` starts or restarts it, alone or under the launcher.
 
 The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md tells why each holds):
- 1. read new complete lines from every shard from the checkpoint's byte offsets;
+ 1. read new complete lines from every shard from the checkpoint's byte offsets (streams=redis: from the run's
+    Redis streams as a consumer group, each entry acknowledged once the checkpoint covering it is durable:
+    run/medium.py);
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
     batch_NNNNN.arrow (pipegen/run/batchfile.py). A partial batch is written only when every unit is
