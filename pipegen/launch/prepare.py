@@ -108,6 +108,12 @@ def prepare(argv: list[str]) -> Prepared | int:
     except JobRefused as e:
         return refuse(str(e))
     cfg, run = job.cfg, job.run
+    if cfg.storage.url:  # wrong credentials, no bucket, no store at the endpoint: refused before anything runs
+        from pipegen.run.store import refusal
+
+        problem = refusal(str(cfg.storage.url))
+        if problem:
+            return refuse(problem)
     try:
         placement = placement_for(cfg, run)  # node variables without cluster=ray
         resolve_reward_settings(cfg)  # the reward function's file made absolute, and loaded once as a check

@@ -66,6 +66,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="the run directory (output_dir of the launch)")
     args = p.parse_args(argv)
     arg = args.run_dir.split("=", 1)[1] if args.run_dir.startswith("output_dir=") else args.run_dir
+    from pipegen.run.store import StoreError, is_store_url
+
+    if is_store_url(arg):  # the store alone: its committed segments as a run directory, the report put back there
+        from pipegen.run.store_read import materialize, upload
+
+        try:
+            run = materialize(arg)
+            page = write_report(run)
+            keys = upload(arg, run, [run.report_html, run.report_json])
+        except StoreError as e:
+            print(f"pipegen.report: {e}", file=sys.stderr)
+            return 2
+        print(f"pipegen.report: {page} (uploaded to {arg}: {', '.join(keys)})")
+        return 0
     run = RunDir(Path(arg).expanduser().resolve())
     if not run.config_file.exists():
         print(f"pipegen.report: {run.root} is not a pipegen run directory (no conf/config.yaml)", file=sys.stderr)
