@@ -261,12 +261,13 @@ class Store:
             return None
 
     def list(self, prefix: str) -> list[str]:
+        return self._retry(lambda: self.list_now(prefix))
+
+    def list_now(self, prefix: str) -> list[str]:
+        """One listing, no retry: every object name under prefix, sorted."""
         import obstore
 
-        def attempt() -> list[str]:
-            return sorted(m["path"] for batch in obstore.list(self._store, prefix=prefix) for m in batch)
-
-        return self._retry(attempt)
+        return sorted(m["path"] for batch in obstore.list(self._store, prefix=prefix) for m in batch)
 
     def delete(self, key: str) -> None:
         import obstore
@@ -335,7 +336,7 @@ def refusal(url: str) -> str:
     missing bucket, an unreachable endpoint, a URL pipegen does not speak). Quick: no retries."""
     try:
         store = Store(url, patience_s=0, request_timeout_s=10)
-        store._retry(lambda: store.get_now(conf_key("config.yaml")))
+        store._retry(lambda: store.list_now(conf_key("")))  # a missing bucket answers a list, not a get, with 404
     except StoreRefused as e:
         return str(e)
     except StoreError as e:
@@ -348,7 +349,7 @@ def refusal(url: str) -> str:
             return (f"storage url {url}: the store at {endpoint} refused the credentials: set AWS_ACCESS_KEY_ID and "
                     "AWS_SECRET_ACCESS_KEY to a key that may read and write this bucket")
         if any(word in text.lower() for word in ("connect", "dns", "timed out", "timeout", "refused")):
-            return (f"storage url {url}: cannot reach the store at {endpoint} ({text[-120:]}): check "
+            return (f"storage url {url}: cannot reach the store at {endpoint} ({text.rsplit(' - ', 1)[-1]}): check "
                     "AWS_ENDPOINT_URL and that the store is up")
         return f"storage url {url}: the store answered {text[-200:]}: check AWS_ENDPOINT_URL and the credentials"
     except Exception as e:  # obstore refused its configuration (a malformed endpoint, an unknown key)
