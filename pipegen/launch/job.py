@@ -3,9 +3,11 @@
 In order: the engine chosen (launch/engine_choice.py: llm= as given, else verl's rollout.name, else what this
 machine has); verl's own keys translated (config/verl_keys.py); pipegen's and verl's keys composed with the
 overrides (config/compose.py), then the named tasks' defaults wherever an override does not set the key
-(`compose_job`, which `--help` lists too); every key's type and rule checked; output_dir made absolute (a file
-is refused); the inputs' short names made real paths (the model, the demo set, each task's file in the run,
-computed in memory; a harness's file made absolute); the config resolved (`resolve_job`). Each refusal is one line naming the fix.
+(`compose_job`, which `--help` lists too); every key's type and rule checked; output_dir=s3://... made storage.url
+with this node's scratch folder as output_dir (a scheme pipegen does not speak is refused); output_dir made
+absolute (a file is refused); the inputs' short names made real paths (the model, the demo set, each task's file in
+the run, computed in memory; a harness's file made absolute); the config resolved (`resolve_job`). Each refusal is
+one line naming the fix.
 
 Owns: the order above. Must never: write into the run directory (the task files are handed to prepare, which
 writes them once it holds the run's lock and the resume guard has passed), load the user's reward function

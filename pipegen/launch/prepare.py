@@ -1,7 +1,8 @@
 """Everything the launcher does before a process starts, in one function: `prepare(argv)`.
 
 In order: --help; the job's one resolved config (launch/job.py: composed, type-checked, output_dir and the
-inputs' short names resolved; nothing written); the placement chosen (torchrun's or Slurm's node variables
+inputs' short names resolved; nothing written); with storage.url, the store asked once (run/store.py's
+`refusal`: wrong credentials, a missing bucket, an unreachable endpoint); the placement chosen (torchrun's or Slurm's node variables
 without cluster=ray are refused); the reward settings checked (the user's reward function loaded once); the
 preflight (launch/preflight.py: the reward called once on the first row, the harness imported); then,
 the first write, the one launcher of the directory locked; the resume guard; the task files written; the

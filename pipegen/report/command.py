@@ -54,6 +54,15 @@ def end_of_run(cfg: Any, run: RunDir, code: int) -> int:
               file=stream, flush=True)
         return code
     print(f"  report:       {page}", file=stream, flush=True)
+    if cfg.get("storage", {}).get("url"):  # a store run's report goes beside its outputs
+        from pipegen.run.store import StoreError
+        from pipegen.run.store_read import upload
+
+        try:
+            upload(str(cfg.storage.url), run, [run.report_html, run.report_json])
+        except StoreError as e:
+            print(f"  report:       not uploaded ({e}); retry: python -m pipegen.report {cfg.storage.url}",
+                  file=stream, flush=True)
     return code
 
 

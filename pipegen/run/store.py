@@ -307,7 +307,8 @@ class Store:
 
 @dataclass
 class PublishState:
-    """DIR/publish.json (RunDir.publish_state): what a writer's publisher has done and what it waits on (read by `pipegen status`)."""
+    """DIR/publish.json (RunDir.publish_state): what a writer's publisher has done and what it waits on (read by
+    `pipegen status`)."""
 
     url: str
     writer: str

@@ -83,9 +83,11 @@ class Seaweed:
         """The bucket exists and takes a PUT (created on the first start; the data folder keeps it)."""
         try:
             socket.create_connection(("127.0.0.1", self.s3), timeout=1).close()
+            # host:port.grpcport: the shell would otherwise guess each gRPC port as port + 10000
             shell = subprocess.run([weed_binary(), "shell", f"-master=127.0.0.1:{self.master}.{self.grpc[0]}",
-                                    f"-filer=127.0.0.1:{self.filer}.{self.grpc[2]}"], input=f"s3.bucket.create -name {BUCKET}\n",
-                                   capture_output=True, text=True, timeout=20)
+                                    f"-filer=127.0.0.1:{self.filer}.{self.grpc[2]}"],
+                                   input=f"s3.bucket.create -name {BUCKET}\n", capture_output=True, text=True,
+                                   timeout=20)
         except (OSError, subprocess.TimeoutExpired):  # not listening yet, or the shell waits for the master
             return False
         if "created bucket" not in shell.stdout and "already exist" not in shell.stdout + shell.stderr:
