@@ -81,6 +81,21 @@ def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_s
     merged = pipegen("pipegen.writer", f"output_dir={url}", env=seaweed.env())
     assert merged.returncode == 0, merged.stderr[-2000:]
 
+    # a node thought lost that came back: its late segment commits units node-0 committed first; every reader keeps
+    # node-0's copy ("node-0" sorts before "node-1"), so the run stays exact, and a filtered copy is a readable batch
+    from pipegen.run.batchfile import read_batch
+    from pipegen.run.store import Segment, resolve, segment_key
+    from pipegen.run.store_read import _without_units
+
+    first = store.segments()[0]
+    store.create(segment_key("node-1", 0), Segment(**{**first.__dict__, "writer": "node-1", "seq": 0}).to_bytes())
+    assert [dropped for _, dropped in resolve(store.segments())][-1] == set(first.unit_keys())
+    again = pipegen("pipegen.status", url, "--verify", env=seaweed.env())
+    assert again.returncode == 0 and "every committed unit exactly once" in again.stdout, again.stdout
+    kept, rows = _without_units(store.get(first.batch), {min(first.unit_keys())}, 2)
+    (tmp_path / "kept.arrow").write_bytes(kept)
+    assert len(read_batch(tmp_path / "kept.arrow").non_tensor["index"]) == rows == first.rows - 1
+
     # README's two lines: the merged output from the store, as verl's DataProto
     import pickle, obstore; from obstore.store import S3Store  # noqa: E401, E702 (as README has them)
     data = pickle.loads(obstore.get(S3Store.from_url(url, client_options={"allow_http": True}),

@@ -15,14 +15,14 @@ back. Must never: write to the store anything but a reader's outputs, or count a
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
+import numpy as np
 import orjson
-import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from pipegen.run.atomic import atomic_write_bytes
-from pipegen.run.batchfile import BatchColumns
+from pipegen.run.batchfile import BatchColumns, encode_batch_file, read_batch
 from pipegen.run.checkpoint import Checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import RunDir
@@ -90,17 +90,18 @@ def _fetch(store: Store, seg: Segment, path: Path, dropped: set[int], n: int) ->
 
 
 def _without_units(data: bytes, dropped: set[int], n: int) -> tuple[bytes, int]:
-    """A batch file's bytes without the rows of `dropped` units (kept from an earlier segment), schema and its
-    metadata as they were."""
-    table = ipc.open_file(pa.BufferReader(data)).read_all()
-    index = table.column(BatchColumns.INDEX).to_numpy()
-    sample = table.column(BatchColumns.SAMPLE).to_numpy()
-    keep = pa.array([int(i) * n + int(s) not in dropped for i, s in zip(index, sample)])
-    table = table.filter(keep)
-    sink = pa.BufferOutputStream()
-    with ipc.new_file(sink, table.schema) as out:
-        out.write_table(table)
-    return sink.getvalue().to_pybytes(), table.num_rows
+    """A batch file's bytes without the rows of `dropped` units (kept from an earlier segment): read and encoded
+    again by run/batchfile.py, the one owner of the format. Returns the bytes and their rows."""
+    with tempfile.NamedTemporaryFile(suffix=".arrow") as f:
+        f.write(data)
+        f.flush()
+        batch = read_batch(Path(f.name))
+    units = batch.non_tensor[BatchColumns.INDEX].astype(np.int64) * n + batch.non_tensor[BatchColumns.SAMPLE]
+    keep = np.array([int(k) not in dropped for k in units], dtype=bool)
+    int32 = batch.tensors[BatchColumns.RESPONSES].dtype == np.int32
+    chunks = encode_batch_file({k: v[keep] for k, v in batch.tensors.items()},
+                               {k: v[keep] for k, v in batch.non_tensor.items()}, batch.meta_info, int32)
+    return b"".join(memoryview(c).cast("B").tobytes() for c in chunks if len(c)), int(keep.sum())
 
 
 def _fetch_outputs(store: Store, run: RunDir) -> bool:
