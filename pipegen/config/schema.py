@@ -257,6 +257,22 @@ class Trainer:
     logger: list[str] = key(["console"], "verl Tracking backends", items=TRACKING_BACKENDS)
 
 
+@dataclass
+class Storage:
+    """storage.*: the run's storage in an S3-compatible object store (pipegen/run/store.py), beside this node's
+    local run directory. Credentials and the endpoint come only from the standard AWS environment
+    (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION, ...), never from these keys."""
+
+    url: Optional[str] = key(None, "s3://bucket/prefix: each committed batch is also published there, committed "
+                                   "exactly once by a create-if-absent segment, and the outputs go there too; "
+                                   "output_dir stays this node's scratch folder. output_dir=s3://... alone sets it "
+                                   "(the scratch is then storage.scratch_dir). null: no store", non_empty=True)
+    scratch_dir: Optional[str] = key(None, "with output_dir=s3://bucket/prefix: this node's scratch folder (null: "
+                                           "~/.cache/pipegen/scratch/<bucket>/<prefix>)", non_empty=True)
+    writer_id: Optional[str] = key(None, "this node's writer name in the store (writers/<id>/); stable across "
+                                         "restarts; null: the host name", non_empty=True)
+
+
 KIND_NAMES = ("cpu", "sglang", "vllm", "external")
 DEFAULT_LLM = "cpu"  # the llm kind when none is chosen (conf/pipegen.yaml's defaults list names it for Hydra)
 
@@ -466,6 +482,7 @@ class PipegenConfig:
     rows: Rows = field(default_factory=Rows)
     external: External = field(default_factory=External)
     export: Export = field(default_factory=Export)
+    storage: Storage = field(default_factory=Storage)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
     # verl's groups, composed from verl's own YAML in verl's layout: verl owns their keys and defaults

@@ -25,6 +25,9 @@ Steps 3-4's disk half (writing the encoded batch files, then the checkpoint) run
 thread, `Committer` (committer.py), while the main loop parses the next lines; this module decides
 what each commit holds and hands it over in order.
 
+With storage.url, a publisher (publish.py) commits each batch again to the object store, exactly once, on its own
+thread; the run ends once every committed batch is published and the outputs are uploaded.
+
 Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip, failed_units.json and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
 whole run in memory before the merge (at most `MAX_QUEUED_BATCHES` encoded batches wait for the
@@ -92,6 +95,7 @@ class Writer:
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
         self.parser = LineParser()
         self.committer = Committer(run)
+        self.publisher = None  # storage.url: publish.Publisher, started once the checkpoint is recovered
         self.stats = StatsAppender(run.stats, WriterStats.ROLE, baseline=WriterStats(committed=self.ckpt.num_committed))
         # The writer's tensor ops are small: torch's intra-op threads only fight the commit thread and
         # the actors for cores (verl's _postprocess ran 30x slower with 2 threads on a busy 2-core box).
@@ -294,7 +298,7 @@ class Writer:
                         "pending, listed in %s; rerun the same command to generate only them",
                         self.ckpt.num_committed, self.total_units,
                         self.run.merged_output() or self.run.root, len(pending), self.run.failed_units)
-        return 0 if self.ckpt.complete or not self.ckpt.failed else EXIT_FAILED_UNITS
+        return self.deliver_to_store(0 if self.ckpt.complete or not self.ckpt.failed else EXIT_FAILED_UNITS)
 
     def say_waiting(self) -> None:
         """What a quiet writer waits for (alone, it would otherwise say nothing): the units not yet in a shard."""
@@ -319,6 +323,28 @@ class Writer:
                       self.run.root, fmt)
         else:
             log.info("%s", done.stdout.strip())
+
+    def start_publisher(self) -> None:
+        """storage.url: publish each committed batch to the object store on a background thread."""
+        if self.cfg.storage.url:
+            from pipegen.writer.publish import Publisher
+
+            self.publisher = Publisher(self.cfg, self.run, self.keys)
+            self.publisher.start()
+
+    def deliver_to_store(self, code: int) -> int:
+        """storage.url: wait until every committed batch is published (as long as the store takes to answer),
+        then upload the outputs. Returns `code`, or 1 when publishing stopped (the log line says why)."""
+        if self.publisher is None:
+            return code
+        from pipegen.writer.publish import run_outputs
+
+        log.info("publishing to %s: waiting until every committed batch is in the store", self.cfg.storage.url)
+        problem = self.publisher.finish(*run_outputs(self.run, self.gen.get("export_format")))
+        if problem:
+            log.error("%s", problem)
+            return 1
+        return code
 
     def _raise_damaged_batch(self) -> None:
         """After a failed merge: a DamagedFile for the first listed batch file that cannot be read."""
@@ -350,10 +376,11 @@ class Writer:
         # Import verl and load the tokenizer (and a vision model's processor) up front (seconds), not on the first commit.
         self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg), load_processor(self.cfg))
         self.recover()
+        self.start_publisher()
         if self.ckpt.complete and self.ckpt.num_committed == self.total_units:
             log.info("run already complete: %s", self.run.trajectories)
             self.export(only_if_missing=True)  # a crash may have cut the last launch short after its merge
-            return 0
+            return self.deliver_to_store(0)
         idle_since = time.monotonic()
         sleep = 0.005
         last_stats = 0.0
@@ -362,6 +389,9 @@ class Writer:
         while True:
             got = await self.pull()
             self.committer.poll()
+            if self.publisher is not None and self.publisher.error:
+                log.error("%s", self.publisher.error)
+                return 1
             now = time.monotonic()
             if got:
                 idle_since = now
@@ -385,12 +415,18 @@ class Writer:
                 self.finalize()
                 self.write_stats(final=True)
                 self.export()
-                return 0 if self.ckpt.complete else EXIT_FAILED_UNITS
+                return self.deliver_to_store(0 if self.ckpt.complete else EXIT_FAILED_UNITS)
             await asyncio.sleep(sleep)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    store_url = next((a.split("=", 1)[1] for a in argv if a.startswith("output_dir=") and "://" in a), None)
+    if store_url:  # a store run's merge, from the store alone
+        setup_logging("writer")
+        from pipegen.writer.publish import merge_from_store
+
+        return merge_from_store(store_url)
     run = RunDir(output_dir_from_args(argv))
     # Ctrl-C on a writer run by hand raises KeyboardInterrupt (answered below) even where SIGINT arrived ignored,
     # as it does in a shell's background job, nohup or a test runner's worker: Python then installs no handler
