@@ -59,14 +59,23 @@ def test_a_users_parquet_with_no_other_settings_gets_every_row_and_the_full_resp
 
 
 def test_the_summary_counts_prompts_left_out_by_max_samples_and_as_too_long(tmp_path: Path, tiny_model: str) -> None:
+    """With the progress bar off, the terminal holds pipegen's lines alone: the plan line, progress lines in its own
+    words and the summary; what verl prints (its console logger's `step:N - ...`, the file logger's path, the
+    dataset's class and length) is in the launcher's log."""
     long = "Count the words of this long question. " * 40
     rows = [{"content": long if i in (1, 3) else QUESTION.format(k=i + 2)} for i in range(10)]
     data = write_dataset(tmp_path / "mixed.parquet", rows)
     result = launch(tmp_path / "run", f"model_path={tiny_model}", f"train_files={data}", FAKE_ENGINE,
                     *[o for o in FAST if not o.startswith("max_samples=")], "max_samples=8", "max_prompt_length=160",
-                    "data.filter_overlong_prompts=true")
+                    "data.filter_overlong_prompts=true", "generation.show_progress=false",
+                    "trainer.logger=[console,file]")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
+    assert all(line.startswith(("pipegen: ", "  ")) for line in lines), result.stdout
+    assert "samples on disk (12 committed) | Saved: " in result.stderr, result.stderr
+    terminal, log = result.stdout + result.stderr, (tmp_path / "run" / "logs" / "launch.log").read_text()
+    for printed in ("step:1 - progress/done:", "Creating file logger at ", "Using dataset class", "dataset len: "):
+        assert printed not in terminal and printed in log, printed
     assert lines[0].startswith("pipegen: at most 8 prompts of mixed.parquet (8 of its 10 rows: max_samples=8) x 2 "
                                "samples = at most 16 units; responses up to 24 tokens, prompts up to 160"), lines[0]
     assert "pipegen: done: 12 samples" in result.stdout
