@@ -40,8 +40,8 @@ from pipegen.run.handshake import ACTOR_IMPORTS, import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.stats_line import ActorStats
-from pipegen.run.stream import (assistant_turns, count_units, kept_unscored, next_free_seq, RolloutRecord, ShardAppender,
-                                TrajectoryKeys)
+from pipegen.run.stream import (assistant_turns, count_units, kept_unscored, next_free_seq, RolloutRecord,
+                                ShardAppender, TrajectoryKeys)
 
 log = logging.getLogger("pipegen.actor")
 
