@@ -2,8 +2,9 @@
 
 Columns, in order: index, sample, trajectory, uid, raw_prompt (the chat messages sent), response_text (the response
 tokens decoded with the run's tokenizer, its special tokens such as `<|im_end|>` left out), prompt_ids,
-response_ids, response_mask, rollout_log_probs, reward (the row's summed rm_scores, null when unscored), finish_reason ("stop" when the
-last model token is an EOS id, else "length": verl's rows keep no finish reason, so it is derived), messages
+response_ids, response_mask, rollout_log_probs, reward (the row's summed rm_scores, null when unscored),
+finish_reason ("stop" when the last model token is an EOS id, else "length": verl's rows keep no finish reason, so
+it is derived), messages
 (what SFT loaders read: the prompt's messages, then an `assistant` message per run of model tokens, decoded
 without special tokens, and the tokens between two runs (a tool's reply or a user turn as the chat template
 rendered them) as a `tool` message; a gateway row's own messages as the harness held them), then every other
