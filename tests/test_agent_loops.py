@@ -449,7 +449,7 @@ STATELM_SCRIPT = [
     'Drop it too.\n<tool_call>\n{"name": "deleteContext", "arguments": {"msg_id": 3}}\n</tool_call>',
     "The answer is #### 5",
 ]
-RESUME_FIELDS = {"resumed", "resumed_at_token", "replayed_calls"}  # a resumed unit's rows say so (README: resume)
+RESUME_FIELDS = {"resumed", "resumed_at_token", "replayed_calls"}  # a resumed unit's rows say so (docs/outputs.md)
 
 
 def statelm_overrides(tiny_model: str, tmp: Path, url: str, *extra: str, loops: Path | None = None,

@@ -363,7 +363,7 @@ def test_a_cpu_bound_actor_warns_once_with_the_fix(caplog):
 
 
 def test_follow_waits_for_the_first_shard_and_keeps_following_across_a_relaunch(tmp_path, capsys):
-    """status --follow (the README's watch recipe): started on an empty directory, it prints each unit's line as
+    """status --follow (docs/outputs.md's watch recipe): started on an empty directory, it prints each unit's line as
     it lands, including the new shard a relaunch opens, and stops (here) once the run is complete."""
     import threading
 

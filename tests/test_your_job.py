@@ -1,6 +1,6 @@
 """A user's own job, run as a user runs it: their dataset with no other settings gets every row and the
 full response limit, the first line says what will run, the closing summary says what was left out, and
-README's live-inspection command shows each finished unit's text and reward."""
+docs/outputs.md's live-inspection command shows each finished unit's text and reward."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_the_summary_counts_prompts_left_out_by_max_samples_and_as_too_long(tmp_
 
 
 def _readme_watch_command() -> str:
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "outputs.md").read_text()
     return next(line.split("#")[0].strip() for line in readme.splitlines()
                 if line.startswith("python -m pipegen.status ") and "--follow" in line)
 
@@ -115,7 +115,7 @@ def _watch(command: str, cwd: Path, until: int, timeout_s: float) -> list[str]:
 
 
 def test_readmes_live_inspection_shows_each_units_text_reward_and_finish(tmp_path: Path, tiny_model: str) -> None:
-    """README's command, started on a demo run as it goes: one readable line per finished unit."""
+    """docs/outputs.md's command, started on a demo run as it goes: one readable line per finished unit."""
     from conftest import assert_verified
 
     out = tmp_path / "runs" / "demo"

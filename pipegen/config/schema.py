@@ -229,7 +229,7 @@ class Reward:
 @dataclass
 class Rows:
     """rows.*: what each row carries when an agent loop returns several trajectories (pieces) per sample, e.g.
-    snapshots before each context deletion, then the final conversation (README: several trajectories)."""
+    snapshots before each context deletion, then the final conversation (docs/outputs.md)."""
 
     reward: str = key("own", "own = score each piece on its own (a piece whose loop set reward_score keeps it); "
                              "final = copy the final piece's reward to every piece (verl V1)", choices=("own", "final"))
