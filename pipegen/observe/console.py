@@ -31,6 +31,7 @@ from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, L
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
+from pipegen.run.provenance import harness_named
 from pipegen.config.invocation import command
 from pipegen.config.schema import RewardSpec, uses_external_loop
 from pipegen.run.stats_line import LaunchStats, WriterStats
@@ -151,8 +152,7 @@ def reward_name(run: RunDir) -> str:
                      "unscored)"
     if not uses_external_loop(cfg):
         return run_reward
-    harness = f"external.harness={cfg.external.harness}" if cfg.external.harness else "external.command"
-    return f"what {harness} returns; for a unit it returns no reward for, {run_reward}"
+    return f"what {harness_named(cfg)} returns; for a unit it returns no reward for, {run_reward}"
 
 
 def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = False) -> int:
