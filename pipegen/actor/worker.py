@@ -40,7 +40,8 @@ from pipegen.run.handshake import ACTOR_IMPORTS, import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.stats_line import ActorStats
-from pipegen.run.stream import count_units, kept_unscored, next_free_seq, RolloutRecord, ShardAppender, TrajectoryKeys
+from pipegen.run.stream import (assistant_turns, count_units, kept_unscored, next_free_seq, RolloutRecord,
+                                ShardAppender, TrajectoryKeys)
 
 log = logging.getLogger("pipegen.actor")
 
@@ -63,7 +64,7 @@ class ActorCounters:
         self.trajectories += record.num_rows
         for t in record.trajectories:
             self.response_lengths.append(len(t[TrajectoryKeys.RESPONSE_IDS]))
-            self.turns.append(t[TrajectoryKeys.NUM_TURNS])
+            self.turns.append(assistant_turns(t[TrajectoryKeys.RESPONSE_MASK]))  # not verl's num_turns: messages
             if t.get(TrajectoryKeys.REWARD_SCORE) is not None:
                 self.rewards.append(t[TrajectoryKeys.REWARD_SCORE])
 

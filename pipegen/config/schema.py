@@ -229,7 +229,7 @@ class Reward:
 @dataclass
 class Rows:
     """rows.*: what each row carries when an agent loop returns several trajectories (pieces) per sample, e.g.
-    snapshots before each context deletion, then the final conversation (README: several trajectories)."""
+    snapshots before each context deletion, then the final conversation (docs/outputs.md)."""
 
     reward: str = key("own", "own = score each piece on its own (a piece whose loop set reward_score keeps it); "
                              "final = copy the final piece's reward to every piece (verl V1)", choices=("own", "final"))
@@ -289,8 +289,10 @@ class Servers:
                                                     "not report it (vLLM); null = what the engine reports, else 256")
     ready_timeout_s: float = key(300.0, "the launcher waits this long for each server to answer", above=0)
     request_timeout_s: float = key(600.0, "outer bound per /generate request", above=0)
-    stall_floor_s: float = key(30.0, "a request is stalled after this + stall_margin x max_new_tokens x the "
-                                     "server's observed s/token: aborted there and re-sent", above=0)
+    stall_floor_s: float = key(30.0, "a streamed request with no token for this long while its server's queue is "
+                                     "empty is stalled: aborted there and re-sent; on a server that reports no "
+                                     "load, after this + stall_margin x max_new_tokens x its observed s/token",
+                               above=0)
     stall_margin: float = key(3.0, "see stall_floor_s", above=0)
 
 

@@ -277,7 +277,7 @@ def render(st: RunStatus) -> str:
     if "response_length/mean" in m:
         outputs.append(f"mean response {m['response_length/mean']:.1f} tokens")
     if "turns/mean" in m:
-        outputs.append(f"mean turns {m['turns/mean']:.2f}")
+        outputs.append(f"mean assistant turns {m['turns/mean']:.2f}")
     if "reward/mean" in m:
         outputs.append(f"mean reward {m['reward/mean']:.3f}")
     if "actors/output_tokens" in m and m.get("actors/total"):
