@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -111,7 +112,7 @@ def units_of(data) -> list[tuple[int, int]]:
 @pytest.mark.timeout(600)
 def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(seaweed, nodes, tiny_model):  # noqa: F811
     cluster, _, root = nodes
-    prefix = "two-nodes"
+    prefix = f"two-nodes-{uuid.uuid4().hex[:6]}"  # a name no earlier run left in ~/.cache
     launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model,
                                         "llm.engine_args=[--token-latency,0.01,--eos-prob,0]")
     console = finish(launcher, 400)
@@ -134,7 +135,7 @@ def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(sea
 def test_a_node_lost_after_committing_has_its_uncommitted_units_run_elsewhere_and_keeps_its_commits_once(
         seaweed, nodes, tiny_model):  # noqa: F811
     cluster, added, root = nodes
-    prefix = "node-lost"
+    prefix = f"node-lost-{uuid.uuid4().hex[:6]}"
     units = 16 * 2
     launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model, "max_samples=16", "actors.concurrency=2",
                                         "llm.max_batch=2", "llm.engine_args=[--token-latency,0.04,--eos-prob,0]")
