@@ -35,7 +35,7 @@ log = logging.getLogger("pipegen.writer")
 POLL_S = 1.0  # how often the store's segments are listed (each new one read once)
 
 
-def settled_units(follower: SegmentFollower, keys: UnitKeys) -> dict[str, str]:
+def failed_uncommitted(follower: SegmentFollower, keys: UnitKeys) -> dict[str, str]:
     """The failed units of this launch that no segment commits (label -> reason)."""
     return {label: reason for label, reason in follower.failed.items()
             if keys.key(*parse_unit_label(label)) not in follower.committed}
@@ -57,7 +57,7 @@ def follow_store(cfg: DictConfig, run: RunDir) -> int:
     last_said = 0
     while True:
         follower.refresh()
-        failed = settled_units(follower, keys)
+        failed = failed_uncommitted(follower, keys)
         committed = len(follower.committed)
         stats.append(WriterStats(committed=committed, units_total=total, batches=len(follower.segments),
                                  failed=len(failed)))
