@@ -164,3 +164,33 @@ def test_a_node_lost_after_committing_has_its_uncommitted_units_run_elsewhere_an
     assert cluster_line is not None and cluster_line.units_released > 0, cluster_line  # ran again elsewhere
     merged = pipegen("pipegen.status", f"s3://{BUCKET}/{prefix}", env=seaweed.env())
     assert f"{units}/{units} samples committed" in merged.stdout, merged.stdout
+
+
+def test_the_head_counts_what_every_writer_commits_and_the_failures_of_this_launch_only(seaweed):  # noqa: F811
+    """The head's view of the store (what leases and the end wait on): each writer's segments read once and
+    incrementally, and a node's failed units settled only when listed for this launch and committed nowhere."""
+    from pipegen.run.store import Segment, SegmentFollower, failed_key, segment_key
+    from pipegen.run.stream import UnitKeys
+    from pipegen.writer.store_head import failed_uncommitted
+
+    store = store_of(seaweed, f"follow-{uuid.uuid4().hex[:6]}")
+
+    def commit(writer: str, seq: int, units: list[list[int]]) -> None:
+        seg = Segment(writer, seq, "life", f"writers/{writer}/life/batch_{seq:05d}.arrow", 1, "0" * 64, 1, units)
+        assert store.create(segment_key(writer, seq), seg.to_bytes())
+
+    follower = SegmentFollower(store, launch="this-launch")
+    commit("node0-aaaaaa", 0, [[0, 4]])
+    follower.refresh()
+    assert follower.committed == set(range(4))
+    commit("node0-aaaaaa", 1, [[4, 6]])
+    commit("node1-bbbbbb", 0, [[6, 8]])
+    store.put(failed_key("node1-bbbbbb"), b'{"launch": "this-launch", "units": {"4:0": "spent", "4:1": "spent"}}')
+    store.put(failed_key("node0-aaaaaa"), b'{"launch": "an-earlier-launch", "units": {"5:0": "spent"}}')
+    follower.refresh()
+    assert follower.committed == set(range(8)) and len(follower.segments) == 3  # each segment once
+    # unit 4:0 (key 8) failed and is committed nowhere; 4:1 (key 9) too; 5:0 was another launch's failure
+    assert failed_uncommitted(follower, UnitKeys(2)) == {"4:0": "spent", "4:1": "spent"}
+    commit("node0-aaaaaa", 2, [[8, 9]])  # 4:0 succeeded after all on another node: committed, no longer failed
+    follower.refresh()
+    assert failed_uncommitted(follower, UnitKeys(2)) == {"4:1": "spent"}

@@ -281,8 +281,8 @@ class Store:
         except FileNotFoundError:
             return None
 
-    def list(self, prefix: str) -> list[str]:
-        return self._retry(lambda: self.list_now(prefix))
+    def list(self, prefix: str, after: str | None = None) -> list[str]:
+        return self._retry(lambda: self.list_now(prefix, after))
 
     def list_now(self, prefix: str, after: str | None = None) -> list[str]:
         """One listing, no retry: every object name under prefix (those sorting after `after` only), sorted."""
@@ -350,7 +350,7 @@ class SegmentFollower:
     def refresh(self) -> None:
         failed: dict[str, str] = {}
         for writer in self.store.folders(WRITERS):
-            for key in self.store._retry(lambda: self.store.list_now(segments_prefix(writer), self._last.get(writer))):
+            for key in self.store.list(segments_prefix(writer), self._last.get(writer)):
                 data = self.store.get(key) if is_segment_key(key) else None
                 if data is not None:
                     seg = Segment.from_bytes(data)
