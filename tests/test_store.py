@@ -44,13 +44,13 @@ def store_of(seaweed: Seaweed, prefix: str):
     return Store(f"s3://{BUCKET}/{prefix}")
 
 
-def assert_exact_in_store(seaweed: Seaweed, prefix: str) -> None:
+def assert_exact_in_store(seaweed: Seaweed, prefix: str, units: int = UNITS) -> None:
     """Every unit of the run in exactly one committed segment, and `pipegen verify` passes from the store alone."""
     from pipegen.run.store import resolve
 
     segments = store_of(seaweed, prefix).segments()
     assert not any(dropped for _, dropped in resolve(segments)), "a unit is committed twice"
-    assert sorted(k for seg in segments for k in seg.unit_keys()) == list(range(UNITS))
+    assert sorted(k for seg in segments for k in seg.unit_keys()) == list(range(units))
     verified = pipegen("pipegen.status", f"s3://{BUCKET}/{prefix}", "--verify", env=seaweed.env())
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "every committed unit exactly once" in verified.stdout

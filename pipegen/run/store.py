@@ -7,8 +7,13 @@ s3://bucket/prefix/
   writers/<writer>/<life>/batch_<N>.arrow        a committed local batch file, uploaded whole (an unfinished
                                                  multipart upload is invisible to readers)
   writers/<writer>/manifest/<seq:08d>.json       a Segment, written create-if-absent (If-None-Match: *): the commit
+  writers/<writer>/failed.json                   cluster=ray: the units that writer's node saw fail in a launch
   trajectories.pkl | trajectories/..., failed_units.json, trajectories.parquet, report.*   the outputs
 ```
+
+Under cluster=ray each node runner's writer publishes as `<node>-<incarnation>` (a fresh id per runner start, so two
+runners never share one), from a scratch folder of its own on its node (`node_scratch`); the head follows every
+writer's segments (`SegmentFollower`) to see what is committed, never another node's disk.
 
 `<writer>` is the node's stable writer id (`storage.writer_id`, the host name by default); `<life>` is fresh per
 writer process start, so a batch object's name never collides, even when a node lost its scratch folder. A batch
@@ -48,6 +53,10 @@ MANIFEST = "manifest"
 CONF_FILES = ("config.yaml", "fingerprint.json", "units.json", "launch.json")
 BACKOFF_FIRST_S = 1.0
 BACKOFF_CAP_S = 15.0  # a store down for minutes is asked again at least this often
+FAILED = "failed.json"
+# cluster=ray with a store: the folder under which each node runner makes its scratch folder (set where that node's
+# `ray start` runs); unset: ~/.cache/pipegen/nodes/<bucket>/<prefix>
+NODE_SCRATCH_ENV = "PIPEGEN_NODE_SCRATCH"
 
 
 class StoreError(Exception):
@@ -94,6 +103,14 @@ def default_scratch(url: str) -> Path:
     return Path("~/.cache/pipegen/scratch").expanduser() / parsed.bucket / (parsed.prefix or "_")
 
 
+def node_scratch(url: str, runner: str) -> Path:
+    """cluster=ray: the scratch folder of one node runner's start (`runner` = node-incarnation) on this node's disk."""
+    parsed = StoreUrl.parse(url)
+    root = os.environ.get(NODE_SCRATCH_ENV)
+    base = Path(root).expanduser() if root else Path("~/.cache/pipegen/nodes").expanduser() / parsed.bucket
+    return base / (parsed.prefix or "_") / runner
+
+
 def read_cache(url: str) -> Path:
     """Where a reader (status, verify, export, report, the merge) lays out a store run as a run directory."""
     parsed = StoreUrl.parse(url)
@@ -119,6 +136,10 @@ def segments_prefix(writer: str) -> str:
 
 def segment_key(writer: str, seq: int) -> str:
     return f"{segments_prefix(writer)}/{seq:08d}.json"
+
+
+def failed_key(writer: str) -> str:
+    return f"{writer_prefix(writer)}/{FAILED}"
 
 
 def is_segment_key(key: str) -> bool:
@@ -260,14 +281,22 @@ class Store:
         except FileNotFoundError:
             return None
 
-    def list(self, prefix: str) -> list[str]:
-        return self._retry(lambda: self.list_now(prefix))
+    def list(self, prefix: str, after: str | None = None) -> list[str]:
+        return self._retry(lambda: self.list_now(prefix, after))
 
-    def list_now(self, prefix: str) -> list[str]:
-        """One listing, no retry: every object name under prefix, sorted."""
+    def list_now(self, prefix: str, after: str | None = None) -> list[str]:
+        """One listing, no retry: every object name under prefix (those sorting after `after` only), sorted."""
         import obstore
 
-        return sorted(m["path"] for batch in obstore.list(self._store, prefix=prefix) for m in batch)
+        listing = obstore.list(self._store, prefix=prefix, offset=after)
+        return sorted(m["path"] for batch in listing for m in batch)
+
+    def folders(self, prefix: str) -> list[str]:
+        """The names one level below prefix (a listing with a delimiter: no object under them is read)."""
+        import obstore
+
+        found = self._retry(lambda: obstore.list_with_delimiter(self._store, prefix=prefix.rstrip("/") + "/"))
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"])
 
     def delete(self, key: str) -> None:
         import obstore
@@ -303,6 +332,37 @@ class Store:
                 if data is not None:
                     out.append(Segment.from_bytes(data))
         return sorted(out, key=lambda s: (s.writer, s.seq))
+
+
+class SegmentFollower:
+    """What the store says of a run, read incrementally (each segment fetched once): every writer's committed
+    segments, the units they commit (resolve's rule decides which copy a reader keeps; the set is the same), and the
+    units a writer listed as failed in launch `launch` (its failed.json) that no segment commits."""
+
+    def __init__(self, store: Store, launch: str):
+        self.store = store
+        self.launch = launch
+        self.segments: list[Segment] = []
+        self.committed: set[int] = set()
+        self.failed: dict[str, str] = {}  # unit label -> reason
+        self._last: dict[str, str] = {}  # writer -> its last segment key read
+
+    def refresh(self) -> None:
+        failed: dict[str, str] = {}
+        for writer in self.store.folders(WRITERS):
+            for key in self.store.list(segments_prefix(writer), self._last.get(writer)):
+                data = self.store.get(key) if is_segment_key(key) else None
+                if data is not None:
+                    seg = Segment.from_bytes(data)
+                    self.segments.append(seg)
+                    self.committed.update(seg.unit_keys())
+                    self._last[writer] = key
+            listed = self.store.get(failed_key(writer))
+            if listed is not None:
+                record = orjson.loads(listed)
+                if record.get("launch") == self.launch:
+                    failed.update(record.get("units", {}))
+        self.failed = failed
 
 
 @dataclass

@@ -13,6 +13,10 @@ streaming and the writer keeps committing locally, and `DIR/publish.json` says w
 shows it). At the end the writer hands over its outputs (the merged output, failed_units.json, the export),
 which go up once every batch is published.
 
+Under cluster=ray with a store, each node runner's writer publishes as that runner (`writer` given: its node and
+incarnation), puts no conf file (the launcher put them) and keeps `writers/<writer>/failed.json` true: the units its
+node saw fail in this launch, so the head counts them settled.
+
 Owns: the store's copy of this writer's batches and segments, the conf files' copies and the outputs' uploads,
 DIR/publish.json, and the kill tests' crash points around the store's PUTs (`PIPEGEN_WRITER_FAULT`).
 Must never: publish a batch the local checkpoint does not list, create a segment before its object is stored,
@@ -38,8 +42,8 @@ from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.rows import batch_rows
-from pipegen.run.store import (CONF_FILES, PublishState, Segment, SegmentTaken, Store, batch_key, conf_key, key_ranges,
-                               output_key, segment_key, sha256)
+from pipegen.run.store import (CONF_FILES, PublishState, Segment, SegmentTaken, Store, batch_key, conf_key, failed_key,
+                               key_ranges, output_key, segment_key, sha256)
 from pipegen.run.stream import UnitKeys
 from pipegen.writer.committer import FAULT_ENV, FaultInjector
 
@@ -67,10 +71,11 @@ def run_outputs(run: RunDir, export_format: str | None) -> tuple[list[Path], lis
 
 
 class Publisher:
-    def __init__(self, cfg: DictConfig, run: RunDir, keys: UnitKeys):
+    def __init__(self, cfg: DictConfig, run: RunDir, keys: UnitKeys, node_writer: str | None = None):
         self.run = run
         self.keys = keys
-        self.writer = writer_id(cfg)
+        self.node_writer = node_writer  # cluster=ray: this node runner's writer id (the launcher put the conf files)
+        self.writer = node_writer or writer_id(cfg)
         self.life = uuid.uuid4().hex[:12]  # a fresh name space per process start: an object name never repeats
         self.state = PublishState(str(cfg.storage.url), self.writer, self.life, os.getpid())
         self.store = Store(str(cfg.storage.url), patience_s=None, on_wait=self._down)
@@ -80,6 +85,8 @@ class Publisher:
         self.handled: set[int] = set()  # local batch numbers published or found published
         self._outputs: list[Path] | None = None
         self._gone: list[str] = []
+        self._failed: bytes | None = None  # a node writer's failed.json to put, when it changed
+        self._failed_put = b""
         self._wake = threading.Event()
         self.error = ""  # set when the publisher stopped for good
         self._thread = threading.Thread(target=self._main, name="pipegen-publish", daemon=True)
@@ -97,10 +104,18 @@ class Publisher:
             self._thread.join(timeout=POLL_S)
         return self.error
 
+    def failed_now(self, launch: str, failed: dict[str, str]) -> None:
+        """A node writer's failed units of this launch (label -> reason): put as its failed.json before the next
+        batch, and before finish returns."""
+        data = orjson.dumps({"launch": launch, "units": failed}, option=orjson.OPT_SORT_KEYS)
+        if data != self._failed_put and (failed or self._failed_put):
+            self._failed = data
+            self._wake.set()
+
     # ---- the thread ----
     def _main(self) -> None:
         try:
-            for name in CONF_FILES:
+            for name in CONF_FILES if self.node_writer is None else ():
                 path = self.run.conf / name
                 if path.exists():
                     self.store.put(conf_key(name), path.read_bytes())
@@ -111,11 +126,13 @@ class Publisher:
                 todo = [n for n in ckpt.batches.numbers() if n not in self.handled]
                 self.state.waiting = len(todo)
                 self._save()
+                self._put_failed()
                 for number in todo:
                     self._publish(number)
                     self.state.waiting -= 1
                     self._save()
                 if outputs is not None and not todo:
+                    self._put_failed()
                     self._upload_outputs(outputs)
                     return
                 self._wake.wait(POLL_S)
@@ -165,6 +182,14 @@ class Publisher:
         self.handled.add(number)
         self.state.published += 1
 
+    def _put_failed(self) -> None:
+        data = self._failed
+        if data is not None:
+            self.store.put(failed_key(self.writer), data)
+            self._failed_put = data
+            if self._failed is data:
+                self._failed = None
+
     def _upload_outputs(self, outputs: list[Path]) -> None:
         for path in outputs:
             self.store.put_file(output_key(path.relative_to(self.run.root)), path)
@@ -196,15 +221,16 @@ class Publisher:
         atomic_write_bytes(self.run.publish_state, orjson.dumps(asdict(self.state), option=orjson.OPT_INDENT_2))
 
 
-def merge_from_store(url: str) -> int:
+def merge_from_store(url: str, cache: Path | None = None) -> int:
     """`python -m pipegen.writer output_dir=s3://bucket/prefix`: the run's merged output made from the store alone
-    (every node's scratch may be gone) and uploaded there. Returns the exit code; one line on failure."""
+    (every node's scratch may be gone; laid out in `cache`, default the read cache) and uploaded there. Returns the
+    exit code; one line on failure."""
     from pipegen.run.store import StoreError
     from pipegen.run.store_read import materialize, upload
     from pipegen.writer.merge import merge_run
 
     try:
-        run = materialize(url)
+        run = materialize(url, cache)
         from pipegen.run.config import load_run_config
 
         ckpt = load_checkpoint(run.checkpoint)
