@@ -11,6 +11,7 @@ unit (the request's `sampling_seed` is `unit_seed(seed, index, sample)`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import re
@@ -41,6 +42,9 @@ def servers(tiny_model, tmp_path_factory):
         "hangs": FakeServer("hangs", tmp, tiny_model, "--hang-rate", "1.0"),
         "oneslot": FakeServer("oneslot", tmp, tiny_model, "--token-latency", "0.05", "--slots", "1"),
         "slow": FakeServer("slow", tmp, tiny_model, "--token-latency", "0.05", "--slots", "64"),
+        # one slot, and its first /generate never answered (fault_seed: the first draw a hang, the next ten not)
+        "oneslot_first_hangs": FakeServer("oneslot_first_hangs", tmp, tiny_model, "--token-latency", "0.05",
+                                          "--slots", "1", "--hang-rate", "0.2", seed=first_hangs_seed(0.2, LOST_BEHIND + 1)),
     }
     try:
         for p in procs.values():
@@ -159,7 +163,7 @@ def test_stalled_request_is_aborted_on_its_server_and_retried_elsewhere(servers)
 
 def test_a_request_waiting_in_the_engines_queue_is_never_called_stalled(servers):
     """Queued is not stalled: a server that runs one request at a time holds ten, so the last waits ~3.6 s in its
-    queue, past its first look (every 2 s, whatever the clock's deadline). Its load says it holds
+    queue, past its first looks (every second, whatever the clock's deadline). Its load says it holds
     every request this actor sent there: nothing is aborted, nothing re-sent, the server stays in rotation."""
     from pipegen.actor.admission import WatchdogLimits
 
@@ -173,6 +177,33 @@ def test_a_request_waiting_in_the_engines_queue_is_never_called_stalled(servers)
     assert all(o.token_ids and len(o.token_ids) == len(o.log_probs) for o in outs)  # every one answered
     assert pool.stalled == 0 and pool.aborts_sent == 0 and pool.retries == 0 and pool.servers[0].healthy
     assert one.stats()["requests_total"] - before == 10
+
+
+def test_a_lost_request_is_found_while_the_engine_still_works_through_its_queue(servers, caplog):
+    """A request the engine lost (accepted, never counted, never answered) on a busy server is found while later
+    requests run, not once the queue has drained: the engine schedules in arrival order, so requests sent after it
+    that have started long since show it is not waiting its turn. The one-slot server answers one request in 0.4 s
+    while another arrives every 0.25 s, so its queue grows until ~5 s and drains at ~8 s; the defaults a user gets. (Judged from the latest start instead of the first that
+    overtook it, a busy engine's steady starts hid it until the queue was empty.)"""
+    import verl.workers.rollout.replica  # noqa: F401  (an answer's TokenOutput: imported up front, as an actor does)
+
+    from pipegen.actor.admission import WatchdogLimits
+
+    one = servers["oneslot_first_hangs"]
+
+    async def body(pool):
+        sent = []
+        for s in range(LOST_BEHIND + 1):  # the lost one first; then one every 0.25 s, each in its own request
+            sent.append(asyncio.ensure_future(gen(pool, "k", seed=s)))
+            await asyncio.sleep(0.25)
+        return await asyncio.gather(*sent)
+
+    with caplog.at_level(logging.WARNING, logger="pipegen.client"):
+        outs, pool = pool_run([one.url], body, watchdog=WatchdogLimits())
+    assert all(o.token_ids for o in outs)  # the lost one re-sent and answered
+    assert pool.stalled == 1 and one.stats()["hung_aborted"] == 1
+    verdicts = [r.getMessage() for r in caplog.records if "stalled" in r.getMessage()]
+    assert len(verdicts) == 1 and "later ones ran" in verdicts[0], verdicts
 
 
 def test_a_tail_request_on_a_slower_server_is_hedged_elsewhere_from_its_streamed_tokens(servers):
@@ -394,6 +425,20 @@ def test_actor_sigkill_mid_run_loses_nothing_duplicates_nothing_and_never_resend
             resent += 1
     assert len(entries) == len(expected) + resent
     assert resent <= 4  # at most actors.concurrency units were in flight
+
+
+LOST_BEHIND = 20  # requests sent after the lost one
+
+
+def first_hangs_seed(hang: float, after: int) -> int:
+    """A server --seed whose first fault draw is a hang (with --hang-rate `hang`, no --fail-rate) and whose next
+    `after` draws are not (the requests sent after it, and its own re-send)."""
+    for seed in range(10000):
+        rng = random.Random(f"pipegen-faults-{seed}")
+        u = [rng.random() for _ in range(after + 1)]
+        if u[0] < hang and all(x >= hang for x in u[1:]):
+            return seed
+    raise AssertionError("no seed found")
 
 
 def fault_seed(fail: float, hang: float, draws: int, hangs_after: int = 0, min_hangs: int = 1) -> int:

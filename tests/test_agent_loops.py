@@ -449,7 +449,7 @@ STATELM_SCRIPT = [
     'Drop it too.\n<tool_call>\n{"name": "deleteContext", "arguments": {"msg_id": 3}}\n</tool_call>',
     "The answer is #### 5",
 ]
-RESUME_FIELDS = {"resumed", "resumed_at_token", "replayed_calls"}  # a resumed unit's rows say so (README: resume)
+RESUME_FIELDS = {"resumed", "resumed_at_token", "replayed_calls"}  # a resumed unit's rows say so (docs/outputs.md)
 
 
 def statelm_overrides(tiny_model: str, tmp: Path, url: str, *extra: str, loops: Path | None = None,
@@ -536,6 +536,10 @@ def test_a_fork_style_multi_trajectory_loop_runs_unchanged_and_equals_verls_flat
     keys = [(int(i), int(s), int(t)) for i, s, t in zip(nt["index"], nt["sample"], nt["trajectory"])]
     assert keys == [(i, s, t) for i in range(len(QUESTIONS)) for s in range(2) for t in range(3)]
     assert list(nt["is_snapshot"]) == [True, True, False] * 6 and list(nt["snapshot_index"]) == [0, 1, None] * 6
+    # status counts the model's turns as the loop had them, 2, 4 and 5 per piece (verl's num_turns counts messages)
+    from pipegen.observe.run_status import gather, render
+
+    assert "mean assistant turns 3.67" in render(gather(RunDir(out)))
     scores = ours.batch["rm_scores"].sum(-1).tolist()
     assert scores == [0.0, 0.0, 1.0] * 6 and list(nt["reward_rule"]) == ["own"] * 18  # the final piece answers
     # weights and groups: 1/3 per piece; a uid's rows are every piece of its prompt's two samples

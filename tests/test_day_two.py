@@ -142,6 +142,22 @@ def test_a_mistyped_key_is_refused_before_the_launcher_imports_its_machinery(tmp
     assert done.stderr.strip() == "pipegen: error: unknown key 'generation.max_attempt'; did you mean " \
                                   "generation.max_attempts?"
     assert not (tmp_path / "run").exists()
+    # a typo in verl's groups (one composition of the defaults) and a Hub id that is neither cached nor reachable
+    # (huggingface_hub offline, its cache empty) are refused before those imports too
+    script = ("import sys\nfrom pipegen.launch.launcher import main\n"
+              f"print(main(['output_dir={tmp_path / 'run'}', 'actor_rollout_ref.rolout.n=2']))\n"
+              f"print(main(['output_dir={tmp_path / 'run'}', 'model_path=acme/not-cached']))\n"
+              "print(sorted(m for m in ('numpy', 'pydantic', 'verl', 'torch') if m in sys.modules))")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert done.stdout.split("\n")[:3] == ["2", "2", "[]"], done.stdout + done.stderr
+    verl_typo, hub = done.stderr.strip().splitlines()
+    assert verl_typo == ("pipegen: error: unknown key 'actor_rollout_ref.rolout.n'; did you mean "
+                         "actor_rollout_ref.rollout.n or actor_rollout_ref.rollout.name?")
+    assert hub.startswith("pipegen: error: model_path=acme/not-cached: not a local folder") and \
+        "`hf download acme/not-cached --local-dir DIR`" in hub, hub
+    assert not (tmp_path / "run").exists()
     pipegen = Path(sys.executable).with_name("pipegen")  # the installed command: its messages name it
     typed = subprocess.run([str(pipegen), "run", f"output_dir={tmp_path / 'run'}", "nosuch_key=1"], cwd=tmp_path,
                            capture_output=True, text=True, timeout=60)

@@ -219,6 +219,11 @@ def test_command_harness_results_and_failures(tiny_model, scripted, tmp_path):
     assert good["openai_env"]["trajectories"][0]["reward_score"] == 0.5
     assert good["openai_env"]["trajectories"][0]["extra_fields"]["harness_result"] == {"via": "openai"}
     assert good["anthropic_env"]["trajectories"][0]["reward_score"] == 0.25
+    # the report (and the dataset card from it) names the harness as what scored those rows, not verl's scorer
+    from pipegen.report.numbers import report_numbers
+    from pipegen.run.layout import RunDir
+
+    assert report_numbers(RunDir(out))[0]["scored_by"] == {"what external.command returned (at generation)": 2}
     reasons = {names[f["index"]]: f["reason"] for f in read_records(out, "failures")}
     assert set(reasons) == {"crash", "hang", "silent", "required"}
     assert "exited with status 3" in reasons["crash"] and "about to fail" in reasons["crash"]

@@ -76,7 +76,7 @@ def test_sharded_run_and_exports_hold_the_merged_rows(tmp_path, tiny_model):
     assert len(frame) == table.num_rows == len(hf) == 12
     rows = table.to_pylist()
     assert [dict(r) for r in hf] == rows and frame["uid"].tolist() == [r["uid"] for r in rows]
-    _assert_rows_equal(rows, ref)
+    assert _assert_rows_equal(rows, ref)  # some responses end in <|im_end|>: their response_text leaves it out
 
     # Beside it, its Hugging Face dataset card: load_dataset reads the folder through the card's configs, and the
     # card states the run's facts (the report's numbers)
@@ -138,11 +138,13 @@ def test_the_dataset_card_names_no_local_path_and_a_license(tmp_path):
     assert "license: cc-by-4.0\n" in card_text(cfg, run, run.root / "trajectories.parquet", numbers)
 
 
-def _assert_rows_equal(rows: list[dict], ref) -> None:
-    """Export rows against the merged DataProto: order, tokens, mask, log-probs, reward, prompt, dataset fields."""
+def _assert_rows_equal(rows: list[dict], ref) -> int:
+    """Export rows against the merged DataProto: order, tokens, mask, log-probs, reward, prompt, dataset fields.
+    Returns how many responses end in a special token (<|im_end|>, <|endoftext|>)."""
     b, nt = ref.batch, ref.non_tensor_batch
     width = b["prompts"].shape[1]
     assert len(rows) == len(ref)
+    ended_special = 0
     for i, row in enumerate(rows):
         for key in ("index", "sample", "trajectory", "uid", "data_source"):
             assert row[key] == _plain(nt[key][i]), key
@@ -157,10 +159,14 @@ def _assert_rows_equal(rows: list[dict], ref) -> None:
         assert row["raw_prompt"] == _plain(nt["raw_prompt"][i])
         assert row["finish_reason"] == ("stop" if int(response[-1]) in (2000, 2002) else "length")
         assert isinstance(row["response_text"], str) and row["response_text"]
+        # the text a reader uses carries none of the tokenizer's special tokens; the ids keep them
+        assert not any(t in row["response_text"] for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")), row
+        ended_special += int(response[-1]) in (2000, 2002)
         # SFT's messages: the prompt's, then the single-turn answer; verl's internal columns are left out
         prompt = [{"role": m["role"], "content": m["content"]} for m in nt["raw_prompt"][i]]
         assert row["messages"][:-1] == prompt and row["messages"][-1]["role"] == "assistant"
         assert not {"global_steps", "min_global_steps", "extras", "tool_rewards", "turn_scores"} & set(row)
+    return ended_special
 
 
 def test_merge_sorts_batches_committed_out_of_order(tmp_path):

@@ -141,6 +141,7 @@ def test_status_live_run_with_killed_writer_then_finished(tmp_path, tiny_model):
     text = status_cli(out).stdout
     assert "FINISHED" in text and "24/24 samples committed" in text and "trajectories.pkl" in text
     assert "finish reasons:" in text and "latency p50" in text
+    assert "mean assistant turns 1.00" in text  # a single-turn loop answers once (verl's num_turns says 2)
     # what the actor and the writer wrote is what their typed records read: no key dropped or missing
     from pipegen.observe.stats import read_stats
     from pipegen.run.stats_line import ACTOR_PHASES, parse_stats_line
@@ -362,7 +363,7 @@ def test_a_cpu_bound_actor_warns_once_with_the_fix(caplog):
 
 
 def test_follow_waits_for_the_first_shard_and_keeps_following_across_a_relaunch(tmp_path, capsys):
-    """status --follow (the README's watch recipe): started on an empty directory, it prints each unit's line as
+    """status --follow (docs/outputs.md's watch recipe): started on an empty directory, it prints each unit's line as
     it lands, including the new shard a relaunch opens, and stops (here) once the run is complete."""
     import threading
 

@@ -1,6 +1,6 @@
 """A user's own job, run as a user runs it: their dataset with no other settings gets every row and the
 full response limit, the first line says what will run, the closing summary says what was left out, and
-README's live-inspection command shows each finished unit's text and reward."""
+docs/outputs.md's live-inspection command shows each finished unit's text and reward."""
 
 from __future__ import annotations
 
@@ -59,14 +59,23 @@ def test_a_users_parquet_with_no_other_settings_gets_every_row_and_the_full_resp
 
 
 def test_the_summary_counts_prompts_left_out_by_max_samples_and_as_too_long(tmp_path: Path, tiny_model: str) -> None:
+    """With the progress bar off, the terminal holds pipegen's lines alone: the plan line, progress lines in its own
+    words and the summary; what verl prints (its console logger's `step:N - ...`, the file logger's path, the
+    dataset's class and length) is in the launcher's log."""
     long = "Count the words of this long question. " * 40
     rows = [{"content": long if i in (1, 3) else QUESTION.format(k=i + 2)} for i in range(10)]
     data = write_dataset(tmp_path / "mixed.parquet", rows)
     result = launch(tmp_path / "run", f"model_path={tiny_model}", f"train_files={data}", FAKE_ENGINE,
                     *[o for o in FAST if not o.startswith("max_samples=")], "max_samples=8", "max_prompt_length=160",
-                    "data.filter_overlong_prompts=true")
+                    "data.filter_overlong_prompts=true", "generation.show_progress=false",
+                    "trainer.logger=[console,file]")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
+    assert all(line.startswith(("pipegen: ", "  ")) for line in lines), result.stdout
+    assert "samples on disk (12 committed) | Saved: " in result.stderr, result.stderr
+    terminal, log = result.stdout + result.stderr, (tmp_path / "run" / "logs" / "launch.log").read_text()
+    for printed in ("step:1 - progress/done:", "Creating file logger at ", "Using dataset class", "dataset len: "):
+        assert printed not in terminal and printed in log, printed
     assert lines[0].startswith("pipegen: at most 8 prompts of mixed.parquet (8 of its 10 rows: max_samples=8) x 2 "
                                "samples = at most 16 units; responses up to 24 tokens, prompts up to 160"), lines[0]
     assert "pipegen: done: 12 samples" in result.stdout
@@ -75,7 +84,7 @@ def test_the_summary_counts_prompts_left_out_by_max_samples_and_as_too_long(tmp_
 
 
 def _readme_watch_command() -> str:
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "outputs.md").read_text()
     return next(line.split("#")[0].strip() for line in readme.splitlines()
                 if line.startswith("python -m pipegen.status ") and "--follow" in line)
 
@@ -106,7 +115,7 @@ def _watch(command: str, cwd: Path, until: int, timeout_s: float) -> list[str]:
 
 
 def test_readmes_live_inspection_shows_each_units_text_reward_and_finish(tmp_path: Path, tiny_model: str) -> None:
-    """README's command, started on a demo run as it goes: one readable line per finished unit."""
+    """docs/outputs.md's command, started on a demo run as it goes: one readable line per finished unit."""
     from conftest import assert_verified
 
     out = tmp_path / "runs" / "demo"

@@ -1,17 +1,18 @@
 """Admission: how many of an actor's units run at once, and how long each of their requests may take.
 
 The one owner of the actor's concurrency policy. The actor's loop asks it which units to start
-(`Admission.run`); the server pool (attempts.py) asks it, through `Admission`'s small interface, when to look at a
-request on a server (the evidence then decides whether it stalled) and whether the tail has begun, when a request
-may be hedged. Nothing else decides either.
+(`Admission.run`); the server pool (attempts.py) asks it, through `Admission`'s small interface, for a request's
+clock deadline on a server (attempts.py looks at the engine's evidence every LOOK_S; the clock alone judges only a
+server that reports no load, and how long a request later ones overtook may wait) and whether the tail has begun,
+when a request may be hedged. Nothing else decides either.
 
 - `TokenClock`: what one server has shown - seconds per output token, as the ratio of sums of recent
   request latencies over their output tokens (queue wait included, so a busy server earns longer
   deadlines), and the recent latencies for the tail's hedging threshold.
-- the stall deadline: when attempts.py first looks at a request's evidence, from what it asks for and what its
-  server has shown: `floor + margin * max_new_tokens * seconds_per_token`, doubled for each stall the request already
-  had. Before a server has answered anything, a slow prior stands in. Only a server that reports no load has its
-  requests judged by this clock alone.
+- the clock deadline, from what a request asks for and what its server has shown: `floor + margin *
+  max_new_tokens * seconds_per_token`, doubled for each stall the request already had. Before a server has
+  answered anything, a slow prior stands in. Only a server that reports no load has its requests judged by this
+  clock alone; elsewhere the engine's evidence decides (attempts.py).
 - `ConcurrencyControl` (concurrency.py): how many units may wait on the servers at once.
 - `Slots` (the hold): which units count against that number (those waiting on a server: a unit frees its
   slot when answered) and the order after an answer (the replacement's request goes out before the
@@ -96,7 +97,8 @@ class TokenClock:
 
 
 def stall_deadline(clock: TokenClock, max_new_tokens: int, limits: WatchdogLimits, stalls: int = 0) -> float:
-    """Seconds a request may take on this server before it counts as stalled."""
+    """The clock's seconds for a request on this server: past them a request on a server that reports no load counts
+    as stalled (elsewhere the engine's evidence decides: attempts.py)."""
     spt = clock.seconds_per_token()
     if spt is None:
         spt = limits.prior_s_per_token

@@ -8,11 +8,14 @@ A generation is judged by what its engine says it is doing, never by the clock a
   - chunks come (within `llm.stall_floor_s`): the engine is generating it;
   - started, then no chunk for `llm.stall_floor_s` while the server's queue (`Engine.load`: SGLang's `/get_load`,
     vLLM's `/metrics`, the CPU server's counters) is empty: **stalled** (it stopped, and was not put back to wait);
-  - not started: queued, unless the engine does not hold it: the server's own count is below this actor's attempts
-    there (`routing.Evidence`) and either nothing waits there or an attempt sent after this one already started
-    (the engines schedule in arrival order): **stalled**. Past the clock's deadline (admission.py's
-    `stall_deadline`), an attempt that later ones overtook counts as stalled too (a server shared with other
-    clients, whose counts hide this actor's);
+  - not started: queued, unless the engine does not hold it (`routing.Evidence`): **stalled** when nothing waits
+    there and the server's own count is below this actor's attempts surely counted there (sent LAG_S before the
+    reading), or when an attempt sent after this one started over LAG_S ago (the engines schedule in arrival order,
+    so this one is not waiting its turn; measured from the first start that overtook it, since a busy engine starts
+    requests every step) and the server holds fewer than reached it. Past the clock's deadline (admission.py's
+    `stall_deadline`), an overtaken attempt counts as stalled however many the server holds (a server shared with
+    other clients, whose counts hide this actor's). A request lost while the engine works on later ones does not
+    count toward taking the server out of rotation;
   - the server reports no load (LoadUnavailable): the clock alone judges, at that deadline.
   Queued is never stalled. A stalled attempt is aborted on its server (SGLang: `POST /abort_request {rid}`; every
   engine: its connection is closed) and re-sent elsewhere with a new id, and counts as its server's failure.
@@ -62,9 +65,9 @@ MAX_COPIES = 3  # an attempt and its hedges in flight at once (the tail only)
 SLOWER_BY = 1.5  # a server this many times slower per token than another is worth a hedge there
 HEDGE_BUDGET = 0.05  # hedge copies may cost at most this share of the tokens answered
 LOAD_CONFIRM_S = 0.5  # evidence against an attempt is read again this often...
-SUSPECT_FOR_S = 2.0  # ...and must hold this long, every reading, before it counts as a stall (a prefill in progress,
+SUSPECT_FOR_S = 1.0  # ...and must hold this long, every reading, before it counts as a stall (a prefill in progress,
 # an answer on its way back, are moments)
-LOOK_S = 2.0  # how often the evidence of an attempt the engine has not started is looked at
+LOOK_S = 1.0  # how often the evidence of an attempt the engine has not started is looked at
 ORDER_SLACK_S = 0.05  # attempts sent this close together may reach the engine in either order
 
 
@@ -75,6 +78,9 @@ class Look:
 
     stalled: str | None
     again_s: float
+    # the engine kept starting later requests meanwhile: it lost this one but works, so the loss does not count
+    # toward taking it out of rotation (routing.record_lost)
+    working: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -226,6 +232,7 @@ class ServerPool:
                 elif admission.may_hedge_later() and len(copies) < MAX_COPIES:
                     wake = min(wake, 1.0)  # re-check: capacity may free up in the tail
                 if wake <= 0:
+                    working = False
                     if now >= give_up:
                         verdict = f"no answer within llm.request_timeout_s={self.limits.request_timeout_s:.0f}s"
                     else:
@@ -236,7 +243,8 @@ class ServerPool:
                             look_at = time.monotonic() + (LOAD_CONFIRM_S if look.stalled is not None else look.again_s)
                             continue
                         verdict = look.stalled
-                    return await self._stall(copies, verdict)
+                        working = look.working
+                    return await self._stall(copies, verdict, working)
                 waiting_on: set[asyncio.Future] = set(copies)
                 tail = admission.tail_started()
                 if tail is not None:
@@ -286,20 +294,25 @@ class ServerPool:
             return Look(None, LOOK_S)
         if now - live.sent_at < LAG_S:
             return Look(None, LOOK_S)
-        missing = evidence.known < ours  # some of this actor's attempts there are unknown to the engine
+        missing = evidence.known < ours  # some of this actor's attempts there are surely unknown to the engine
+        short = evidence.known < evidence.sent  # ...or, on a busy engine, likely: fewer held than reached it
         # the engine started an attempt sent after this one, a while ago: this one is not waiting its turn
-        passed = server.started_upto > live.sent_at + ORDER_SLACK_S and now - server.started_seen >= LAG_S
-        if (missing and (evidence.waiting == 0 or passed)) or (passed and now >= deadline):
+        overtaken = server.overtaken_since(live.sent_at + ORDER_SLACK_S)
+        passed = overtaken is not None and now - overtaken >= LAG_S
+        if (missing and evidence.waiting == 0) or (passed and (short or now >= deadline)):
             return Look(f"stalled: not started while {'nothing waits' if evidence.waiting == 0 else 'later ones ran'}"
-                        f"; {held}; {age}; aborted there", 0)
+                        f"; {held}; {age}; aborted there", 0, working=passed)
         return Look(None, LOOK_S)  # queued or running: the engine holds it
 
-    async def _stall(self, copies: dict[asyncio.Future, Copy], verdict: str) -> Failure:
+    async def _stall(self, copies: dict[asyncio.Future, Copy], verdict: str, working: bool = False) -> Failure:
         log.warning("%s", verdict)
         for copy in copies.values():
             copy.server.stalled += 1
             self.stalled += 1
-            self.routing.record_failure(copy.server, "stalled")
+            if working:
+                self.routing.record_lost(copy.server, "stalled")
+            else:
+                self.routing.record_failure(copy.server, "stalled")
         await self._cancel(copies)
         return Failure(Reason.STALLED, verdict, "stalled")
 

@@ -1,8 +1,8 @@
 """What an actor's requests may ask and how its client behaves: `ClientLimits`.
 
 The request itself (the token budget rule, the ids check, each engine's body and answer) is
-pipegen/engines/'s; the limits here add the client's timing knobs to the token budget engines read (a request's stall
-deadline and hedging are the actor's admission policy: admission.py).
+pipegen/engines/'s; the limits here add the client's timing knobs to the token budget engines read (a request's clock
+deadline and hedging are the actor's admission policy: admission.py; a stall, the engine's evidence: attempts.py).
 Owns: `ClientLimits`. Must never: do I/O (sending.py sends, attempts.py retries).
 """
 

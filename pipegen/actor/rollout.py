@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 
 # The response text a line carries up front: with the head, the reward and the finish it fits the 200 characters
-# of README's `tail -f ... | cut -c1-200`; decoding 48 tokens costs microseconds (detokenize.py's byte table).
+# of docs/outputs.md's `tail -f ... | cut -c1-200`; decoding 48 tokens costs microseconds (detokenize.py's byte table).
 PEEK_CHARS = 120
 PEEK_TOKENS = 48
 
@@ -370,7 +370,7 @@ class UnitRunner:
         result = await agent.run(dict(self.sampling_params), **kwargs)
         outputs = check_trajectories(result, self.prompt_length, self.response_length, self.placeholders)
         resumed = progress.row_fields()
-        for out in outputs if resumed else ():  # a user filters resumed rows by these (README: resume)
+        for out in outputs if resumed else ():  # a user filters resumed rows by these (docs/outputs.md)
             out.extra_fields.update(resumed)
         not_scored = None  # a failed reward keeps the samples unscored (Unscored below), never given a number
         try:  # a loop's own scores are kept (scoring.py)

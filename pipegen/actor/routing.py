@@ -18,7 +18,9 @@ generation (sending.py does), or decide a retry, an abort or a hedge (attempts.p
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
@@ -34,7 +36,9 @@ log = logging.getLogger("pipegen.client")
 
 STICKY_CACHE_SIZE = 10000
 LOAD_FRESH_S = 0.5  # a load reading younger than this answers supervision's question without asking again
+STARTS_KEPT = 4096  # starts remembered per server (ServerState.starts)
 LAG_S = 1.0  # an attempt sent this long before a load reading is surely counted in it
+TRANSIT_S = 0.1  # an attempt sent this long before a reading has reached a healthy engine on its network
 
 
 class RetriesExhausted(Exception):
@@ -49,6 +53,7 @@ class Evidence:
     waiting: int
     at: float
     ours: int  # this actor's attempts there sent LAG_S before `at` (surely counted in the reading)
+    sent: int  # ...and those sent TRANSIT_S before `at` (counted unless the engine lost one, or lags)
 
     @property
     def known(self) -> int:
@@ -72,11 +77,11 @@ class ServerState:
     http_requests: int = 0  # POSTs (a grouped request counts once)
     group_failures: int = 0  # grouped requests in a row that failed as a whole (sending.GROUP_GIVE_UP: one by one)
     sent_at: dict[str, float] = field(default_factory=dict)  # rid -> when sent, for each attempt in flight here
-    # the latest send time among attempts here that the engine has started (a first chunk, or an answer), and when
-    # that was seen: a request sent before it and not started is not waiting its turn (the engines schedule in
-    # arrival order: SGLang's default --schedule-policy fcfs, vLLM's, the CPU server's)
-    started_upto: float = 0.0
-    started_seen: float = 0.0
+    # each time the engine started an attempt sent later than any it had started before (a first chunk, or an
+    # answer): (that attempt's send time, when its start was seen), both increasing. A request sent before such an
+    # attempt and not started is not waiting its turn (the engines schedule in arrival order: SGLang's default
+    # --schedule-policy fcfs, vLLM's, the CPU server's). `overtaken_since` asks it.
+    starts: list[tuple[float, float]] = field(default_factory=list)
     evidence: Evidence | None = None  # its last load reading
     load_reported: bool = True  # False once the engine said it has no load route: the clock alone judges
     reading: asyncio.Task | None = None  # a load reading under way (one at a time per server)
@@ -84,6 +89,21 @@ class ServerState:
     def sent_before(self, t: float) -> int:
         """Attempts of this actor in flight here that were sent before `t`."""
         return sum(1 for s in self.sent_at.values() if s < t)
+
+    def mark_started(self, sent_at: float, now: float) -> None:
+        """The engine started an attempt sent at `sent_at`, seen at `now`."""
+        if not self.starts or sent_at > self.starts[-1][0]:
+            self.starts.append((sent_at, now))
+            if len(self.starts) > STARTS_KEPT:
+                # the oldest go: a request older than what is kept reads the oldest kept start, seen later than the
+                # first that overtook it, so it is judged later, never sooner
+                del self.starts[:STARTS_KEPT // 2]
+
+    def overtaken_since(self, sent_at: float) -> float | None:
+        """When the engine was first seen to start an attempt sent after `sent_at` (None: not yet). Measured from
+        that first start, not the latest: on a busy engine new starts come every step."""
+        i = bisect.bisect_right(self.starts, (sent_at, math.inf))
+        return self.starts[i][1] if i < len(self.starts) else None
 
 
 class Routing:
@@ -156,6 +176,11 @@ class Routing:
                 self._recovered.clear()
             self._start_probe(server, self.limits.probe_interval_s)
 
+    def record_lost(self, server: ServerState, kind: str) -> None:
+        """A request the server lost while it kept working on later ones: counted, but not a failure in a row (taking
+        a working server out of rotation would leave its other requests waiting on a probe)."""
+        server.errors[kind] = server.errors.get(kind, 0) + 1
+
     def record_success(self, server: ServerState) -> None:
         server.consecutive_failures = 0
         server.successes += 1
@@ -219,7 +244,8 @@ class Routing:
             log.info("%s: no load reading (%s)", server.url, e)
             return None
         # stamped when asked: what was sent before it counts
-        server.evidence = Evidence(running, waiting, asked, server.sent_before(asked - LAG_S))
+        server.evidence = Evidence(running, waiting, asked, server.sent_before(asked - LAG_S),
+                                   server.sent_before(asked - TRANSIT_S))
         return server.evidence
 
     # ---- reports ----

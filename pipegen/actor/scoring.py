@@ -25,9 +25,9 @@ from pipegen.config.schema import Rows
 from pipegen.rewards.protocol import ScoreRequest, parse_result
 from pipegen.rewards.spec import BuiltReward, RewardOrder
 from pipegen.rewards.verifier import VerifierReward
+from pipegen.run.provenance import FINAL, LOOP, OWN
 from pipegen.run.stream import PieceKeys
 
-OWN, FINAL, LOOP = "own", "final", "loop"  # the values of a row's reward_rule (null: unscored)
 
 
 class Piece(Protocol):

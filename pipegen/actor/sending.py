@@ -370,7 +370,7 @@ class Sender:
             if live is not None:
                 live.last_chunk_at = now = time.monotonic()
                 live.answer = answer
-                _started(live.server, live.sent_at, now)
+                live.server.mark_started(live.sent_at, now)
             if request.progress is not None:
                 try:
                     request.progress(request.rid, answer.ids, answer.logprobs)
@@ -420,7 +420,7 @@ class Sender:
             self.routing.record_failure(server, "bad_response")
             return Failure(Reason.BAD_RESPONSE, f"unreadable answer from {server.url}: {e}", "bad_response")
         self.routing.record_success(server)
-        _started(server, started, time.monotonic())
+        server.mark_started(started, time.monotonic())
         latency = time.monotonic() - started
         self.latencies.append(latency)
         server.clock.observe(latency, len(out.token_ids))
@@ -433,12 +433,6 @@ class Sender:
     def close(self) -> None:
         for task in [*self._group_asks.values(), *(p.flush for p in self._pending.values() if p.flush)]:
             task.cancel()
-
-
-def _started(server: ServerState, sent_at: float, now: float) -> None:
-    """The engine started an attempt sent at `sent_at` (routing.ServerState.started_upto)."""
-    if sent_at > server.started_upto:
-        server.started_upto, server.started_seen = sent_at, now
 
 
 def _settle_from(future: asyncio.Future, task: asyncio.Task) -> None:

@@ -42,7 +42,7 @@ from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.stats_line import ActorStats
 from pipegen.run.medium import Appender, FAILURES, ROLLOUTS, open_medium
-from pipegen.run.stream import kept_unscored, RolloutRecord, TrajectoryKeys
+from pipegen.run.stream import assistant_turns, kept_unscored, RolloutRecord, TrajectoryKeys
 
 log = logging.getLogger("pipegen.actor")
 
@@ -65,7 +65,7 @@ class ActorCounters:
         self.trajectories += record.num_rows
         for t in record.trajectories:
             self.response_lengths.append(len(t[TrajectoryKeys.RESPONSE_IDS]))
-            self.turns.append(t[TrajectoryKeys.NUM_TURNS])
+            self.turns.append(assistant_turns(t[TrajectoryKeys.RESPONSE_MASK]))  # not verl's num_turns: messages
             if t.get(TrajectoryKeys.REWARD_SCORE) is not None:
                 self.rewards.append(t[TrajectoryKeys.REWARD_SCORE])
 

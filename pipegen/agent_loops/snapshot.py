@@ -18,8 +18,8 @@ Register it through a verl agent-loop config (conf/agent_loops/examples.yaml):
 
 and select it with `actor_rollout_ref.rollout.agent.default_agent_loop=context_snapshot_agent` (or an
 `agent_name` column). pipegen writes one record per unit holding all pieces; the writer makes one row per
-piece with `trajectory` = 0, 1, ...; each is scored by the run's `rows.reward` rule (README: several
-trajectories).
+piece with `trajectory` = 0, 1, ...; each is scored by the run's `rows.reward` rule (docs/outputs.md:
+Several trajectories per sample).
 
 Owns: the snapshot bookkeeping on top of ToolAgentLoop's state machine.
 Must never: re-tokenize (snapshots are slices of the loop's own token lists), or change what

@@ -2,14 +2,16 @@
 
 Owns: finding verl's config folder without importing verl, finding the top-level `conf/` (the package
 `pipegen.conf`: a checkout's own folder, or pipegen/conf/ in an installed wheel), composing its `pipegen.yaml`
-with the command line's overrides, saying in one line what is wrong with an override, the type and rule check of
-every key, and the `--help` listing.
+with the command line's overrides, saying in one line what is wrong with an override (a typo in verl's groups
+from one composition of the defaults, `unknown_verl_key`, before the launch imports its machinery), the type and
+rule check of every key, and the `--help` listing.
 Must never: import verl or torch (the launcher's startup stays fast), import any other part of pipegen (config/
 is the ground floor), or write a file (launch/ saves the resolved config into the run directory).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
@@ -78,24 +80,69 @@ def refuse_new_keys(overrides: list[str]) -> None:
                              "+custom_reward_function.reward_kwargs.NAME=VALUE)")
 
 
-_KNOWN: list[str] = []
+@functools.cache
+def default_config() -> DictConfig:
+    """The config no override changes, pipegen's and verl's groups (composed once per process): what a key is
+    looked up in before the command line's own composition."""
+    return compose(["output_dir=DIR"])
 
 
+@functools.cache
 def known_keys() -> list[str]:
-    """Every key of the default config, pipegen's and verl's groups, dotted (composed once per process)."""
-    if not _KNOWN:
-        def walk(node, prefix: str) -> None:
-            for k in node:
-                value = node._get_node(k) if OmegaConf.is_config(node) else None
-                path = f"{prefix}{k}"
-                child = node.get(k) if isinstance(node, DictConfig) else None
-                if isinstance(child, DictConfig):
-                    walk(child, path + ".")
-                elif value is not None:
-                    _KNOWN.append(path)
+    """Every key of the default config, pipegen's and verl's groups, dotted."""
+    known: list[str] = []
 
-        walk(compose(["output_dir=DIR"]), "")
-    return _KNOWN
+    def walk(node, prefix: str) -> None:
+        for k in node:
+            value = node._get_node(k) if OmegaConf.is_config(node) else None
+            path = f"{prefix}{k}"
+            child = node.get(k) if isinstance(node, DictConfig) else None
+            if isinstance(child, DictConfig):
+                walk(child, path + ".")
+            elif value is not None:
+                known.append(path)
+
+    walk(default_config(), "")
+    return known
+
+
+def unknown_key_line(key: str, known: list[str] | None = None) -> str:
+    """The one line refusing a key the config does not have, with the closest known keys (`known`: every key of
+    the composed config when not given)."""
+    close = did_you_mean(key, known)
+    plus = f" (a new key there needs a leading +, as in +{key}=...)" if new_key_allowed(key) else ""
+    return f"unknown key '{key}'" + (f"; did you mean {close}?" if close else f": check its spelling against "
+                                     f"{help_command()}") + plus
+
+
+def unknown_verl_key(overrides: list[str]) -> str:
+    """One line for the first plain override of a key in verl's groups that Hydra's composition would refuse
+    (a struct mapping of the default config without it), looked up in one composition of the defaults rather than
+    the command line's; '' when none. A group choice (`a/b=...`) or a `+key` may add keys: those overrides are
+    left to the composition, as is any key below a value that is no mapping."""
+    parsed = [p for o in overrides if (p := parse(o)) is not None]
+    if any("/" in p.key for p in parsed):
+        return ""
+    added = [p.key for p in parsed if p.prefix]
+    keys = [p.key for p in parsed if not p.prefix and p.key.split(".", 1)[0] in VERL_GROUPS
+            and not any(p.key == a or p.key.startswith(a + ".") for a in added)]
+    if not keys:
+        return ""
+    try:
+        cfg = default_config()
+    except Exception:  # noqa: BLE001 (a config that does not compose is refused by the launch's own composition)
+        return ""
+    for key in keys:
+        node: object = cfg
+        for part in key.split("."):
+            if not isinstance(node, DictConfig):
+                break  # below a value that is no mapping: the composition judges
+            if part not in node.keys():
+                if OmegaConf.is_struct(node):
+                    return unknown_key_line(key)
+                break
+            node = node._get_node(part)
+    return ""
 
 
 def unknown_key(overrides: list[str]) -> str:
@@ -115,10 +162,7 @@ def unknown_key(overrides: list[str]) -> str:
             continue
         if root in roots and any(key.startswith(k + ".") for k in known):
             continue  # inside a key that holds a mapping (custom_reward_function.reward_kwargs.NAME)
-        close = did_you_mean(key, pipegen_keys())
-        plus = f" (a new key there needs a leading +, as in +{key}=...)" if new_key_allowed(key) else ""
-        return f"unknown key '{key}'" + (f"; did you mean {close}?" if close else f": check its spelling against "
-                                         f"{help_command()}") + plus
+        return unknown_key_line(key, pipegen_keys())
     return ""
 
 
@@ -187,11 +231,7 @@ def describe_config_error(error: Exception, overrides: list[str] = ()) -> str:
     first = lines[0] if lines else type(error).__name__
     m = re.match(r"Could not override '([^']+)'", first)
     if m:
-        key = m.group(1)
-        close = did_you_mean(key)
-        hint = (f"; did you mean {close}?" if close else f": check its spelling against {help_command()}")
-        plus = f" (a new key there needs a leading +, as in +{key}=...)" if new_key_allowed(key) else ""
-        return f"unknown key '{key}'{hint}{plus}"
+        return unknown_key_line(m.group(1))
     m = re.search(r"Could not find '([^'/]+)/([^']+)'", first)
     if m:
         group = m.group(1)

@@ -229,7 +229,7 @@ class Reward:
 @dataclass
 class Rows:
     """rows.*: what each row carries when an agent loop returns several trajectories (pieces) per sample, e.g.
-    snapshots before each context deletion, then the final conversation (README: several trajectories)."""
+    snapshots before each context deletion, then the final conversation (docs/outputs.md)."""
 
     reward: str = key("own", "own = score each piece on its own (a piece whose loop set reward_score keeps it); "
                              "final = copy the final piece's reward to every piece (verl V1)", choices=("own", "final"))
@@ -257,6 +257,22 @@ class Trainer:
     logger: list[str] = key(["console"], "verl Tracking backends", items=TRACKING_BACKENDS)
 
 
+@dataclass
+class Storage:
+    """storage.*: the run's storage in an S3-compatible object store (pipegen/run/store.py), beside this node's
+    local run directory. Credentials and the endpoint come only from the standard AWS environment
+    (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION, ...), never from these keys."""
+
+    url: Optional[str] = key(None, "s3://bucket/prefix: each committed batch is also published there, committed "
+                                   "exactly once by a create-if-absent segment, and the outputs go there too; "
+                                   "output_dir stays this node's scratch folder. output_dir=s3://... alone sets it "
+                                   "(the scratch is then storage.scratch_dir). null: no store", non_empty=True)
+    scratch_dir: Optional[str] = key(None, "with output_dir=s3://bucket/prefix: this node's scratch folder (null: "
+                                           "~/.cache/pipegen/scratch/<bucket>/<prefix>)", non_empty=True)
+    writer_id: Optional[str] = key(None, "this node's writer name in the store (writers/<id>/); stable across "
+                                         "restarts; null: the host name", non_empty=True)
+
+
 KIND_NAMES = ("cpu", "sglang", "vllm", "external")
 DEFAULT_LLM = "cpu"  # the llm kind when none is chosen (conf/pipegen.yaml's defaults list names it for Hydra)
 
@@ -273,8 +289,10 @@ class Servers:
                                                     "not report it (vLLM); null = what the engine reports, else 256")
     ready_timeout_s: float = key(300.0, "the launcher waits this long for each server to answer", above=0)
     request_timeout_s: float = key(600.0, "outer bound per /generate request", above=0)
-    stall_floor_s: float = key(30.0, "a request is stalled after this + stall_margin x max_new_tokens x the "
-                                     "server's observed s/token: aborted there and re-sent", above=0)
+    stall_floor_s: float = key(30.0, "a streamed request with no token for this long while its server's queue is "
+                                     "empty is stalled: aborted there and re-sent; on a server that reports no "
+                                     "load, after this + stall_margin x max_new_tokens x its observed s/token",
+                               above=0)
     stall_margin: float = key(3.0, "see stall_floor_s", above=0)
 
 
@@ -482,6 +500,7 @@ class PipegenConfig:
     rows: Rows = field(default_factory=Rows)
     external: External = field(default_factory=External)
     export: Export = field(default_factory=Export)
+    storage: Storage = field(default_factory=Storage)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
     streams: Streams = field(default_factory=Streams)  # streams=files | streams=redis

@@ -13,7 +13,7 @@ key of `VERL_KEYS`:
 - `Refused`: pipegen cannot honour it; one line naming pipegen's key (or that there is nothing to set).
 
 Owns: the table of verl keys under `actor_rollout_ref.rollout`, `actor_rollout_ref.model`, `data` and `trainer` and what pipegen does
-with each (README "Your own job" lists it), and the rewrite of the overrides.
+with each (docs/configuration.md's "What pipegen does with verl's keys" lists it), and the rewrite of the overrides.
 Must never: import verl or Hydra (it runs before the config is composed), or let a listed key through
 that pipegen would then ignore.
 """
@@ -113,7 +113,7 @@ VERL_KEYS: dict[str, Handling] = {
         "checkpoint_engine.", "profiler.", "prometheus.", "router_config_path", "disaggregation.", "mtp", "qat",
         "enable_rollout_routing_replay", "moe_load_balance_metrics_interval", "update_weights_bucket_megabytes")},
     f"{ROLLOUT}trace.": Refused("every trajectory is in the run's streams already: python -m pipegen.status DIR "
-                                "--follow (README: Watch a run)"),
+                                "--follow (docs/outputs.md: Watch a run live)"),
     f"{ROLLOUT}multi_turn.": AGENT_LOOP,
     f"{ROLLOUT}agent.default_agent_loop": AGENT_LOOP,
     f"{ROLLOUT}agent.agent_loop_config_path": AGENT_LOOP,

@@ -1,9 +1,10 @@
 """A run's trajectories as Parquet or JSON lines: one row per trajectory, for SFT and best-of-n without verl.
 
 Columns, in order: index, sample, trajectory, uid, raw_prompt (the chat messages sent), response_text (the response
-tokens decoded with the run's tokenizer, special tokens kept), prompt_ids, response_ids, response_mask,
-rollout_log_probs, reward (the row's summed rm_scores, null when unscored), finish_reason ("stop" when the
-last model token is an EOS id, else "length": verl's rows keep no finish reason, so it is derived), messages
+tokens decoded with the run's tokenizer, its special tokens such as `<|im_end|>` left out), prompt_ids,
+response_ids, response_mask, rollout_log_probs, reward (the row's summed rm_scores, null when unscored),
+finish_reason ("stop" when the last model token is an EOS id, else "length": verl's rows keep no finish reason, so
+it is derived), messages
 (what SFT loaders read: the prompt's messages, then an `assistant` message per run of model tokens, decoded
 without special tokens, and the tokens between two runs (a tool's reply or a user turn as the chat template
 rendered them) as a `tool` message; a gateway row's own messages as the harness held them), then every other
@@ -205,7 +206,7 @@ class RowBuilder:
         for k in self.schema.fields:
             if k in LEADING:
                 out[k] = self._values(k, nt[k], json_strings)
-        out["response_text"] = self._decode([r.tolist() for r in per_row])
+        out["response_text"] = self._decode([r.tolist() for r in per_row], skip_special_tokens=True)
         out["prompt_ids"] = (b[BatchColumns.PROMPTS][prompt_att].astype(np.int32), prompt_off)
         out["response_ids"] = (response_ids, resp_off)
         out["response_mask"] = (mask, resp_off)

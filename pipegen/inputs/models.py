@@ -423,11 +423,36 @@ def hub_snapshot(repo_id: str) -> str:
         try:
             return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True)
         except Exception:
-            reason = str(online).strip().splitlines()[0][:200] if str(online).strip() else type(online).__name__
-            raise ValueError(f"model_path={repo_id}: not a local folder, and the Hub id is neither downloadable "
-                             f"({reason}) nor in huggingface_hub's cache; get a local copy with `{hub_cli()} "
-                             f"download {repo_id} --local-dir DIR` (on a machine online) and pass model_path=DIR"
-                             ) from None
+            raise ValueError(hub_refusal(repo_id, online)) from None
+
+
+def hub_refusal(repo_id: str, online: BaseException) -> str:
+    """The one line for a Hub id that is neither downloadable (`online`: why not) nor in huggingface_hub's cache."""
+    reason = str(online).strip().splitlines()[0][:200] if str(online).strip() else type(online).__name__
+    return (f"model_path={repo_id}: not a local folder, and the Hub id is neither downloadable ({reason}) nor in "
+            f"huggingface_hub's cache; get a local copy with `{hub_cli()} download {repo_id} --local-dir DIR` (on a "
+            f"machine online) and pass model_path=DIR")
+
+
+def unreachable_hub_id(spec: str) -> str:
+    """The launch's first look at a model_path that is a Hub id and no local folder: '' when huggingface_hub's cache
+    holds a snapshot of it or the Hub answers for it (the launch then gets it through `hub_snapshot`), else the one
+    line `hub_snapshot` would end in, without downloading anything or reading the rest of the config."""
+    key = spec.strip()
+    if key.lower() in SHORT_NAMES or not is_hub_id(key) or os.path.exists(os.path.expandvars(os.path.expanduser(key))):
+        return ""
+    from huggingface_hub import model_info, snapshot_download
+
+    try:
+        snapshot_download(key, allow_patterns=HUB_FILES, local_files_only=True)
+        return ""
+    except Exception:  # noqa: BLE001 (not cached: the Hub is asked below)
+        pass
+    try:
+        model_info(key)
+        return ""
+    except Exception as online:  # noqa: BLE001 (offline, no network, no such repo, gated: hub_snapshot fails too)
+        return hub_refusal(key, online)
 
 
 def resolve_model_path(spec: str, cache_dir: str | None = None) -> str:

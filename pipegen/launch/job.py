@@ -3,9 +3,11 @@
 In order: the engine chosen (launch/engine_choice.py: llm= as given, else verl's rollout.name, else what this
 machine has); verl's own keys translated (config/verl_keys.py); pipegen's and verl's keys composed with the
 overrides (config/compose.py), then the named tasks' defaults wherever an override does not set the key
-(`compose_job`, which `--help` lists too); every key's type and rule checked; output_dir made absolute (a file
-is refused); the inputs' short names made real paths (the model, the demo set, each task's file in the run,
-computed in memory; a harness's file made absolute); the config resolved (`resolve_job`). Each refusal is one line naming the fix.
+(`compose_job`, which `--help` lists too); every key's type and rule checked; output_dir=s3://... made storage.url
+with this node's scratch folder as output_dir (a scheme pipegen does not speak is refused); output_dir made
+absolute (a file is refused); the inputs' short names made real paths (the model, the demo set, each task's file in
+the run, computed in memory; a harness's file made absolute); the config resolved (`resolve_job`). Each refusal is
+one line naming the fix.
 
 Owns: the order above. Must never: write into the run directory (the task files are handed to prepare, which
 writes them once it holds the run's lock and the resume guard has passed), load the user's reward function
@@ -29,6 +31,7 @@ from pipegen.inputs.models import resolve_model_path
 from pipegen.launch.early import MISSING_OUTPUT_DIR
 from pipegen.launch.engine_choice import choose_engine
 from pipegen.run.layout import RunDir
+from pipegen.run.store import StoreRefused, StoreUrl, default_scratch, is_store_url
 from pipegen.tasks.manifest import apply_task_defaults
 from pipegen.tasks.materialize import TaskData, task_files
 
@@ -83,6 +86,8 @@ def resolve_job(argv: list[str]) -> Job:
         raise JobRefused(describe_config_error(e, overrides)) from None
     try:
         check_types(cfg)  # every key, output_dir first among them, before any path is resolved
+        with open_dict(cfg):
+            cfg.output_dir = scratch_for_store(cfg)
         run = RunDir(Path(cfg.output_dir).expanduser().resolve())
         if run.root.exists() and not run.root.is_dir():
             raise JobRefused(f"output_dir={run.root} is a file; output_dir names a directory (new or a run's): "
@@ -95,6 +100,25 @@ def resolve_job(argv: list[str]) -> Job:
         raise JobRefused(str(e)) from None
     except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing value (llm.urls)
         raise JobRefused(describe_config_error(e, overrides)) from None
+
+
+def scratch_for_store(cfg: DictConfig) -> str:
+    """output_dir=s3://bucket/prefix alone: the store becomes storage.url and output_dir this node's scratch folder
+    (storage.scratch_dir, or a default under ~/.cache). A URL pipegen does not speak is refused in one line."""
+    output_dir, url = str(cfg.output_dir), cfg.storage.url
+    try:
+        if url:
+            StoreUrl.parse(str(url))
+        if not is_store_url(output_dir):
+            return output_dir
+        StoreUrl.parse(output_dir)
+    except StoreRefused as e:
+        raise JobRefused(str(e)) from None
+    if url and str(url).rstrip("/") != output_dir.rstrip("/"):
+        raise JobRefused(f"output_dir={output_dir} and storage.url={url} name two stores: give one of them (with "
+                         "storage.url, output_dir is this node's scratch folder)")
+    cfg.storage.url = output_dir
+    return str(cfg.storage.scratch_dir or default_scratch(output_dir))
 
 
 def resolve_inputs(cfg: DictConfig) -> list[TaskData]:

@@ -8,7 +8,7 @@ run dry.
 
 When a lease is lost to a Ray infrastructure error (its node died, its runner is unreachable), the units
 of it that are neither committed nor in a complete shard line (the same scan an actor does on start) go
-back to the front of the queue. Units that were written after all are then run twice at worst: the
+back to the front of the queue; with a store, those its segments do not commit (a lost node's disk is gone). Units that were written after all are then run twice at worst: the
 writer keeps the first complete record and counts the rest as duplicates.
 
 Owns: the launcher's in-memory lease state (rebuilt from the run directory on a relaunch: nothing here
@@ -50,14 +50,18 @@ class Release:
     all_leased_at: float | None = None
 
 
-def open_units(run: RunDir, n: int, units: Iterable[int] | None = None) -> list[int]:
+def open_units(run: RunDir, n: int, units: Iterable[int] | None = None,
+               settled: set[int] | None = None) -> list[int]:
     """Unit keys (all of the run's, or `units`) that are neither committed nor in a complete shard line,
-    in the order given (the whole run: prompt-major, in manifest order)."""
+    in the order given (the whole run: prompt-major, in manifest order). With a store, `settled` (the units its
+    segments commit, and those a node listed failed) replaces the run directory's view: no node's disk is read."""
     keys = UnitKeys(n)
-    ckpt = load_checkpoint(run.checkpoint)
-    written = {keys.key(i, s) for i, s in open_medium(run).units(ROLLOUTS, ckpt)}
     if units is None:
         units = (keys.key(index, s) for index in run.read_manifest() for s in range(n))
+    if settled is not None:
+        return [u for u in units if u not in settled]
+    ckpt = load_checkpoint(run.checkpoint)
+    written = {keys.key(i, s) for i, s in open_medium(run).units(ROLLOUTS, ckpt)}
     return [u for u in units if u not in ckpt.committed and u not in written]
 
 

@@ -11,6 +11,12 @@ partitioned node. The children watch the runner's pid and exit with it (observe/
 the servers' process groups are also in the node record, and the next incarnation on the same host
 kills any left (an SGLang server does not watch its parent).
 
+With a store (storage.url) there is no shared folder: each runner start makes a scratch folder of its own on its
+node's disk (run/store.py's `node_scratch`), takes the run's conf files from the store (units.json as soon as the
+launcher puts it there), and runs its node's writer there too (`writer=<node>-<incarnation>`), which commits this
+node's batches to the store. The launcher asks it to `flush` (commit what the node's shards hold now) when its
+units are all written, and `stop` ends that writer once what it committed is in the store.
+
 Owns: this node's children, its node record, and the queue of units its actors pull from.
 Must never: import ray at module level (a local run imports nothing of Ray), decide which units are pending
 in the run (the Ray placement's lease book does), or write streams itself.
@@ -34,12 +40,16 @@ from pathlib import Path
 import orjson
 from omegaconf import OmegaConf
 
+from pipegen.run.atomic import atomic_write_bytes
+from pipegen.run.handshake import FINISH_SIGNAL, FLUSH_SIGNAL
 from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
 from pipegen.launch.leases import open_units
 from pipegen.launch.node_processes import NodeProcesses
+from pipegen.launch.run_writer import RunWriter
 from pipegen.launch.world import current_plan
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import NodeRecord, RunDir, node_actor_role
+from pipegen.run.store import CONF_FILES, Store, conf_key, node_scratch
 
 log = logging.getLogger("pipegen.node")
 
@@ -170,12 +180,16 @@ class LeaseEndpoint:
 class NodeRunner:
     """A Ray actor (made remote by ray_placement.py): this node's servers, actors and lease queue."""
 
-    def __init__(self, output_dir: str, node: str, launch: str):
-        self.run = RunDir(Path(output_dir))
+    def __init__(self, output_dir: str, node: str, launch: str, store_url: str | None = None):
         self.node = node
         self.incarnation = uuid.uuid4().hex[:6]
+        self.store_url = store_url
+        self.run = RunDir(node_scratch(store_url, f"{node}-{self.incarnation}") if store_url else Path(output_dir))
         self.host = socket.gethostname()
         self.error: str | None = None
+        self.writer: RunWriter | None = None
+        if store_url:
+            self._conf_from_store()
         self._log_to_run_dir()
         self._sweep_previous()
         for var in NODE_RANK_VARS:
@@ -201,9 +215,29 @@ class NodeRunner:
         for role in actors:
             self.processes.start_actor(role, role.removeprefix("actor_"), plan.num_actors, node=node,
                                        leases=self.endpoint.url)
+        if store_url:  # this node's batches go to the store from this node: its own writer
+            self.writer = RunWriter(cfg, self.run, f"{node}-{self.incarnation}")
+            self.writer.start()
         log.info("%s incarnation %s on %s (pid %d): servers %s, actors %s, leases at %s", node, self.incarnation,
                  self.host, os.getpid(), ", ".join(plan.urls), ", ".join(actors), self.endpoint.url)
         threading.Thread(target=self._supervise, name="supervise", daemon=True).start()
+
+    def _conf_from_store(self) -> None:
+        """The run's contract from the store into this start's scratch folder; units.json once the launcher put it."""
+        store = Store(str(self.store_url), patience_s=None)
+        for folder in (self.run.conf, self.run.logs):
+            folder.mkdir(parents=True, exist_ok=True)
+        for name in CONF_FILES:
+            data = store.get(conf_key(name)) if name != self.run.units_file.name else None
+            if data is not None:
+                atomic_write_bytes(self.run.conf / name, data)
+
+        def manifest() -> None:  # the actors and the writer wait for it (run/handshake.py)
+            while (data := store.get(conf_key(self.run.units_file.name))) is None:
+                time.sleep(0.5)
+            atomic_write_bytes(self.run.units_file, data)
+
+        threading.Thread(target=manifest, name="manifest", daemon=True).start()
 
     def _log_to_run_dir(self) -> None:
         handler = logging.FileHandler(self.run.role_log(f"runner_{self.node}"))
@@ -215,7 +249,12 @@ class NodeRunner:
 
     def _sweep_previous(self) -> None:
         """Kill the servers a predecessor on this host left (a runner killed hard cannot stop them)."""
-        previous = self.run.read_node(self.node)
+        earlier = ([RunDir(p) for p in self.run.root.parent.glob(f"{self.node}-*") if p != self.run.root]
+                   if self.store_url else [self.run])  # with a store, each start has a folder of its own
+        for run in earlier:
+            self._sweep(run.read_node(self.node))
+
+    def _sweep(self, previous: NodeRecord | None) -> None:
         if previous is None or previous.host != self.host:
             return
         for pgid in previous.server_pgids:
@@ -238,6 +277,8 @@ class NodeRunner:
                         seen[name] = pid
                         self._recover_units_of(name)
                 self.processes.check_servers()
+                if self.writer is not None:
+                    self.writer.ended()  # restarts it after a crash; it ends when stop asks it to
             except Exception as e:  # CrashLoop, ServerNotReady: this node cannot work; the launcher hears it
                 self.error = f"{self.node}: {e}"
                 log.error("%s", self.error)
@@ -276,6 +317,19 @@ class NodeRunner:
     async def take_back(self) -> list[int]:
         return self.queue.take_back()
 
+    async def flush(self) -> bool:
+        """With a store: this node's writer commits what the node's shards hold now and publishes it. False while
+        it cannot be asked yet (not started, or restarting); the launcher asks again."""
+        return self._signal_writer(FLUSH_SIGNAL)
+
+    def _signal_writer(self, signum: int) -> bool:
+        proc = self.writer.role.proc if self.writer is not None else None
+        # publish.json exists once the writer listens: the signal's default action would end it
+        if proc is None or proc.poll() is not None or not self.run.publish_state.exists():
+            return False
+        os.kill(proc.pid, signum)
+        return True
+
     async def _until(self, condition) -> None:
         while not condition():
             if self.error is not None:
@@ -289,5 +343,10 @@ class NodeRunner:
         actors = [r for name, r in self.processes.sup.roles.items() if name.startswith("actor_")]
         while any(r.alive for r in actors) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
+        if self.writer is not None and self._signal_writer(FINISH_SIGNAL):  # what it committed goes to the store
+            while self.writer.role.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
         self.error = "stopped"  # ends the supervise thread: nothing is restarted any more
+        if self.writer is not None:
+            self.writer.stop()
         self.processes.stop()

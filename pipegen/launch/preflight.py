@@ -8,8 +8,8 @@ otherwise cost the whole run's generation. Before any process starts, on the dat
   once with an empty response; what it returns must be a score (protocol.parse_result);
 - the verifier (reward.verifier_url) answers one real request for that row, with a score;
 - the external loop's `external.harness` imports and names a callable, and `external.command`'s program exists.
-Tasks resolve earlier, when their rows are written (launch/job.py computes them, prepare writes them). Each failure is one line naming the
-setting and the fix; the cost (the seconds it took) is stated on the console, and
+Tasks resolve earlier, when their rows are written (launch/job.py computes them, prepare writes them). Each
+failure is one line naming the setting and the fix; the cost (the seconds it took) is stated on the console, and
 `generation.preflight=false` skips it.
 
 Owns: those checks. Must never: score a sample, start a process, or read more of the dataset than one row.

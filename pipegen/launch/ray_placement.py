@@ -15,9 +15,17 @@ resource gets a runner of its own (a one-bundle placement group). Every `cluster
 state goes to streams/stats/cluster.jsonl (nodes, leases out per node, units leased again after a
 loss), which `pipegen.status` shows.
 
+With a store (storage.url) the nodes share no folder: the launcher puts the run's conf files into the store before
+the runners start (units.json once read), each runner runs its own writer, and what is committed is what the
+store's segments say (run/store.py's `SegmentFollower`), never another node's disk. A lease then stays out until
+its units are committed in the store (or listed failed), so a node lost after writing them, before its writer
+published them, has them leased again; once a node's leases are all written and the queue is empty, its runner is
+asked to `flush` (its writer commits the partial batch), every FLUSH_EVERY_S until they are committed. A unit a
+node thought lost committed late stays committed once: every reader applies the store's tie-break.
+
 Owns: the Ray connection of the launcher, the placement groups, the runners' handles and the lease book.
 (Its settings are `cluster.*`, config/schema.py's RayCluster.)
-Must never: write under the run directory except its stats line, start processes on the head itself,
+Must never: write under the run directory except its stats line, read a node's disk when the run has a store, start processes on the head itself,
 or pin a runner to a node (a hard-pinned actor never comes back after its node dies, measured on ray 2.60).
 """
 
@@ -44,6 +52,8 @@ log = logging.getLogger("pipegen.launch")
 CLUSTER_ROLE = ClusterStats.ROLE  # its stats file: streams/stats/cluster.jsonl
 PROBE_RETRY_S = 1.0
 DISCOVER_EVERY_S = 2.0
+STORE_POLL_S = 1.0  # with a store: how often its new segments are read
+FLUSH_EVERY_S = 2.0  # with a store: how often a node whose units are all written is asked to commit them
 
 
 class ClusterError(RuntimeError):
@@ -91,6 +101,8 @@ class NodeSlot:
     takes: deque = field(default_factory=deque)  # (monotonic time, units) of leases its actors took
     taking_back: Any = None  # the ObjectRef of a take_back in flight
     units_taken_back: int = 0
+    flushing: Any = None  # with a store: the ObjectRef of a flush in flight
+    flushed_at: float = 0.0
 
     def pace(self, window_s: float) -> float | None:
         """Units per second its actors took over the last `window_s` (None before they took any)."""
@@ -125,6 +137,10 @@ class RayPlacement:
         self._lease_refs: dict[Any, tuple[str, int, str]] = {}  # ObjectRef -> ("taken" | "done", lease id, node)
         self._infra: tuple[type[BaseException], ...] = ()
         self.stats: StatsAppender | None = None
+        self.store_url = str(cfg.storage.url) if cfg.storage.url else None
+        self.follower = None  # with a store: run/store.py's SegmentFollower
+        self._written: set[int] = set()  # with a store: leases whose units are all in a shard line, not yet committed
+        self._polled = 0.0
 
     # ---- start ----
     def plan(self) -> WorldPlan:
@@ -135,6 +151,14 @@ class RayPlacement:
         """Join the cluster and place the runners; they start their nodes' servers and actors meanwhile."""
         self.launch = self.run.read_launch().launch
         self.stats = StatsAppender(self.run.stats, CLUSTER_ROLE)
+        if self.store_url:  # the runners read the run's contract from the store: it is there before they start
+            from pipegen.run.store import CONF_FILES, SegmentFollower, Store, conf_key
+
+            store = Store(self.store_url, patience_s=None)
+            for name in CONF_FILES:
+                if (self.run.conf / name).exists():
+                    store.put(conf_key(name), (self.run.conf / name).read_bytes())
+            self.follower = SegmentFollower(store, self.launch)
         self.connect()
         self.place_runners()
 
@@ -185,13 +209,17 @@ class RayPlacement:
             handle = remote.options(
                 num_cpus=0, **need, max_restarts=-1, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-            ).remote(str(self.run.root), name, self.launch)
+            ).remote(str(self.run.root), name, self.launch, self.store_url)
             self.state.slots[name] = NodeSlot(name, handle)
         log.info("placed %d node runner(s) (resource %s); %d in all", len(amounts), self.resource, self.state.bundles)
 
     def begin(self) -> None:
         """Lease the run's open units (rebuilt from the run directory) from a thread of this process."""
-        units = open_units(self.run, self.n)
+        if self.follower is not None:
+            from pipegen.run.store import conf_key
+
+            self.follower.store.put(conf_key(self.run.units_file.name), self.run.units_file.read_bytes())
+        units = open_units(self.run, self.n, settled=self._settled())
         self.book = LeaseBook(units, int(self.ccfg.lease_min_units), int(self.ccfg.lease_max_units))
         log.info("%d units to lease across the cluster", len(units))
         self._thread = threading.Thread(target=self._loop_guarded, name="leases", daemon=True)
@@ -219,7 +247,8 @@ class RayPlacement:
         while not self._stop.is_set():
             slots = self.state.slots.values()
             refs = (list(self._lease_refs) + [s.probe for s in slots if s.probe is not None]
-                    + [s.taking_back for s in slots if s.taking_back is not None])
+                    + [s.taking_back for s in slots if s.taking_back is not None]
+                    + [s.flushing for s in slots if s.flushing is not None])
             if refs:
                 ready, rest = ray.wait(refs, num_returns=1, timeout=0.2)
                 if ready and rest:
@@ -232,10 +261,14 @@ class RayPlacement:
                     self._lease_returned(ref)
                 elif any(s.taking_back == ref for s in slots):
                     self._taken_back(ref)
+                elif any(s.flushing == ref for s in slots):
+                    self._flushed(ref)
                 else:
                     self._probe_returned(ref)
             self._probe_silent()
             self._hand_out()
+            if self.follower is not None:
+                self._follow_store()
             now = time.monotonic()
             if now - last_discover >= DISCOVER_EVERY_S:
                 last_discover = now
@@ -265,11 +298,61 @@ class RayPlacement:
                 slot.untaken.discard(lease_id)
                 lease = self.book.out.get(lease_id)
                 slot.takes.append((time.monotonic(), len(lease.units) if lease else 0))
+        elif self.follower is not None:  # written on that node's disk only: out until the store commits it
+            if lease_id in self.book.out:
+                self._written.add(lease_id)
         elif self.book.finish(lease_id) is not None:
             slot.leases_done += 1
 
+    # ---- with a store: what is committed is what its segments say ----
+    def _settled(self) -> set[int] | None:
+        """With a store: the units its segments commit and those a node listed failed in this launch (read now)."""
+        if self.follower is None:
+            return None
+        from pipegen.run.stream import parse_unit_label
+
+        self.follower.refresh()
+        self._polled = time.monotonic()
+        return self.follower.committed | {self.n * i + s for i, s in map(parse_unit_label, self.follower.failed)}
+
+    def _follow_store(self) -> None:
+        """Leases whose units the store has settled are done; a node whose leases are all written while nothing
+        is left to lease is asked to flush its writer."""
+        if time.monotonic() - self._polled < STORE_POLL_S:
+            return
+        settled = self._settled()
+        for lease_id in sorted(self._written):
+            lease = self.book.out.get(lease_id)
+            if lease is None or set(lease.units) <= settled:
+                self._written.discard(lease_id)
+                if lease is not None and self.book.finish(lease_id) is not None:
+                    self.state.slots[lease.node].leases_done += 1
+        if self.book.queue:
+            return
+        now = time.monotonic()
+        for slot in self.state.slots.values():
+            out = self.book.outstanding(slot.name)
+            if (slot.state == "alive" and out and all(x.id in self._written for x in out) and slot.flushing is None
+                    and now - slot.flushed_at >= FLUSH_EVERY_S):
+                slot.flushed_at = now
+                slot.flushing = slot.handle.flush.remote()
+
+    def _flushed(self, ref) -> None:
+        """A flush's answer; an infrastructure error means the node is gone: its leases go back to the queue."""
+        import ray
+
+        slot = next(s for s in self.state.slots.values() if s.flushing == ref)
+        slot.flushing = None
+        try:
+            ray.get(ref)
+        except self._infra as e:
+            for lease in self.book.outstanding(slot.name):
+                self._lose(slot, lease.id, type(e).__name__)
+
     def _lose(self, slot: NodeSlot, lease_id: int, why: str) -> None:
-        release = self.book.lose(lease_id, lambda units: open_units(self.run, self.n, units))
+        self._written.discard(lease_id)
+        settled = self._settled()
+        release = self.book.lose(lease_id, lambda units: open_units(self.run, self.n, units, settled))
         if release is None:  # its other call already reported the loss
             return
         slot.leases_lost += 1
@@ -285,6 +368,10 @@ class RayPlacement:
             slot.probe_after = time.monotonic() + PROBE_RETRY_S
         if release.units:
             log.info("%d unit(s) of %s's lease %d go back to the queue", release.units, slot.name, lease_id)
+        if self.follower is not None:  # its written leases have no call in flight to report the loss: lost with it
+            for lease in self.book.outstanding(slot.name):
+                if lease.id in self._written:
+                    self._lose(slot, lease.id, why)
 
     def _probe_silent(self) -> None:
         now = time.monotonic()

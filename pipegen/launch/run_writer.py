@@ -1,5 +1,6 @@
 """The run's writer as the launcher runs it, beside every placement, on the launcher's node.
 
+Under cluster=ray with a store, each node runner runs one too, for its node (`node_writer`).
 It starts once the actors are starting (it imports verl, then waits for the unit manifest), is restarted
 after a crash like any role, and stands by (exit code EXIT_LOCKED) while a writer started by hand holds the
 directory: that one is the run's writer while it lives. If it exits before the run is complete, this
@@ -28,12 +29,14 @@ log = logging.getLogger("pipegen.launch")
 
 
 class RunWriter:
-    def __init__(self, cfg: DictConfig, run: RunDir):
+    def __init__(self, cfg: DictConfig, run: RunDir, node_writer: str | None = None):
+        """`node_writer`: cluster=ray with a store, a node runner's writer, publishing as that id."""
         self.run = run
         self.n = int(cfg.actor_rollout_ref.rollout.n)
         self.processes = NodeProcesses(cfg, run)
         self.role = self.processes.role(WriterStats.ROLE, [sys.executable, "-m", "pipegen.writer",
-                                                           f"output_dir={run.root}"])
+                                                           f"output_dir={run.root}"]
+                                        + ([f"writer={node_writer}"] if node_writer else []))
         self.role.final_codes = frozenset({0, EXIT_FAILED_UNITS, EXIT_DAMAGED})
         self.role.standby_codes = frozenset({EXIT_LOCKED})  # a writer started by hand owns the directory
         self._outside: int | None = None  # pid of a writer this launcher did not start

@@ -2,8 +2,10 @@
 
 - `refuse(message)`: one line on stderr, `pipegen: error: ...`, and exit code 2.
 - `Console`: while the run goes, every role's warnings and errors above the progress bar (off with
-  generation.show_progress=false), the start-up line once every actor of this launch has its first unit in a
-  shard, and the run's metrics through RunTracker (on the writer's node only, so a multi-node run tracks once).
+  generation.show_progress=false: then a progress line in pipegen's words every generation.tracking_interval_s
+  instead), the start-up line once every actor of this launch has its first unit in a shard, and the run's
+  metrics through RunTracker (on the writer's node only, so a multi-node run tracks once; what verl's Tracking
+  prints goes to DIR/logs/launch.log).
 - `report(run, n, writer_rc)`: where the data is, which units failed and why, or what the writer refused.
 
 Owns: what the launcher prints. Must never: change the run it shows, or decide when the run ends (the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from contextlib import ExitStack
 
 from omegaconf import DictConfig
@@ -29,6 +32,7 @@ from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, L
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
+from pipegen.run.provenance import harness_named
 from pipegen.config.invocation import command
 from pipegen.config.schema import RewardSpec, uses_external_loop
 from pipegen.run.stats_line import LaunchStats, WriterStats
@@ -57,6 +61,8 @@ class Console:
         self.snap = snapshot(run, self.n, total, self.shards)
         # a resumed bar starts at what is durable: committed, and finished in the shards (snapshot counts both)
         self.bar = ProgressBar(total, initial=self.snap.done) if cfg.generation.show_progress else None
+        self.line_every_s = float(cfg.generation.tracking_interval_s)  # without the bar: a progress line this often
+        self._last_line: tuple[float, str] | None = None  # when, and what, the last progress line said
         self._startup_logged = False
         self._stack = ExitStack()
 
@@ -77,6 +83,19 @@ class Console:
             self.tracker.update(self.snap, force=final)
         if self.bar is not None:
             self.bar.show(self.snap)
+        else:
+            self.log_progress(final)
+
+    def log_progress(self, final: bool) -> None:
+        """Without the bar: what it would show, as a log line, at the start, every line_every_s and at the end
+        (unless the last line said the same)."""
+        now = time.monotonic()
+        text = f"{self.snap.done}/{self.snap.total} samples on disk ({self.snap.committed} committed) | " \
+               f"{self.snap.postfix()}"
+        last = self._last_line
+        if last is None or (text != last[1] and (final or now - last[0] >= self.line_every_s)):
+            self._last_line = (now, text)
+            log.info("%s", text)
 
     def log_startup(self, final: bool) -> None:
         """Once every actor has reported its first unit (or at the end, as far as it got): the launch's
@@ -134,8 +153,7 @@ def reward_name(run: RunDir) -> str:
                      "unscored)"
     if not uses_external_loop(cfg):
         return run_reward
-    harness = f"external.harness={cfg.external.harness}" if cfg.external.harness else "external.command"
-    return f"what {harness} returns; for a unit it returns no reward for, {run_reward}"
+    return f"what {harness_named(cfg)} returns; for a unit it returns no reward for, {run_reward}"
 
 
 def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = False) -> int:

@@ -12,6 +12,8 @@ stats line, whether that process is alive, the age of that line; who holds DIR/.
 where the logs are. Exit status 0 for any run directory; 2 with one line for a path that is not one.
 
 Owns: reading a run directory into a human (or --json) report.
+A storage url (s3://bucket/prefix) is read from the store alone (run/store_read.py) into a local read cache.
+
 Must never: write anything under DIR, take or break the writer lock, signal a process, or import
 verl/torch (it must answer in well under a second beside a busy run).
 """
@@ -31,6 +33,7 @@ from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.ownership import LockStatus, lock_status
+from pipegen.run.store import StoreError, is_store_url, read_publish_state
 from pipegen.observe.progress import snapshot
 from pipegen.run.unit_progress import progress_summary
 from pipegen.observe.startup import startup_phases
@@ -68,6 +71,7 @@ class RunStatus:
     servers: list[dict[str, Any]] = field(default_factory=list)  # {"url", "answering"}
     startup: dict[str, Any] | None = None  # this launch's start-up phases (pipegen/observe/startup.py)
     cluster: ClusterStats | None = None  # cluster=ray: the launcher's latest cluster line (launch/ray_placement.py)
+    store: str = ""  # storage.url: what the writer published to the object store and what it waits on
 
 
 class NotARun(Exception):
@@ -189,7 +193,23 @@ def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
     return RunStatus(str(run.root), state, hint, progress, rates, snap.metrics, roles, lock,
                      dict(snap.failed_units), str(run.logs), logs, servers,
                      {**phases.as_dict(), "text": phases.render()} if phases else None,
-                     cluster if isinstance(cluster, ClusterStats) else None)
+                     cluster if isinstance(cluster, ClusterStats) else None, store_line(run))
+
+
+def store_line(run: RunDir, now: float | None = None) -> str:
+    """storage.url: the writer's publishing in words (its publish.json), '' for a run without a store."""
+    state = read_publish_state(run.publish_state)
+    if state is None:
+        return ""
+    now = time.time() if now is None else now
+    waiting = f"{state.waiting} batch(es) waiting to publish"
+    if state.stopped:
+        return f"{state.url}: publishing stopped: {state.stopped}"
+    if state.down_since is not None:
+        return (f"{state.url}: store unreachable for {now - state.down_since:.0f} s: {waiting} (retrying with "
+                f"backoff; the run goes on locally; last error: {state.error[:160]})")
+    done = "; outputs uploaded" if state.outputs_published else ""
+    return f"{state.url}: {state.published} batch(es) published by writer {state.writer}, {waiting}{done}"
 
 
 def _answers(url: str, timeout_s: float = 0.3) -> bool | None:
@@ -257,7 +277,7 @@ def render(st: RunStatus) -> str:
     if "response_length/mean" in m:
         outputs.append(f"mean response {m['response_length/mean']:.1f} tokens")
     if "turns/mean" in m:
-        outputs.append(f"mean turns {m['turns/mean']:.2f}")
+        outputs.append(f"mean assistant turns {m['turns/mean']:.2f}")
     if "reward/mean" in m:
         outputs.append(f"mean reward {m['reward/mean']:.3f}")
     if "actors/output_tokens" in m and m.get("actors/total"):
@@ -275,6 +295,8 @@ def render(st: RunStatus) -> str:
         out.append(f"  writer     duplicates dropped {m.get('writer/duplicates', 0)} | torn lines skipped "
                    f"{m.get('writer/torn_lines', 0)} | buffered {m.get('writer/buffered', 0)} | "
                    f"unknown units {m.get('writer/unknown_units', 0)}")
+    if st.store:
+        out.append("  store      " + st.store)
     if st.startup:
         out.append("  start-up   " + st.startup["text"] + "  (seconds since the launch started)")
     if st.cluster:
@@ -393,7 +415,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {usage()}", file=sys.stderr)
         return 2
     arg = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
-    run = RunDir(Path(arg).expanduser().resolve())
+    run = RunDir(Path(arg).expanduser().resolve()) if not is_store_url(arg) else None
+    if run is None:
+        if following:
+            print("pipegen.status: error: --follow reads a node's shards: pass its scratch folder (output_dir)",
+                  file=sys.stderr)
+            return 2
+        from pipegen.run.store_read import materialize
+
+        try:
+            run = materialize(arg, outputs=verify)  # the store alone: its segments, as a run directory
+        except StoreError as e:
+            print(f"pipegen.status: error: {e}", file=sys.stderr)
+            return 2
+        print(f"pipegen.status: {arg} read from the store into {run.root}", file=sys.stderr)
     if following:
         return follow(run)
     if verify:

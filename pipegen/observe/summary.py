@@ -75,6 +75,8 @@ def plan_line(cfg: DictConfig, run: RunDir, engine_reason: str = "") -> str:
                                   if dtype == "bfloat16" and str(cfg.llm.dtype) == "auto" else "")
     if string_prompts([str(f) for f in _files(cfg)], str(cfg.data.prompt_key)):
         line += f"; the {cfg.data.prompt_key} column holds plain strings: each is sent as one user message"
+    if cfg.storage.url:
+        line += f"; committed to {cfg.storage.url} (this node's scratch folder: {run.root})"
     if is_demo(_files(cfg)):
         line += (f" (the demo's small settings; your own train_files get every row and "
                  f"{JOB_DEFAULTS['max_response_length']}-token responses)")

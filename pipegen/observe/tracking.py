@@ -13,8 +13,10 @@
 wandb defaults (each only when the variable is unset): WANDB_DIR=DIR (so offline runs land in
 DIR/wandb/offline-run-*/, upload later with `wandb sync`), WANDB_SILENT=true and WANDB_CONSOLE=off
 (wandb's own chatter would break the progress bar). `file` writes DIR/logs/metrics-<launch>.jsonl
-unless VERL_FILE_LOGGER_PATH is set. `console` prints the metrics only with
-generation.show_progress=false: otherwise the bar is the console view.
+unless VERL_FILE_LOGGER_PATH is set. `console` prints verl's `step:N - key:value ...` lines only with
+generation.show_progress=false (otherwise the bar is the console view), into DIR/logs/launch.log: what verl's
+Tracking prints (those lines, the file logger's "Creating file logger at ...") goes to the launcher's log, never to
+the terminal, where the launcher's own lines say how the run goes (observe/console.py).
 
 Owns: what pipegen logs to metric backends, and the artifact upload.
 Must never: make a run fail because a metric backend failed (it warns and carries on), upload a
@@ -80,12 +82,21 @@ def _env_defaults(cfg: DictConfig, run: RunDir, job_type: str) -> Iterator[None]
             os.environ.pop(k, None)
 
 
+@contextlib.contextmanager
+def prints_to_log(run: RunDir) -> Iterator[None]:
+    """What a library prints meanwhile (verl's console and file loggers print to stdout) goes to the launcher's log,
+    DIR/logs/launch.log, appended beside its own lines."""
+    run.logs.mkdir(parents=True, exist_ok=True)
+    with open(run.role_log("launch"), "a", encoding="utf-8") as log_file, contextlib.redirect_stdout(log_file):
+        yield
+
+
 def make_tracking(cfg: DictConfig, run: RunDir, backends: list[str], job_type: str = "generate") -> Any:
     """verl's Tracking with project/experiment from cfg.trainer and the resolved config attached."""
     from verl.utils.tracking import Tracking
 
     config = OmegaConf.to_container(cfg, resolve=True)
-    with _env_defaults(cfg, run, job_type):
+    with _env_defaults(cfg, run, job_type), prints_to_log(run):
         return Tracking(project_name=str(cfg.trainer.project_name), experiment_name=str(cfg.trainer.experiment_name),
                         default_backend=backends, config=config)
 
@@ -198,11 +209,12 @@ class RunTracker:
             return
         try:
             others = [b for b in self.backends if b != "console"]
-            if others:
-                self.tracking.log(data=numbers, step=self.step, backend=others)
-            if "console" in self.backends:
-                self.tracking.log(data={k: numbers[k] for k in CONSOLE_KEYS if k in numbers}, step=self.step,
-                                  backend=["console"])
+            with prints_to_log(self.run):
+                if others:
+                    self.tracking.log(data=numbers, step=self.step, backend=others)
+                if "console" in self.backends:
+                    self.tracking.log(data={k: numbers[k] for k in CONSOLE_KEYS if k in numbers}, step=self.step,
+                                      backend=["console"])
         except Exception as e:
             log.warning("metrics tracking failed, disabled for this launch: %s: %s", type(e).__name__, e)
             self.tracking = None
@@ -217,7 +229,8 @@ class RunTracker:
             self.stats = None
         if self.tracking is not None:
             try:
-                self.tracking.finish(exit_code=exit_code)
+                with prints_to_log(self.run):
+                    self.tracking.finish(exit_code=exit_code)
             except Exception as e:
                 log.warning("metrics tracking did not finish cleanly: %s: %s", type(e).__name__, e)
             self.tracking = None

@@ -38,7 +38,7 @@ import numpy as np
 from pipegen.report.estimators import (BOOTSTRAP_DRAWS, BOOTSTRAP_SEED, CONFIDENCE, clustered_bootstrap,
                                        pass_at_ks, percentiles, share_at_limit)
 from pipegen.run.layout import RunDir
-from pipegen.run.provenance import REWARD_BY, generation_reward
+from pipegen.run.provenance import LOOP, REWARD_BY, generation_reward, loop_reward
 from pipegen.run.stream import PieceKeys
 
 DIGITS = 4
@@ -198,12 +198,13 @@ def examples(run: RunDir, cfg: Any, by_source: dict[str, list[RowFacts]]) -> dic
                    for which, r in chosen] for name, chosen in picks.items()}
 
 
-def scored_by(rows: list[RowFacts], at_generation: str) -> dict[str, int]:
-    """How many rows each reward scored: `reward_by` of a rescored row, else the run's reward at generation."""
+def scored_by(rows: list[RowFacts], at_generation: str, by_loop: str) -> dict[str, int]:
+    """How many rows each reward scored: `reward_by` of a rescored row, else `by_loop` for a row its agent loop
+    scored itself (an external harness's reward), else the run's reward at generation."""
     counts: dict[str, int] = defaultdict(int)
     for r in rows:
         if r.reward is not None:
-            counts[r.reward_by or at_generation] += 1
+            counts[r.reward_by or (by_loop if r.reward_rule == LOOP else at_generation)] += 1
     return dict(counts)
 
 
@@ -400,7 +401,7 @@ def report_numbers(run: RunDir) -> tuple[dict[str, Any], list[RowFacts], list[di
         "sources": sources,
         "pieces": piece_numbers(found.rows, limit),
         "examples": examples(run, cfg, dict(sorted(by_source.items()))),
-        "scored_by": scored_by(found.rows, generation_reward(stored)),
+        "scored_by": scored_by(found.rows, generation_reward(stored), loop_reward(cfg)),
         "throughput": throughput(line),
         "failures": failure_groups(st.failed_units),
         "engine": engine_settings(cfg, run),

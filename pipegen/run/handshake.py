@@ -1,6 +1,7 @@
 """How roles meet at the edges of their lives: the wait for the unit manifest at start, the exit codes at end.
 
-Owns: the exit codes a role returns that another role acts on (the launcher reads the writer's), and the
+Owns: the exit codes a role returns that another role acts on (the launcher reads the writer's), the signals a node
+runner sends its writer, and the
 start-up wait every role does for `conf/units.json`, which the launcher writes once it has read the dataset.
 Must never: import verl or torch itself (a role names the modules it wants imported before the wait), or
 write into the run directory.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import signal
 import time
 
 from pipegen.run.layout import RunDir
@@ -20,6 +22,10 @@ EXIT_LOCKED = 3  # the writer found another writer holding the directory: it sta
 EXIT_FAILED_UNITS = 4  # settled, but some units failed in this launch: a restart would not change that
 EXIT_DAMAGED = 5  # the writer found a run-directory file damaged: refused with one line, a restart would too
 EXIT_DISK_FULL = 6  # a role could not write for lack of space (run/diskfull.py): the launcher stops the run
+
+# cluster=ray with a store: what a node runner asks of its node's writer (`python -m pipegen.writer ... writer=ID`)
+FLUSH_SIGNAL = signal.SIGUSR1  # commit what the node's shards hold now (a partial batch too) and publish it
+FINISH_SIGNAL = signal.SIGUSR2  # the same, then exit 0 once every commit of it is in the store
 
 # What each role imports before its work starts: nearly all of its start-up (verl's agent loop pulls in torch,
 # tensordict, transformers and ray: ~6 s of CPU). A role imports its list while the launcher reads the dataset;

@@ -16,6 +16,7 @@ DIR/
   streams/stats/<role>.jsonl               periodic metrics lines, one typed record per role (stats_line.py)
   streams/progress/<index>-<sample>.jsonl  a running unit's model calls and unfinished answer (unit_progress.py)
   checkpoint.json         the writer's commit record (checkpoint.py)
+  publish.json            storage.url: what the writer published to the object store, what waits (store.py)
   batch_00000.arrow ...   padded DataProto batches (batchfile.py: Arrow IPC, nothing in one executes on load)
   trajectories.pkl        the merged DataProto; trajectories.zip, the artifact
   failed_units.json       the units whose tries were spent, each with its reason, while the output is partial (and
@@ -240,6 +241,11 @@ class RunDir:
     @property
     def writer_lock(self) -> Path:
         return self.root / ".writer.lock"
+
+    @property
+    def publish_state(self) -> Path:
+        """storage.url: what the writer's publisher has published to the store and what it waits on."""
+        return self.root / "publish.json"
 
     @property
     def trajectories(self) -> Path:

@@ -123,7 +123,7 @@ class ActorStats(StatsLine):
     latency_p50_s: float | None = None  # over the process's newest requests
     latency_p95_s: float | None = None
     finish_reasons: dict[str, int] = field(default_factory=dict)
-    mean_turns: float | None = None  # over the process's newest units
+    mean_turns: float | None = None  # the model's turns (stream.assistant_turns), over the newest trajectories
     mean_response_length: float | None = None
     mean_reward: float | None = None
     errors: dict[str, int] = field(default_factory=dict)  # by kind

@@ -15,7 +15,8 @@ Records:
   record of a unit and drops any later one as a duplicate, whatever its attempt: the late answer of a
   superseded try never becomes a second row.
 - `TrajectoryKeys` names the keys of one trajectory in a record: verl `AgentLoopOutput`'s fields,
-  which pipegen reads back by name (the actor's checks and counters, the writer's parse and padding).
+  which pipegen reads back by name (the actor's checks and counters, the writer's parse and padding);
+  `assistant_turns`, a trajectory's turns as its loop had them (verl's `num_turns` counts messages).
 - `unit_seed` and `prompt_uid` derive the per-unit sampling seed and the prompt's uid, so a rerun of
   the same setup reproduces both; `session_id` names the sample (its pieces' one session).
 - `PieceKeys` names the fields that keep a multi-trajectory unit's pieces one sample in every row (verl
@@ -156,6 +157,14 @@ class TrajectoryKeys:
     ROUTED_EXPERTS: Final = "routed_experts"
     # one entry per token; the writer reads these as arrays
     TOKEN_LISTS: Final = (PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, RESPONSE_LOGPROBS)
+
+
+def assistant_turns(response_mask: Any) -> int:
+    """The model's turns in one trajectory, as its loop had them: the runs of model tokens (mask 1) in its response.
+    verl's `num_turns` counts messages (the prompt's, every tool or user reply, and each answer), so a single-turn
+    answer is 2 there and 1 here; status shows this count."""
+    marks = np.asarray(response_mask, dtype=np.uint8).tobytes()
+    return marks.count(b"\x00\x01") + (marks[:1] == b"\x01")
 
 
 _R = TypeVar("_R", bound="_Line")

@@ -27,6 +27,13 @@ Steps 3-4's disk half (writing the encoded batch files, then the checkpoint) run
 thread, `Committer` (committer.py), while the main loop parses the next lines; this module decides
 what each commit holds and hands it over in order.
 
+With storage.url, a publisher (publish.py) commits each batch again to the object store, exactly once, on its own
+thread; the run ends once every committed batch is published and the outputs are uploaded.
+Under cluster=ray with a store, `writer=ID` makes this a node runner's writer: it commits what its node's shards hold,
+publishes as ID, never settles nor merges the run (other nodes own the other units), commits at once on the
+runner's FLUSH_SIGNAL and exits once published on FINISH_SIGNAL (run/handshake.py). The head's writer follows the
+store instead (store_head.py).
+
 Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip, failed_units.json and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
 whole run in memory before the merge (at most `MAX_QUEUED_BATCHES` encoded batches wait for the
@@ -55,8 +62,8 @@ from pipegen.run.checkpoint import (check_listed_batches, failure_reason, failur
 from pipegen.run.config import load_run_config
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.fingerprint import check_fingerprint
-from pipegen.run.handshake import (EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, WRITER_IMPORTS,
-                                   import_then_wait_for_manifest)
+from pipegen.run.handshake import (EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, FINISH_SIGNAL, FLUSH_SIGNAL,
+                                   WRITER_IMPORTS, import_then_wait_for_manifest)
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, output_dir_from_args
 from pipegen.run.medium import FAILURES, ROLLOUTS, open_medium
@@ -75,10 +82,46 @@ ALONE_CHECK_S = 1.0  # how often a writer that has caught up with the shards ask
 PENDING_LISTED = 10000  # pending units named one by one in failed_units.json (the count is always there)
 
 
+def failed_listing(committed: int, total: int, failed: dict[str, str], pending: list[str]) -> bytes:
+    """failed_units.json: each failed unit (index:sample) with its reason, and the units still pending when a writer
+    alone delivers a partial output."""
+    listing = {"committed": committed, "total": total, "failed": len(failed),
+               "retry": "rerun the same command: it retries only these units, each with a fresh seed",
+               "units": failed}
+    if pending:
+        listing["pending"] = len(pending)
+        listing["pending_why"] = ("not generated: no launcher or actor was alive when the writer ran alone; "
+                                  "rerun the same command to generate only them")
+        listing["pending_units"] = pending[:PENDING_LISTED]  # the first ones; the count says how many
+    return orjson.dumps(listing, option=orjson.OPT_INDENT_2)
+
+
+class RunnerAsks:
+    """What a node writer's runner asked by signal: "flush", "finish" (a flush, then the end) or nothing yet."""
+
+    def __init__(self) -> None:
+        self.what = ""
+
+    def listen(self) -> None:
+        """Installed first thing in main(): a signal's default action would kill the writer."""
+        def asked(signum, _frame):
+            self.what = "finish" if signum == FINISH_SIGNAL or self.what == "finish" else "flush"
+
+        signal.signal(FLUSH_SIGNAL, asked)
+        signal.signal(FINISH_SIGNAL, asked)
+
+    def take(self) -> str:
+        what, self.what = self.what, ""
+        return what
+
+
 class Writer:
-    def __init__(self, cfg: DictConfig, run: RunDir):
+    def __init__(self, cfg: DictConfig, run: RunDir, node_writer: str | None = None,
+                 asks: RunnerAsks | None = None):
         self.cfg = cfg
         self.run = run
+        self.node_writer = node_writer  # cluster=ray with a store: this node runner's writer id
+        self.asks = asks or RunnerAsks()
         self.gen = cfg.generation
         # read once: an omegaconf lookup per line cost more than parsing a 1k-token line
         self.save_batch_size = int(self.gen.save_batch_size)
@@ -97,6 +140,7 @@ class Writer:
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
         self.parser = LineParser()
         self.committer = Committer(run)
+        self.publisher = None  # storage.url: publish.Publisher, started once the checkpoint is recovered
         self.stats = StatsAppender(run.stats, WriterStats.ROLE, baseline=WriterStats(committed=self.ckpt.num_committed))
         # The writer's tensor ops are small: torch's intra-op threads only fight the commit thread and
         # the actors for cores (verl's _postprocess ran 30x slower with 2 threads on a busy 2-core box).
@@ -269,15 +313,11 @@ class Writer:
         if complete or not (self.ckpt.failed or pending):
             self.run.failed_units.unlink(missing_ok=True)
             return
-        listing = {"committed": self.ckpt.num_committed, "total": self.total_units, "failed": len(self.ckpt.failed),
-                   "retry": "rerun the same command: it retries only these units, each with a fresh seed",
-                   "units": {unit: failure_reason(info) for unit, info in self.ckpt.failed.items()}}
-        if pending:
-            listing["pending"] = len(pending)
-            listing["pending_why"] = ("not generated: no launcher or actor was alive when the writer ran alone; "
-                                      "rerun the same command to generate only them")
-            listing["pending_units"] = pending[:PENDING_LISTED]  # the first ones; the count says how many
-        atomic_write_bytes(self.run.failed_units, orjson.dumps(listing, option=orjson.OPT_INDENT_2))
+        atomic_write_bytes(self.run.failed_units, failed_listing(self.ckpt.num_committed, self.total_units,
+                                                                 self.failed_reasons(), pending))
+
+    def failed_reasons(self) -> dict[str, str]:
+        return {unit: failure_reason(info) for unit, info in self.ckpt.failed.items()}
 
     def pending_units(self) -> list[str]:
         """index:sample of every unit of the manifest neither committed nor failed, in the manifest's order."""
@@ -302,7 +342,7 @@ class Writer:
                         "pending, listed in %s; rerun the same command to generate only them",
                         self.ckpt.num_committed, self.total_units,
                         self.run.merged_output() or self.run.root, len(pending), self.run.failed_units)
-        return 0 if self.ckpt.complete or not self.ckpt.failed else EXIT_FAILED_UNITS
+        return self.deliver_to_store(0 if self.ckpt.complete or not self.ckpt.failed else EXIT_FAILED_UNITS)
 
     def say_waiting(self) -> None:
         """What a quiet writer waits for (alone, it would otherwise say nothing): the units not yet in a shard."""
@@ -327,6 +367,45 @@ class Writer:
                       self.run.root, fmt)
         else:
             log.info("%s", done.stdout.strip())
+
+    def start_publisher(self) -> None:
+        """storage.url: publish each committed batch to the object store on a background thread."""
+        if self.cfg.storage.url:
+            from pipegen.writer.publish import Publisher
+
+            self.publisher = Publisher(self.cfg, self.run, self.keys, self.node_writer)
+            self.publisher.start()
+
+    async def answer_runner(self) -> int | None:
+        """A node writer asked to flush: every line its node's shards hold committed now and handed to the
+        publisher, with the failures seen. Returns the exit code once asked to finish and all of it is published."""
+        asked = self.asks.take()
+        while await self.pull():
+            pass
+        await self.flush()
+        self.publisher.failed_now(self.launch, self.failed_reasons())
+        if asked != "finish":
+            return None
+        self.write_stats(final=True)
+        problem = self.publisher.finish([], [])
+        if problem:
+            log.error("%s", problem)
+            return 1
+        return 0
+
+    def deliver_to_store(self, code: int) -> int:
+        """storage.url: wait until every committed batch is published (as long as the store takes to answer),
+        then upload the outputs. Returns `code`, or 1 when publishing stopped (the log line says why)."""
+        if self.publisher is None:
+            return code
+        from pipegen.writer.publish import run_outputs
+
+        log.info("publishing to %s: waiting until every committed batch is in the store", self.cfg.storage.url)
+        problem = self.publisher.finish(*run_outputs(self.run, self.gen.get("export_format")))
+        if problem:
+            log.error("%s", problem)
+            return 1
+        return code
 
     def _raise_damaged_batch(self) -> None:
         """After a failed merge: a DamagedFile for the first listed batch file that cannot be read."""
@@ -358,10 +437,11 @@ class Writer:
         # Import verl and load the tokenizer (and a vision model's processor) up front (seconds), not on the first commit.
         self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg), load_processor(self.cfg))
         self.recover()
-        if self.ckpt.complete and self.ckpt.num_committed == self.total_units:
+        self.start_publisher()
+        if self.node_writer is None and self.ckpt.complete and self.ckpt.num_committed == self.total_units:
             log.info("run already complete: %s", self.run.trajectories)
             self.export(only_if_missing=True)  # a crash may have cut the last launch short after its merge
-            return 0
+            return self.deliver_to_store(0)
         idle_since = time.monotonic()
         sleep = 0.005
         last_stats = 0.0
@@ -370,6 +450,9 @@ class Writer:
         while True:
             got = await self.pull()
             self.committer.poll()
+            if self.publisher is not None and self.publisher.error:
+                log.error("%s", self.publisher.error)
+                return 1
             now = time.monotonic()
             if got:
                 idle_since = now
@@ -381,6 +464,15 @@ class Writer:
             if now - last_stats >= 2.0:
                 self.write_stats()
                 last_stats = now
+                if self.node_writer is not None:
+                    self.publisher.failed_now(self.launch, self.failed_reasons())
+            if self.node_writer is not None:  # its runner says when to flush and when to end: other nodes settle the run
+                if self.asks.what:
+                    code = await self.answer_runner()
+                    if code is not None:
+                        return code
+                await asyncio.sleep(sleep)
+                continue
             if not got and not self.settled() and now - asked_alone >= ALONE_CHECK_S:
                 asked_alone = now  # caught up with the shards: does anything still generate?
                 if not who_generates(self.run):
@@ -393,13 +485,23 @@ class Writer:
                 self.finalize()
                 self.write_stats(final=True)
                 self.export()
-                return 0 if self.ckpt.complete else EXIT_FAILED_UNITS
+                return self.deliver_to_store(0 if self.ckpt.complete else EXIT_FAILED_UNITS)
             await asyncio.sleep(sleep)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    store_url = next((a.split("=", 1)[1] for a in argv if a.startswith("output_dir=") and "://" in a), None)
+    if store_url:  # a store run's merge, from the store alone
+        setup_logging("writer")
+        from pipegen.writer.publish import merge_from_store
+
+        return merge_from_store(store_url)
     run = RunDir(output_dir_from_args(argv))
+    node_writer = next((a.split("=", 1)[1] for a in argv if a.startswith("writer=")), None)
+    asks = RunnerAsks()
+    if node_writer is not None:
+        asks.listen()
     # Ctrl-C on a writer run by hand raises KeyboardInterrupt (answered below) even where SIGINT arrived ignored,
     # as it does in a shell's background job, nohup or a test runner's worker: Python then installs no handler
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -441,7 +543,11 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
-        writer = Writer(cfg, run)
+        if cfg.storage.url and str(cfg.cluster.kind) == "ray" and node_writer is None:
+            from pipegen.writer.store_head import follow_store  # the head: its nodes' writers commit the run
+
+            return follow_store(cfg, run)
+        writer = Writer(cfg, run, node_writer, asks)
         return uvloop.run(writer.main())
     except KeyboardInterrupt:  # Ctrl-C on a writer run by hand: one line, no traceback; nothing committed is lost
         committed = writer.ckpt.num_committed if writer is not None else 0

@@ -1,0 +1,196 @@
+"""A Ray cluster with no shared folder (issue 44): two generation nodes on loopback, each with its own HOME and
+scratch root, the head with its own, and one real S3-compatible store (SeaweedFS, one server for the module). Every
+node runs its own writer, which commits its node's batches to the store; the head follows the store and merges from
+it. The runs end exact in the store, `verify` passes from the store alone and verl's DataProto reads the merged
+output; a node lost after some of its batches were committed has its uncommitted units run again by the other node,
+and its committed ones stay committed once.
+
+How "no role writes outside its own scratch and the store" is checked: every process of a node gets that node's
+HOME and PIPEGEN_NODE_SCRATCH (through its raylet's environment, as `ray start` would give them), the launcher the
+head's HOME and storage.scratch_dir. After a run, each node's scratch holds only runner folders whose shards are
+that runner's own actors', no two nodes hold the same runner, the head's scratch holds no shard, runner log or node
+record, and the default locations under the test's real HOME (~/.cache/pipegen/{scratch,nodes,store}/<bucket>/
+<prefix>) were never made; under the module's folder nothing exists but the head's and the nodes' own folders."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import FAKE_ENGINE, FAST, REPO
+from support.seaweed import BUCKET, Seaweed
+from test_status import kill_orphans_of, wait_for
+from test_store import assert_exact_in_store, pipegen, seaweed, store_of  # noqa: F401 (seaweed: the module's server)
+
+from pipegen.bench.doubles.loopback_cluster import LOOPBACK_ENV, add_generation_node
+from pipegen.run.layout import RunDir
+
+NODE_RESOURCE = "pipegen_store_node"
+# FAST's small prompts and batches of 4, at the default quiet period (300 s): a node's last partial batch is
+# committed because the launcher asks its runner to flush, not by a timer
+CLUSTER_RUN = [o for o in FAST if not o.startswith("generation.partial_batch_quiet_s")] + [
+    FAKE_ENGINE, "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}", "generation.show_progress=false"]
+
+
+@pytest.fixture(scope="module")
+def nodes(seaweed, tmp_path_factory):  # noqa: F811
+    """A loopback Ray cluster (a head without the resource) and two generation nodes, each with its own folders."""
+    from pipegen.bench.doubles.loopback_cluster import loopback_cluster
+
+    root = tmp_path_factory.mktemp("cluster")
+    with loopback_cluster() as cluster:
+        added = []
+        for k in range(2):
+            home, scratch = root / f"node{k}" / "home", root / f"node{k}" / "scratch"
+            home.mkdir(parents=True)
+            env = {**seaweed.env(), "HOME": str(home), "PIPEGEN_NODE_SCRATCH": str(scratch)}
+            added.append((add_generation_node(cluster, NODE_RESOURCE, env), scratch))
+        cluster.wait_for_nodes()
+        yield cluster, added, root
+
+
+def start_head(seaweed: Seaweed, cluster, root: Path, prefix: str, model: str,  # noqa: F811
+               *overrides: str) -> tuple[subprocess.Popen, Path]:
+    head_home, head_scratch = root / "head" / "home", root / "head" / prefix
+    head_home.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **LOOPBACK_ENV, **seaweed.env(), "HOME": str(head_home), "RAY_ADDRESS": cluster.address}
+    log = open(root / f"launcher-{prefix}.log", "w+")
+    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir=s3://{BUCKET}/{prefix}",
+                                 f"storage.scratch_dir={head_scratch}", f"model_path={model}", *CLUSTER_RUN, *overrides], cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    launcher.log = log
+    return launcher, head_scratch
+
+
+def finish(launcher: subprocess.Popen, timeout: float) -> str:
+    try:
+        launcher.wait(timeout=timeout)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        kill_orphans_of(launcher.pid)
+        launcher.log.seek(0)
+    return launcher.log.read()
+
+
+def runners_of(scratch: Path, prefix: str) -> list[Path]:
+    return sorted(p for p in (scratch / prefix).iterdir()) if (scratch / prefix).exists() else []
+
+
+def assert_each_role_kept_to_its_own_folders(nodes, prefix: str, head_scratch: Path) -> list[list[str]]:
+    """See the module docstring. Returns each node's runner names."""
+    _, added, root = nodes
+    seen = []
+    for _, scratch in added:
+        names = []
+        for runner in runners_of(scratch, prefix):
+            names.append(runner.name)
+            actors = {p.name for p in (runner / "streams" / "rollouts").iterdir()}
+            assert actors and all(a.startswith(f"actor_{runner.name}-") for a in actors), (runner, actors)
+        seen.append(names)
+    assert all(seen) and not set(seen[0]) & set(seen[1]), seen  # each node ran a runner of its own
+    head = RunDir(head_scratch)
+    assert not head.rollouts.exists() or not any(head.rollouts.rglob("*.jsonl")), "a shard in the head's scratch"
+    assert not head.nodes.exists() and not list(head.logs.glob("runner_*")), "a node wrote into the head's scratch"
+    for place in ("scratch", "nodes", "store"):
+        assert not (Path.home() / ".cache" / "pipegen" / place / BUCKET / prefix).exists(), place
+    allowed = {root / "head", *(root / f"node{k}" for k in range(len(added)))}
+    strays = [p for p in root.iterdir() if p not in allowed and not p.name.startswith("launcher-")]
+    assert not strays, strays
+    return seen
+
+
+def units_of(data) -> list[tuple[int, int]]:
+    return sorted((int(i), int(s)) for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"]))
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(seaweed, nodes, tiny_model):  # noqa: F811
+    cluster, _, root = nodes
+    prefix = f"two-nodes-{uuid.uuid4().hex[:6]}"  # a name no earlier run left in ~/.cache
+    launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model,
+                                        "llm.engine_args=[--token-latency,0.01,--eos-prob,0]")
+    console = finish(launcher, 400)
+    assert launcher.returncode == 0, console[-4000:]
+    writers = {seg.writer for seg in store_of(seaweed, prefix).segments()}
+    assert len(writers) == 2, writers  # both nodes' writers committed to the store
+    runners = assert_each_role_kept_to_its_own_folders(nodes, prefix, head_scratch)
+    assert writers == {name for names in runners for name in names}
+    assert_exact_in_store(seaweed, prefix)
+
+    # README's two lines: verl's DataProto from the store
+    import pickle, obstore; from obstore.store import S3Store  # noqa: E401, E702 (as README has them)
+    data = pickle.loads(obstore.get(S3Store.from_url(f"s3://{BUCKET}/{prefix}", client_options={"allow_http": True}),
+                                    "trajectories.pkl").bytes())
+    assert type(data).__name__ == "DataProto"
+    assert units_of(data) == [(i, s) for i in range(6) for s in range(2)]
+
+
+@pytest.mark.timeout(600)
+def test_a_node_lost_after_committing_has_its_uncommitted_units_run_elsewhere_and_keeps_its_commits_once(
+        seaweed, nodes, tiny_model):  # noqa: F811
+    cluster, added, root = nodes
+    prefix = f"node-lost-{uuid.uuid4().hex[:6]}"
+    units = 16 * 2
+    launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model, "max_samples=16", "actors.concurrency=2",
+                                        "llm.max_batch=2", "llm.engine_args=[--token-latency,0.04,--eos-prob,0]")
+    store = store_of(seaweed, prefix)
+    try:
+        def committed_by_both() -> dict:
+            segments = store.segments()
+            by_writer = {}
+            for seg in segments:
+                by_writer.setdefault(seg.writer, []).append(seg)
+            return by_writer if len(by_writer) == 2 and len(segments) * 4 < units - 8 else {}
+
+        by_writer = wait_for(committed_by_both, 300, "a committed batch from each node's writer", launcher)
+        lost_writer = sorted(by_writer)[0]
+        lost = next(k for k, (_, scratch) in enumerate(added) if (scratch / prefix / lost_writer).exists())
+        cluster.remove_node(added[lost][0], allow_graceful=False)
+        kept = [seg.batch for seg in store.segments(lost_writer)]
+    finally:
+        console = finish(launcher, 400)
+    assert launcher.returncode == 0, console[-4000:]
+    assert [seg.batch for seg in store.segments(lost_writer)][:len(kept)] == kept  # its commits stay
+    assert_exact_in_store(seaweed, prefix, units)
+    from pipegen.observe.run_status import gather
+
+    cluster_line = gather(RunDir(head_scratch)).cluster
+    assert cluster_line is not None and cluster_line.units_released > 0, cluster_line  # ran again elsewhere
+    merged = pipegen("pipegen.status", f"s3://{BUCKET}/{prefix}", env=seaweed.env())
+    assert f"{units}/{units} samples committed" in merged.stdout, merged.stdout
+
+
+def test_the_head_counts_what_every_writer_commits_and_the_failures_of_this_launch_only(seaweed):  # noqa: F811
+    """The head's view of the store (what leases and the end wait on): each writer's segments read once and
+    incrementally, and a node's failed units settled only when listed for this launch and committed nowhere."""
+    from pipegen.run.store import Segment, SegmentFollower, failed_key, segment_key
+    from pipegen.run.stream import UnitKeys
+    from pipegen.writer.store_head import failed_uncommitted
+
+    store = store_of(seaweed, f"follow-{uuid.uuid4().hex[:6]}")
+
+    def commit(writer: str, seq: int, units: list[list[int]]) -> None:
+        seg = Segment(writer, seq, "life", f"writers/{writer}/life/batch_{seq:05d}.arrow", 1, "0" * 64, 1, units)
+        assert store.create(segment_key(writer, seq), seg.to_bytes())
+
+    follower = SegmentFollower(store, launch="this-launch")
+    commit("node0-aaaaaa", 0, [[0, 4]])
+    follower.refresh()
+    assert follower.committed == set(range(4))
+    commit("node0-aaaaaa", 1, [[4, 6]])
+    commit("node1-bbbbbb", 0, [[6, 8]])
+    store.put(failed_key("node1-bbbbbb"), b'{"launch": "this-launch", "units": {"4:0": "spent", "4:1": "spent"}}')
+    store.put(failed_key("node0-aaaaaa"), b'{"launch": "an-earlier-launch", "units": {"5:0": "spent"}}')
+    follower.refresh()
+    assert follower.committed == set(range(8)) and len(follower.segments) == 3  # each segment once
+    # unit 4:0 (key 8) failed and is committed nowhere; 4:1 (key 9) too; 5:0 was another launch's failure
+    assert failed_uncommitted(follower, UnitKeys(2)) == {"4:0": "spent", "4:1": "spent"}
+    commit("node0-aaaaaa", 2, [[8, 9]])  # 4:0 succeeded after all on another node: committed, no longer failed
+    follower.refresh()
+    assert failed_uncommitted(follower, UnitKeys(2)) == {"4:1": "spent"}
