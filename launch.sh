@@ -2,8 +2,8 @@
 # pipegen bootstrap + entry point.
 #
 #   ./launch.sh output_dir=runs/demo [hydra overrides]   set up (first time only) and run a generation job
-#   ./launch.sh --tests [pytest args]                     set up (first time only), with the vLLM server's virtualenv
-#                                                         and chromium that tests use, then run the test suite
+#   ./launch.sh --tests [pytest args]                     set up (first time only), with the vLLM server's virtualenv,
+#                                                         chromium and redis-server that tests use, then run the suite
 #   ./launch.sh --setup                                   only set up the virtualenv(s)
 #   ./launch.sh --setup-vllm                              only set up the vLLM server's virtualenv; prints its python
 #   ./launch.sh --module pipegen.status runs/demo         run any pipegen module inside the virtualenv
@@ -160,6 +160,18 @@ test_browser() {
     || log "chromium could not be installed: the report's rendering test will be skipped"
 }
 
+# The streams=redis tests (tests/test_redis_streams.py) start a real redis-server on loopback: Debian's, installed
+# the same way (once, where apt-get can run; elsewhere those tests are skipped and say why); nothing when it is there.
+test_redis() {
+  command -v redis-server >/dev/null 2>&1 && return 0
+  if [[ "$dry_run" == 1 ]]; then printf '+ apt-get install -y redis-server   (root with apt-get only)\n'; return 0; fi
+  if [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null 2>&1; then return 0; fi
+  log "installing Debian's redis-server for the streams=redis tests (once)"
+  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server || { apt-get update -q \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }; } >/dev/null 2>&1 \
+    || log "redis-server could not be installed: the streams=redis tests will be skipped"
+}
+
 # A dry run prints the command it would hand over to (with the server python it would pass) and stops.
 start() {
   if [[ "$dry_run" == 1 ]]; then
@@ -181,13 +193,14 @@ case "${1:-}" in
     [[ "$dry_run" == 1 ]] || echo "$PIPEGEN_VLLM_PYTHON" ;;
   --tests)
     # Everything the suite uses is installed here, before pytest starts and outside every test's time limit:
-    # pipegen's virtualenv, the vLLM server's (once per machine), and chromium (once, where apt-get can run)
+    # pipegen's virtualenv, the vLLM server's (once per machine), chromium and redis-server (once, where apt-get runs)
     shift; setup
     if [[ ! -f "$(vllm_venv_dir)/.pipegen-installed" ]]; then
       log "tests/test_vllm.py runs a real vLLM server: setting its environment up before pytest starts"
     fi
     setup_vllm
     test_browser
+    test_redis
     cd "$here"
     # --durations: the slowest tests close every run's output, so what makes the suite slow is seen
     start "$venv/bin/python" -m pytest -n auto --dist loadfile --no-loadscope-reorder --durations=25 "$@" ;;

@@ -27,7 +27,7 @@ from typing import IO, TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:
     from pipegen.observe.summary import RunSummary
 
-GROUPS = ("llm", "cluster")  # config groups: {"llm": {"kind": "vllm", ...}} chooses llm=vllm
+GROUPS = ("llm", "cluster", "streams")  # config groups: {"llm": {"kind": "vllm", ...}} chooses llm=vllm
 
 
 @dataclass

@@ -6,7 +6,8 @@ RLHFDataset) and the tools, registers the user's agent loops the verl way
 (`rollout.agent.agent_loop_config_path`), and then, per unit, instantiates the row's verl agent loop
 (loop_cache.py builds it) with a `UnitServerManager` over the actor's ServerPool (attempts.py), checks
 what the loop returned, scores it, packs it into a `RolloutRecord` (run/stream.py) and appends its line to
-the actor's shard (or a `FailureRecord` to its failures shard). A unit whose reward fails keeps its generated
+the actor's rollout stream (or a `FailureRecord` to its failures stream): a shard, or a Redis stream
+(run/medium.py). A unit whose reward fails keeps its generated
 record, unscored, in its FailureRecord; the next launch scores that record (`rescore`) instead of generating.
 
 Owns: the row -> agent-loop kwargs mapping (uid, priority, seed), the per-unit server manager (sticky server,
@@ -37,8 +38,8 @@ from pipegen.config.compose import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.pictures import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry
-from pipegen.run.stream import (FailureRecord, RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, prompt_uid,
-                                unit_seed)
+from pipegen.run.medium import Appender
+from pipegen.run.stream import FailureRecord, RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid, unit_seed
 
 if TYPE_CHECKING:
     from verl.workers.rollout.replica import TokenOutput
@@ -412,8 +413,8 @@ class UnitRunner:
         if self.scorer is not None:
             await self.scorer.close()
 
-    async def run_unit(self, pool, pos: int, sample: int, slot, attempt: int, rollouts: ShardAppender,
-                       failures: ShardAppender, kept: dict[str, Any] | None = None) -> RolloutRecord | Exception:
+    async def run_unit(self, pool, pos: int, sample: int, slot, attempt: int, rollouts: Appender,
+                       failures: Appender, kept: dict[str, Any] | None = None) -> RolloutRecord | Exception:
         """One unit from its dataset row to its line: the RolloutRecord appended to `rollouts`, or, on any
         failure of the unit, a FailureRecord appended to `failures` (never a sample). `kept`: the unit's
         record of an earlier try that generated but could not be scored; it is scored, not generated again.
@@ -428,21 +429,22 @@ class UnitRunner:
             line = record.to_line()
         except Unscored as e:  # generated, not scored: the samples are kept for the next launch to score
             e.record.attempt = attempt
-            failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch, seed=e.record.seed,
-                                          agent_name=e.record.agent_name, attempt=attempt,
-                                          reason=f"not scored (its samples are kept: the next launch scores them "
-                                                 f"without generating): {type(e.cause).__name__}: {e.cause}",
-                                          unscored=orjson.loads(e.record.to_line())).to_line())
+            await failures.append(FailureRecord(
+                index=index, sample=sample, launch=self.launch.launch, seed=e.record.seed,
+                agent_name=e.record.agent_name, attempt=attempt,
+                reason=f"not scored (its samples are kept: the next launch scores them without generating): "
+                       f"{type(e.cause).__name__}: {e.cause}",
+                unscored=orjson.loads(e.record.to_line())).to_line())
             progress.discard()  # its samples are in the failure line
             return e
         except Exception as e:  # any failure of this unit is recorded, never turned into a sample
-            failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
-                                          seed=self.seed(index, sample, attempt), agent_name=self.agent_name(pos),
-                                          reason=f"{type(e).__name__}: {e}", attempt=attempt).to_line())
+            await failures.append(FailureRecord(index=index, sample=sample, launch=self.launch.launch,
+                                                seed=self.seed(index, sample, attempt), agent_name=self.agent_name(pos),
+                                                reason=f"{type(e).__name__}: {e}", attempt=attempt).to_line())
             # kept: a retry that asks the same requests continues from it; one whose seed has its attempt mixed in
             # (a per-unit seed) asks differently, so its first call drops the record
             progress.close()
             return e
-        rollouts.append(line)
+        await rollouts.append(line)  # returns once the medium holds it (a Redis outage: it waits, held in memory)
         progress.discard()  # after the line: a crash between the two leaves a file the next start tidies
         return record

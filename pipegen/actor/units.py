@@ -22,20 +22,22 @@ from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.lease_protocol import DONE_PATH, NEXT_PATH
 from pipegen.run.unit_progress import tidy as tidy_progress
-from pipegen.run.stream import scan_units, UnitKeys
+from pipegen.run.medium import ROLLOUTS, StreamMedium
+from pipegen.run.stream import UnitKeys
 
 log = logging.getLogger("pipegen.actor")
 
 REPORT_INTERVAL_S = 0.5  # finished units reach the runner within this (one fsync per report)
 
 
-def pending_units(keys: UnitKeys, indices: list[int], run: RunDir, rank: int,
+def pending_units(keys: UnitKeys, indices: list[int], run: RunDir, medium: StreamMedium, rank: int,
                   num_actors: int) -> list[tuple[int, int]]:
     """One node: the (position, sample) pairs actor `rank` of `num_actors` still has to run - its share of
     the manifest (every num_actors-th position from rank), minus units the checkpoint has committed and
-    units already in a complete shard line past its offsets - prompt-major, so n samples share a prefix."""
+    units already in a complete line of the run's stream medium past its position - prompt-major, so n samples
+    share a prefix."""
     ckpt = load_checkpoint(run.checkpoint)
-    in_shards = scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)
+    in_shards = set(medium.units(ROLLOUTS, ckpt))
     # a crash between a unit's shard line and the unlink of its progress leaves the file: gone now
     tidy_progress(run.progress, lambda index, s: keys.key(index, s) in ckpt.committed or (index, s) in in_shards)
     todo = []

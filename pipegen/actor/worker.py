@@ -10,7 +10,8 @@ many at once, and when), attempts.py (the server pool; routing.py, sending.py), 
 line). No sample
 passes through this module: it hands each admitted unit to rollout.py and counts what became of it.
 
-Owns: the actor's shards (a new one per start, so a restart never appends to a line a crash tore), the
+Owns: the actor's appenders of its run's stream medium (run/medium.py: with files a new shard per start, so a
+restart never appends to a line a crash tore), the
 process's lifetime (start-up, gc tuning, the final stats line) and the actor's stats lines.
 Must never: write to another actor's shard, decide which units run or how many at once, or write a
 failed unit as a trajectory.
@@ -40,8 +41,8 @@ from pipegen.run.handshake import ACTOR_IMPORTS, import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
 from pipegen.run.stats_line import ActorStats
-from pipegen.run.stream import (assistant_turns, count_units, kept_unscored, next_free_seq, RolloutRecord,
-                                ShardAppender, TrajectoryKeys)
+from pipegen.run.medium import Appender, FAILURES, ROLLOUTS, open_medium
+from pipegen.run.stream import assistant_turns, kept_unscored, RolloutRecord, TrajectoryKeys
 
 log = logging.getLogger("pipegen.actor")
 
@@ -95,15 +96,15 @@ class Actor:
         self.counters = ActorCounters()
         self.clock = StartupClock()  # start-up phases, in every stats line (pipegen.status shows them)
         self.admission = None  # admission.Admission, once main() started
+        self.medium = open_medium(run, cfg)  # streams.kind: this actor's shards, or the run's Redis streams
         # a unit's attempt number = its tries that ended in a FailureRecord before (any launch, any actor)
-        self.failed_tries = count_units(run.failures)
+        self.failed_tries = self.medium.units(FAILURES)
         # units an earlier try generated but could not score: scored from their kept records, not generated
-        self.kept = kept_unscored(run.failures)
+        self.kept = kept_unscored(self.medium.lines(FAILURES))
         self._busy_since = (time.monotonic(), time.process_time())  # for cpu_busy in the stats lines
         self._busy_intervals = 0  # consecutive stats intervals spent CPU-bound while units wait to start
 
-    async def run_unit(self, pool, pos: int, sample: int, rollouts: ShardAppender, failures: ShardAppender,
-                       slot) -> None:
+    async def run_unit(self, pool, pos: int, sample: int, rollouts: Appender, failures: Appender, slot) -> None:
         """Run one admitted unit (rollout.py writes its line) and count what became of it."""
         index = self.runner.indices[pos]
         attempt = self.failed_tries.get((index, sample), 0)
@@ -131,7 +132,8 @@ class Actor:
         from pipegen.actor.concurrency import ConcurrencyControl, unit_memory_bytes
 
         if self.leases_url is None:
-            todo = pending_units(self.runner.keys, self.runner.indices, self.run, int(self.rank), self.num_actors)
+            todo = pending_units(self.runner.keys, self.runner.indices, self.run, self.medium, int(self.rank),
+                                 self.num_actors)
             log.info("actor %s: %d units pending", self.rank, len(todo))
             if not todo:
                 return 0
@@ -143,12 +145,10 @@ class Actor:
         gc.freeze()
         gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         actors_cfg = self.cfg.actors
-        ckpt, me = load_checkpoint(self.run.checkpoint), actor_role(self.rank)
-        rollouts = ShardAppender(self.run.rollouts, self.rank, int(actors_cfg.shard_max_bytes),
-                                 float(actors_cfg.fsync_interval_s),
-                                 next_free_seq(ckpt.rollout_offsets, ckpt.rollout_sealed, me))
-        failures = ShardAppender(self.run.failures, self.rank, int(actors_cfg.shard_max_bytes), 0.0,
-                                 next_free_seq(ckpt.failure_offsets, ckpt.failure_sealed, me))
+        ckpt = load_checkpoint(self.run.checkpoint)
+        rollouts = self.medium.appender(ROLLOUTS, self.rank, ckpt, int(actors_cfg.shard_max_bytes),
+                                        float(actors_cfg.fsync_interval_s))
+        failures = self.medium.appender(FAILURES, self.rank, ckpt, int(actors_cfg.shard_max_bytes), 0.0)
         limits = ClientLimits(
             prompt_length=self.runner.prompt_length,
             response_length=self.runner.response_length,

@@ -69,6 +69,7 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object,
     import uvloop
 
     import pipegen.actor.worker as worker
+    import pipegen.run.medium as medium  # the files medium builds each actor's ShardAppender
 
     cfg, run = c.prepare_run(root, *spec.overrides(), servers=[url])
     total = run.total_units(spec.n)
@@ -76,7 +77,7 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object,
     cpu: list[float] = []
     rollouts = run.rollouts
 
-    class TimedAppender(worker.ShardAppender):
+    class TimedAppender(medium.ShardAppender):
         def __init__(self, topic_dir: Path, *args) -> None:
             super().__init__(topic_dir, *args)
             self.timed = topic_dir == rollouts  # decided once: a path comparison per line costs the actor ~2%
@@ -89,12 +90,12 @@ def run_actor(root: Path, url: str, spec: RunSpec) -> tuple[list[float], object,
                     cpu.append(time.process_time())
 
     actor = worker.Actor(cfg, run, 0, 1)
-    original = worker.ShardAppender
-    worker.ShardAppender = TimedAppender
+    original = medium.ShardAppender
+    medium.ShardAppender = TimedAppender
     try:
         uvloop.run(actor.main())
     finally:
-        worker.ShardAppender = original
+        medium.ShardAppender = original
     if len(arrivals) != total:
         raise RuntimeError(f"the actor wrote {len(arrivals)} of {total} units; see {run.root}")
     return arrivals, run, (cpu[-1] - cpu[0]) / (total - 1)

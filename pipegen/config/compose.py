@@ -52,7 +52,8 @@ def verl_config_dir() -> str:
 
 
 # pipegen's own groups: every key of them is the schema's, so a new key (+key) there could only be ignored
-PIPEGEN_GROUPS = ("actors", "generation", "trainer", "reward", "external", "export", "llm", "cluster")
+PIPEGEN_GROUPS = ("actors", "generation", "trainer", "reward", "external", "export", "llm", "cluster",
+                  "streams")
 VERL_GROUPS = ("actor_rollout_ref", "data", "distillation")  # verl's own YAML: only a composition knows its keys
 
 

@@ -414,6 +414,22 @@ class RayCluster(LocalCluster):
                                        "streams/stats/cluster.jsonl", above=0)
 
 
+# streams=KIND: the medium the actors' lines travel through to the writer (run/medium.py chooses by `kind`)
+STREAM_KINDS = ("files", "redis")
+
+
+@dataclass
+class Streams:
+    """streams=files (the default: each actor's shards under DIR/streams/) or streams=redis (a Redis stream per
+    run, as PipelineRL's `streams=redis`): the same lines either way; run/medium.py holds both."""
+
+    kind: str = key("files", "files = each actor's shard files under DIR/streams/ | redis = one Redis stream per "
+                             "run and topic (XADD, read by the writer as a consumer group)", choices=STREAM_KINDS)
+    redis_url: str = key("${oc.env:REDIS_URL,redis://127.0.0.1:6379/0}",
+                         "streams=redis: the Redis server (REDIS_URL, else this); it needs appendonly yes "
+                         "(appendfsync always loses nothing)", non_empty=True)
+
+
 CLUSTER_KINDS: dict[str, type[LocalCluster]] = {"local": LocalCluster, "ray": RayCluster}
 
 
@@ -487,6 +503,7 @@ class PipegenConfig:
     storage: Storage = field(default_factory=Storage)
     llm: Any = None  # one of LLM_KINDS, chosen with llm=KIND
     cluster: Any = None  # one of CLUSTER_KINDS, chosen with cluster=KIND
+    streams: Streams = field(default_factory=Streams)  # streams=files | streams=redis
     # verl's groups, composed from verl's own YAML in verl's layout: verl owns their keys and defaults
     actor_rollout_ref: Any = None
     data: Any = None
@@ -505,6 +522,8 @@ def register() -> None:
         store.store(group="llm", name=kind, node=schema)
     for kind, cluster in CLUSTER_KINDS.items():
         store.store(group="cluster", name=kind, node=cluster)
+    for kind in STREAM_KINDS:
+        store.store(group="streams", name=kind, node=Streams(kind=kind))
 
 
 @dataclass(frozen=True)

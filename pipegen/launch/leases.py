@@ -27,7 +27,8 @@ from typing import Callable, Iterable
 
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
-from pipegen.run.stream import scan_units, UnitKeys
+from pipegen.run.medium import ROLLOUTS, open_medium
+from pipegen.run.stream import UnitKeys
 
 
 @dataclass
@@ -60,7 +61,7 @@ def open_units(run: RunDir, n: int, units: Iterable[int] | None = None,
     if settled is not None:
         return [u for u in units if u not in settled]
     ckpt = load_checkpoint(run.checkpoint)
-    written = {keys.key(i, s) for i, s in scan_units(run.rollouts, ckpt.rollout_offsets, ckpt.rollout_sealed)}
+    written = {keys.key(i, s) for i, s in open_medium(run).units(ROLLOUTS, ckpt)}
     return [u for u in units if u not in ckpt.committed and u not in written]
 
 

@@ -5,9 +5,10 @@ inputs' short names resolved; nothing written); with storage.url, the store aske
 `refusal`: wrong credentials, a missing bucket, an unreachable endpoint); the placement chosen (torchrun's or Slurm's node variables
 without cluster=ray are refused); the reward settings checked (the user's reward function loaded once); the
 preflight (launch/preflight.py: the reward called once on the first row, the harness imported); then,
-the first write, the one launcher of the directory locked; the resume guard; the task files written; the
-run's small files checked; an external server's reachability and the dataset's files checked; a run that is
-already complete found; this node's plan made and the launch record written. Each refusal is one line naming
+the first write, the one launcher of the directory locked; the stream medium checked (streams=redis: Redis
+reachable, with AOF); the resume guard; the task files written; the run's small files checked; an external
+server's reachability and the dataset's files checked; a run that is already complete found; this node's
+plan made and the launch record written. Each refusal is one line naming
 the fix, before anything is started, and a refused launch never changes a run that holds generated data.
 
 Owns: DIR/conf/launch.json, the launcher lock and the moment the task files are written (DIR/conf/config.yaml
@@ -40,6 +41,7 @@ from pipegen.observe.summary import print_plan
 from pipegen.rewards.spec import resolve_reward_settings
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import LaunchRecord, RunDir
+from pipegen.run.medium import medium_refusal
 from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.tasks.materialize import write_task_files
 
@@ -132,7 +134,9 @@ def prepare(argv: list[str]) -> Prepared | int:
         lock.acquire()  # the first write into the run directory
     except LockHeld as e:
         return refuse(str(e))
-    problem = guard_resume(cfg, run, job.pending) or check_run_files(run)
+    # medium_refusal before the guard saves this launch's config: an unreachable Redis, one without AOF, a switch of
+    # medium that would strand the last launch's lines
+    problem = medium_refusal(run, cfg) or guard_resume(cfg, run, job.pending) or check_run_files(run)
     if problem:
         return refuse(problem)
     write_task_files(job.tasks)  # after the guard: a refused launch writes no task file

@@ -24,6 +24,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipegen.observe.summary import job_lines
 from pipegen.observe.outcomes import unit_outcomes
+from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import across_processes, aggregate, human_rate, latest_stats, stats_history
@@ -187,7 +188,9 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
             print(f"  artifact:     {run.artifact}")
         else:
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
-        print(f"  logs:         {run.logs}/   streams: {run.streams}/")
+        medium = open_medium(run)
+        lines = f"{run.streams}/" if medium.kind == "files" else f"{run.streams}/ (stats), {medium.where(ROLLOUTS)}"
+        print(f"  logs:         {run.logs}/   streams: {lines}")
         return 0
     if snap.merged or run.merged_output() is not None:
         where = f"{run.merged_output() or run.trajectories} and {run.artifact}"

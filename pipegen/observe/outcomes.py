@@ -1,14 +1,14 @@
 """What the generated samples scored and how they ended, for the end-of-run summary: mean reward, pass@n,
 and how many responses reached the response limit.
 
-Read from the rollout shards (each unit's first complete line, as the writer keeps it): the mean of
-every trajectory's `reward_score`, pass@n, the share of prompts with at least one of its n samples
-scoring above 0, and each unit's `finish` (run/stream.py). Only the `index`/`sample` head, the `finish` and
+Read from the rollout stream, shards or Redis (run/medium.py; each unit's first complete line, as the writer
+keeps it): the mean of every trajectory's `reward_score`, pass@n, the share of prompts with at least one of its n
+samples scoring above 0, and each unit's `finish` (run/stream.py). Only the `index`/`sample` head, the `finish` and
 the `reward_score` fields of a line are looked at (a regex over the bytes, no JSON parse), so a summary of a
 100k-unit run costs about a second.
 
-Owns: the reward and finish summary. Must never: write anything, or read more than MAX_BYTES of shards (a huge
-run gets no pass@n line rather than a long wait at its end).
+Owns: the reward and finish summary. Must never: write anything, or read more than MAX_BYTES of the stream (a
+huge run gets no pass@n line rather than a long wait at its end).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pipegen.run.layout import RunDir, list_shards
+from pipegen.run.layout import RunDir
+from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.run.stream import TrajectoryKeys, read_head
 
 MAX_BYTES = 2 << 30
@@ -43,24 +44,19 @@ class Outcomes:
 
 
 def unit_outcomes(run: RunDir) -> Outcomes | None:
-    """None when the shards exceed MAX_BYTES."""
-    shards = [p for paths in list_shards(run.rollouts).values() for p in paths]
-    try:
-        if sum(p.stat().st_size for p in shards) > MAX_BYTES:
-            return None
-    except OSError:
-        return None
+    """None when the rollout stream holds more than MAX_BYTES (or cannot be read)."""
     seen: set[tuple[int, int]] = set()
     total = 0.0
     scored = 0
     best: dict[int, float] = {}
     finishes: dict[str, int] = {}
-    for path in shards:
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        for line in data.split(b"\n")[:-1]:  # complete lines only
+    read = 0
+    try:
+        lines = open_medium(run).lines(ROLLOUTS)  # the shards, or the run's Redis stream
+        for line in lines:  # complete lines only
+            read += len(line)
+            if read > MAX_BYTES:
+                return None
             head = read_head(line)
             if head is None or head in seen:
                 continue
@@ -74,5 +70,7 @@ def unit_outcomes(run: RunDir) -> Outcomes | None:
             total += sum(rewards)
             scored += len(rewards)
             best[head[0]] = max(best.get(head[0], float("-inf")), max(rewards))
+    except OSError:  # a shard gone meanwhile, or a Redis that stopped answering: no summary rather than a wrong one
+        return None
     rewards = RewardSummary(total / scored, scored, len(best), sum(1 for v in best.values() if v > 0)) if scored else None
     return Outcomes(rewards, finishes)

@@ -28,7 +28,8 @@ from pipegen.run.checkpoint import Checkpoint, load_checkpoint
 from pipegen.run.layout import RunDir, role_logs
 from pipegen.observe.stats import aggregate, human_rate, latest_stats, line_alive
 from pipegen.run.stats_line import StatsLine, WriterStats
-from pipegen.run.stream import ShardTailer, UnitKeys, read_head
+from pipegen.run.medium import ROLLOUTS, Tail, open_medium
+from pipegen.run.stream import UnitKeys, read_head
 
 
 @dataclass
@@ -116,16 +117,20 @@ class DurableShards:
     def __init__(self, run: RunDir, n: int):
         self.run = run
         self.keys = UnitKeys(n)
-        self.tailer: ShardTailer | None = None
+        self.tailer: Tail | None = None
         self.found: set[int] = set()
 
     def count(self, ckpt: Checkpoint) -> int:
         if self.tailer is None:
-            self.tailer = ShardTailer(self.run.rollouts, dict(ckpt.rollout_offsets), dict(ckpt.rollout_sealed))
-        for _, _, line in self.tailer.lines():
-            head = read_head(line)
-            if head is not None and self.keys.valid_sample(head[1]):
-                self.found.add(self.keys.key(*head))
+            # past the checkpoint: the shards, or the run's Redis stream (a console never waits for an outage)
+            self.tailer = open_medium(self.run, wait_s=0).tail(ROLLOUTS, ckpt)
+        try:
+            for _, _, line in self.tailer.lines():
+                head = read_head(line)
+                if head is not None and self.keys.valid_sample(head[1]):
+                    self.found.add(self.keys.key(*head))
+        except OSError:  # Redis unreachable: the units found so far; the next count reads on from there
+            pass
         self.found = {k for k in self.found if k not in ckpt.committed}
         return len(self.found)
 

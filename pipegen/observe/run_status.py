@@ -384,9 +384,9 @@ def follow(run: RunDir, stop_when_complete: bool = False) -> int:
     """--follow: every rollout line's start as it lands, from the first, across shards a relaunch or a new actor
     adds later (an empty or missing directory waits); Ctrl-C ends it with exit 0. `stop_when_complete`: return
     once the checkpoint says complete and every line is printed (the tests' way out)."""
-    from pipegen.run.stream import ShardTailer
+    from pipegen.run.medium import ROLLOUTS, open_medium
 
-    tailer = ShardTailer(run.rollouts)
+    tailer = open_medium(run).tail(ROLLOUTS)  # the shards, or the run's Redis stream (XRANGE: no group touched)
     try:
         while True:
             for _, _, line in tailer.lines():

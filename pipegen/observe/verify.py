@@ -34,7 +34,8 @@ from pipegen.run.integrity import DamagedFile, set_aside_files
 from pipegen.run.layout import RunDir, list_shards
 from pipegen.run.unit_progress import progress_files
 from pipegen.run.rows import batch_rows
-from pipegen.run.stream import parse_unit_label, read_head, ShardTailer, unit_label, UnitKeys
+from pipegen.run.medium import ROLLOUTS, TOPICS, open_medium
+from pipegen.run.stream import parse_unit_label, read_head, unit_label, UnitKeys
 
 SHOWN = 5  # units named per problem
 
@@ -200,26 +201,27 @@ def _check_progress(verdict: Verdict, run: RunDir, keys: UnitKeys, committed: se
 
 
 def _check_shards(verdict: Verdict, run: RunDir, keys: UnitKeys, ckpt: Checkpoint) -> None:
-    """Shards are the raw material: what is wrong there is a note when the batch files hold the units."""
+    """The stream is the raw material: what is wrong there is a note when the batch files hold the units."""
     committed = set(ckpt.committed)
-    for topic in (run.rollouts, run.failures):
-        tailer = ShardTailer(topic)
+    medium = open_medium(run)  # the shards, or the run's Redis streams
+    for topic in TOPICS:
+        tailer = medium.tail(topic)
         unreadable: Counter[str] = Counter()
         seen: set[int] = set()
-        for rel, _, line in tailer.lines():
+        for where, _, line in tailer.lines():
             head = read_head(line)
             if head is None:
-                unreadable[rel] += 1
-            elif topic == run.rollouts:
+                unreadable[where] += 1
+            elif topic == ROLLOUTS:
                 seen.add(keys.key(*head))
-        for rel, count in unreadable.items():
-            verdict.notes.append(f"{topic.name}/{rel}: {count} line(s) cannot be read (damaged; their units are "
+        for where, count in unreadable.items():
+            verdict.notes.append(f"{topic}/{where}: {count} line(s) cannot be read (damaged; their units are "
                                  "committed from elsewhere or generated again)")
         if tailer.stats.torn_lines:
-            verdict.notes.append(f"{topic.name}: {tailer.stats.torn_lines} torn last line(s) from a crash (skipped)")
-        if topic == run.rollouts and committed - seen:
-            verdict.notes.append(f"{len(committed - seen)} committed unit(s) have no line in the rollout shards "
-                                 "(a shard was damaged or removed; the batch files hold them)")
+            verdict.notes.append(f"{topic}: {tailer.stats.torn_lines} torn last line(s) from a crash (skipped)")
+        if topic == ROLLOUTS and committed - seen:
+            verdict.notes.append(f"{len(committed - seen)} committed unit(s) have no line in {medium.where(ROLLOUTS)} "
+                                 "(a shard or the stream was damaged or removed; the batch files hold them)")
     sizes = {f"{actor}/{path.name}": path.stat().st_size
              for actor, shards in list_shards(run.rollouts).items() for path in shards}
     for rel, offset in ckpt.rollout_offsets.items():

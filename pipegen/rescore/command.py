@@ -178,16 +178,16 @@ async def score_kept(cfg: DictConfig, run, ckpt, scorer, reward_by: str, outcome
     their own, which the writer commits. A unit whose reward fails again stays failed."""
     from pipegen.rescore.batches import RowOutput
     from pipegen.rewards.protocol import RewardFailure
-    from pipegen.run.stream import (RolloutRecord, ShardAppender, TrajectoryKeys, UnitKeys, kept_unscored,
-                                    next_free_seq, unit_label)
+    from pipegen.run.medium import FAILURES, ROLLOUTS, open_medium
+    from pipegen.run.stream import RolloutRecord, TrajectoryKeys, UnitKeys, kept_unscored, unit_label
 
     keys = UnitKeys(int(cfg.actor_rollout_ref.rollout.n))
-    kept = {unit: record for unit, record in kept_unscored(run.failures).items()
+    medium = open_medium(run, cfg)  # the run's shards, or its Redis streams
+    kept = {unit: record for unit, record in kept_unscored(medium.lines(FAILURES)).items()
             if unit_label(*unit) in ckpt.failed and keys.key(*unit) not in ckpt.committed}
     if not kept:
         return
-    seq = next_free_seq(ckpt.rollout_offsets, ckpt.rollout_sealed, RESCORE_SHARDS)
-    shard = ShardAppender(run.rollouts, RESCORE_SHARDS.removeprefix("actor_"), 1 << 30, 1.0, min_seq=seq)
+    shard = medium.appender(ROLLOUTS, RESCORE_SHARDS.removeprefix("actor_"), ckpt, 1 << 30, 1.0)
     try:
         for unit, data in sorted(kept.items()):
             record = RolloutRecord(**{k: v for k, v in data.items() if k in RolloutRecord.__dataclass_fields__})
@@ -210,7 +210,7 @@ async def score_kept(cfg: DictConfig, run, ckpt, scorer, reward_by: str, outcome
             failure = ckpt.failed[unit_label(*unit)].get("reason", "")
             record.row = {**record.row, REWARD_BY: reward_by, PREVIOUS_SCORE: None,  # the reason's end: the error
                           PREVIOUS_REWARD_BY: f"none (its reward failed: ...{failure[-160:]})"}
-            shard.append(record.to_line())
+            await shard.append(record.to_line())
             outcome.kept_scored += 1
     finally:
         shard.close()

@@ -2,9 +2,10 @@
 
 Holds: committed units as compact ranges of unit keys, the batch files (numbered 0..count-1, their
 row counts run-length encoded), per actor the watermark below which every shard is sealed and fully
-consumed plus byte offsets of the shards above it, units that failed in the current launch, the config
-fingerprint, and whether the merge finished. Every part is O(ranges + actors), not O(units) or
-O(batches), so a commit costs the same at 1k and at 1M committed units.
+consumed plus byte offsets of the shards above it (streams=redis: the last stream entry ID it covers, per
+topic), units that failed in the current launch, the config fingerprint, and whether the merge finished.
+Every part is O(ranges + actors), not O(units) or O(batches), so a commit costs the same at 1k and at 1M
+committed units.
 
 Owns: the checkpoint's schema, its validation on load (a damaged one is a DamagedFile naming the
 rebuild command, never an empty checkpoint), and its atomic replacement.
@@ -129,6 +130,9 @@ class Checkpoint:
     rollout_sealed: dict[str, int] = field(default_factory=dict)  # actor -> shards below this seq are done
     failure_sealed: dict[str, int] = field(default_factory=dict)
     failed: dict[str, dict[str, Any]] = field(default_factory=dict)  # "index:sample" -> {reason, launch}
+    # streams=redis: topic -> the last stream entry ID this checkpoint covers (every entry up to it is committed,
+    # failed or a duplicate; acknowledged once this checkpoint is durable). Absent in older checkpoints: {}
+    stream_ids: dict[str, str] = field(default_factory=dict)
     launch: str = ""
     complete: bool = False
     merged: bool = False
@@ -161,6 +165,7 @@ class Checkpoint:
                 "rollout_offsets": self.rollout_offsets,
                 "failure_sealed": self.failure_sealed,
                 "failure_offsets": self.failure_offsets,
+                "stream_ids": self.stream_ids,
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -185,6 +190,7 @@ class Checkpoint:
             rollout_sealed=d.get("rollout_sealed", {}),
             failure_sealed=d.get("failure_sealed", {}),
             failed=d.get("failed", {}),
+            stream_ids=d.get("stream_ids", {}),
             launch=d.get("launch", ""),
             complete=d.get("complete", False),
             merged=d.get("merged", False),
@@ -262,6 +268,8 @@ def _checked(data: Any) -> Checkpoint:
             raise ValueError("shard offsets are not a {shard: int} object")
     if not isinstance(ckpt.failed, dict):
         raise ValueError("failed units are not an object")
+    if not isinstance(ckpt.stream_ids, dict) or not all(isinstance(v, str) for v in ckpt.stream_ids.values()):
+        raise ValueError("stream_ids are not a {topic: entry id} object")
     return ckpt
 
 

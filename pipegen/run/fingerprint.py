@@ -202,12 +202,11 @@ def _short(value: Any, limit: int = 60) -> str:
 def has_output(run) -> bool:
     """Whether the run directory holds anything generated: a stream record (rollout or failure), a
     batch file, or a checkpoint. Until then nothing can mix, so any setting may still change."""
-    from pipegen.run.layout import list_shards
+    from pipegen.run.medium import open_medium
 
     if run.checkpoint.exists() or run.batch_files_on_disk() or run.legacy_batch_files():
         return True
-    return any(shard.stat().st_size > 0 for topic in (run.rollouts, run.failures)
-               for shards in list_shards(topic).values() for shard in shards)
+    return open_medium(run).holds_lines()  # the medium the run's saved config names (files when none is saved)
 
 
 def fingerprint_bytes(fp: dict[str, Any]) -> bytes:

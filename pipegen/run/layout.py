@@ -6,6 +6,7 @@ DIR/
   conf/fingerprint.json   what defines the data (the resume guard); its digest is the run key
   conf/units.json         the unit manifest: the dataset's indices in order (units = index x sample)
   conf/launch.json        the current launch: its id, the run key, the server URLs, the actor count
+  conf/streams.json       streams=redis: the run's Redis key prefix, made once (`pipegen:<run key>:<random>`)
   conf/nodes/<node>.json  with cluster=ray, one per node runner: the launch id, its incarnation, host, servers
   tasks/<name>-<digest>.parquet   tasks=[...]: each task's rows in verl's layout (pipegen/tasks/materialize.py)
   .launcher.lock          held by the one launcher of this directory (its pid and host inside)
@@ -34,6 +35,7 @@ Must never: import verl or torch, or decide what goes into a file it names (each
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -144,6 +146,35 @@ class RunDir:
     @property
     def launch_file(self) -> Path:
         return self.conf / "launch.json"
+
+    @property
+    def streams_file(self) -> Path:
+        """streams=redis: the run's stream namespace, fixed at its first use (stream_namespace)."""
+        return self.conf / "streams.json"
+
+    def stream_namespace(self) -> str:
+        """streams=redis: the prefix of the run's Redis stream keys, `pipegen:<run key>:<8 random hex>`. Made once
+        by the first process that asks and kept in conf/streams.json, so it outlives a changed run key
+        (resume_with_changes, rescore) and two runs of one setup in two directories never share a stream."""
+        try:
+            return orjson.loads(self.streams_file.read_bytes())["namespace"]
+        except FileNotFoundError:
+            pass
+        self.conf.mkdir(parents=True, exist_ok=True)
+        namespace = f"pipegen:{self.run_key() or 'new'}:{os.urandom(4).hex()}"
+        tmp = self.conf / f".streams.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        tmp.write_bytes(orjson.dumps({"namespace": namespace}))
+        try:
+            os.link(tmp, self.streams_file)  # create-if-absent: the first process to get here names the run
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+        return orjson.loads(self.streams_file.read_bytes())["namespace"]
+
+    def stream_key(self, topic: str) -> str:
+        """streams=redis: the Redis stream that holds a topic's lines (rollouts, failures)."""
+        return f"{self.stream_namespace()}:{topic}"
 
     @property
     def nodes(self) -> Path:

@@ -66,7 +66,7 @@ import uuid
 from collections import Counter
 from dataclasses import KW_ONLY, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Final, Iterator, TypeVar
+from typing import Any, Final, Iterable, Iterator, TypeVar
 
 import numpy as np
 import orjson
@@ -236,10 +236,10 @@ class FailureRecord(_Line):
     unscored: dict[str, Any] | None = None
 
 
-def kept_unscored(topic_dir: Path) -> dict[tuple[int, int], dict[str, Any]]:
-    """(index, sample) -> the newest kept unscored record in the failures stream (see FailureRecord)."""
+def kept_unscored(lines: Iterable[bytes]) -> dict[tuple[int, int], dict[str, Any]]:
+    """(index, sample) -> the newest kept unscored record among the failures stream's lines (see FailureRecord)."""
     kept: dict[tuple[int, int], dict[str, Any]] = {}
-    for _, _, line in ShardTailer(Path(topic_dir)).lines():
+    for line in lines:
         if b'"unscored":{' not in line:
             continue
         try:
@@ -508,8 +508,13 @@ def count_units(topic_dir: Path, offsets: dict[str, int] | None = None,
                 sealed: dict[str, int] | None = None) -> Counter[tuple[int, int]]:
     """How many complete lines past the given offsets (default: all of them) name each (index, sample)."""
     tailer = ShardTailer(Path(topic_dir), dict(offsets or {}), dict(sealed or {}))
+    return units_in(line for _, _, line in tailer.lines())
+
+
+def units_in(lines: Iterable[bytes]) -> Counter[tuple[int, int]]:
+    """How many of `lines` name each (index, sample) (by the head alone; a line without one is not counted)."""
     found: Counter[tuple[int, int]] = Counter()
-    for _, _, line in tailer.lines():
+    for line in lines:
         head = read_head(line)
         if head is not None:
             found[head] += 1

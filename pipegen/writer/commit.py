@@ -3,7 +3,9 @@
 `python -m pipegen.writer output_dir=DIR` starts or restarts it, alone or under the launcher.
 
 The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md tells why each holds):
- 1. read new complete lines from every shard from the checkpoint's byte offsets;
+ 1. read new complete lines from every shard from the checkpoint's byte offsets (streams=redis: from the run's
+    Redis streams as a consumer group, each entry acknowledged once the checkpoint covering it is durable:
+    run/medium.py);
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
     batch_NNNNN.arrow (pipegen/run/batchfile.py). A partial batch is written only when every unit is
@@ -46,6 +48,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import orjson
 from omegaconf import DictConfig
@@ -63,10 +66,11 @@ from pipegen.run.handshake import (EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED,
                                    WRITER_IMPORTS, import_then_wait_for_manifest)
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir, output_dir_from_args
+from pipegen.run.medium import FAILURES, ROLLOUTS, open_medium
 from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.run.stats_line import WriterStats
-from pipegen.run.stream import (FailureRecord, LineParser, RolloutRecord, ShardTailer, UnitKeys, parse_unit_label,
-                                read_head, unit_label)
+from pipegen.run.stream import (FailureRecord, LineParser, RolloutRecord, UnitKeys, parse_unit_label, read_head,
+                                unit_label)
 from pipegen.writer.alone import who_generates
 from pipegen.writer.committer import Committer
 
@@ -128,6 +132,7 @@ class Writer:
         self.valid_index = set(run.read_manifest())
         self.launch = run.read_launch().launch
         self.ckpt = load_checkpoint(run.checkpoint)
+        self.medium = open_medium(run, cfg)  # streams.kind: the shards (files) or the run's Redis streams
         self.buffer: dict[int, RolloutRecord] = {}
         self.buffered_rows = 0
         self.duplicates = 0
@@ -170,8 +175,8 @@ class Writer:
             self.ckpt.failed = {}
             self.ckpt.launch = self.launch
             self.ckpt.complete = False
-        self.rollouts = ShardTailer(self.run.rollouts, dict(self.ckpt.rollout_offsets), dict(self.ckpt.rollout_sealed))
-        self.failures = ShardTailer(self.run.failures, dict(self.ckpt.failure_offsets), dict(self.ckpt.failure_sealed))
+        self.rollouts = self.medium.reader(ROLLOUTS, self.ckpt)
+        self.failures = self.medium.reader(FAILURES, self.ckpt)
         log.info(
             "writer: %d/%d units committed in %d batches; resuming from %d shard offsets",
             self.ckpt.num_committed, self.total_units, len(self.ckpt.batches), len(self.ckpt.rollout_offsets),
@@ -241,8 +246,7 @@ class Writer:
         if ckpt.failed:  # a unit that failed earlier in this launch and then succeeded after all
             for k in keys:
                 ckpt.failed.pop(unit_label(*self.keys.unit(k)), None)
-        self._record_offsets()
-        self.committer.submit(path, chunks, ckpt.to_json())
+        self.committer.submit(path, chunks, ckpt.to_json(), after=self._record_offsets())
         self.buffer.clear()
         self.buffered_rows = 0
         log.info("committed %s: %d units, %d/%d done", path.name, len(keys), ckpt.num_committed, self.total_units)
@@ -252,10 +256,10 @@ class Writer:
         await self.commit()
         await self.committer.wait()
 
-    def _record_offsets(self) -> None:
-        ckpt = self.ckpt
-        ckpt.rollout_offsets, ckpt.rollout_sealed = dict(self.rollouts.offsets), dict(self.rollouts.sealed)
-        ckpt.failure_offsets, ckpt.failure_sealed = dict(self.failures.offsets), dict(self.failures.sealed)
+    def _record_offsets(self) -> Callable[[], None] | None:
+        """Both readers' positions into the checkpoint about to be written; what to run once it is durable."""
+        then = [after for after in (self.rollouts.save(self.ckpt), self.failures.save(self.ckpt)) if after]
+        return (lambda: [after() for after in then]) if then else None
 
     # ---- step 6 ----
     def settled(self) -> bool:
@@ -270,7 +274,7 @@ class Writer:
         unless generation.all_or_nothing=true keeps its output back until a launch completes it."""
         ckpt = self.ckpt
         # failure offsets may have moved since the last batch: persist them with the final state
-        self._record_offsets()
+        after = self._record_offsets()
         complete = ckpt.num_committed == self.total_units
         deliver = complete or not self.gen.get("all_or_nothing", False)
         self._list_failed(complete, pending or [])
@@ -289,6 +293,10 @@ class Writer:
             write_artifact(self.cfg, self.run, ckpt)
         ckpt.complete = complete
         save_checkpoint(self.run.checkpoint, ckpt)
+        if after:
+            after()
+        for reader in (self.rollouts, self.failures):
+            reader.settle()
         if complete and not self.gen.keep_streams:
             from pipegen.writer.tidy import drop_streams_once_verified
 
@@ -342,7 +350,7 @@ class Writer:
         pending = self.total_units - self.ckpt.num_committed - len(self.buffer) - failed
         log.info("waiting for %d of %d unit(s) to appear in %s (the actors write them; alive: %s; with no launcher "
                  "or actor alive the writer commits what is there and exits)", pending, self.total_units,
-                 self.run.rollouts, ", ".join(who_generates(self.run)) or "none")
+                 self.medium.where(ROLLOUTS), ", ".join(who_generates(self.run)) or "none")
 
     def export(self, only_if_missing: bool = False) -> None:
         """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it

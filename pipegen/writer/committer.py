@@ -6,7 +6,8 @@ renamed before every batch it lists is fsynced, renamed and its directory fsynce
 is not followed by a directory fsync, because losing it in a power cut leaves the previous checkpoint,
 which is safe (its batches are durable; the newer batch files are orphans, adopted at start, and
 their lines are dropped as committed when read again); the next commit's directory fsync, or the final
-checkpoint, makes it durable.
+checkpoint, makes it durable. A commit that something waits for (`after`: streams=redis acknowledges its
+entries only once the checkpoint covering them is durable) fsyncs the directory after the rename too.
 
 Owns: writing batch files and checkpoint.json (bytes the writer encoded) in order, and the kill tests'
 crash points inside those writes (`PIPEGEN_WRITER_FAULT`).
@@ -21,6 +22,7 @@ import os
 import signal
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from pipegen.run.atomic import fsync_dir, temporary_sibling, write_synced
 from pipegen.run.layout import RunDir
@@ -30,7 +32,8 @@ IOV_MAX = 1024  # buffers one writev takes (POSIX minimum 16; Linux 1024)
 
 
 class FaultInjector:
-    """Deterministic crash points for the kill tests: batch_write, after_batch_rename, checkpoint_write."""
+    """Deterministic crash points for the kill tests: batch_write, after_batch_rename, checkpoint_write, and
+    before_acknowledge (a checkpoint durable, the Redis entries it covers not yet acknowledged)."""
 
     def __init__(self, spec: str | None):
         self.point, self.remaining = None, 0
@@ -60,10 +63,15 @@ class Committer:
         self._running: Future | None = None
         self._batches: list[tuple[Path, list]] = []
         self._checkpoint: bytes | None = None
+        self._after: list[Callable[[], None]] = []
 
-    def submit(self, path: Path, chunks: list, checkpoint: bytes) -> None:
+    def submit(self, path: Path, chunks: list, checkpoint: bytes, after: Callable[[], None] | None = None) -> None:
+        """`after`: run once this checkpoint is durable, its rename included (streams=redis: the XACK of the
+        entries it covers)."""
         self._batches.append((path, chunks))
         self._checkpoint = checkpoint
+        if after is not None:
+            self._after.append(after)
         self.poll()
 
     @property
@@ -78,9 +86,9 @@ class Committer:
             running, self._running = self._running, None
             running.result()
         if self._checkpoint is not None:
-            batches, checkpoint = self._batches, self._checkpoint
-            self._batches, self._checkpoint = [], None
-            self._running = self._pool.submit(self._write, batches, checkpoint)
+            batches, checkpoint, after = self._batches, self._checkpoint, self._after
+            self._batches, self._checkpoint, self._after = [], None, []
+            self._running = self._pool.submit(self._write, batches, checkpoint, after)
 
     async def wait(self, max_queued: int = 0) -> None:
         """Until at most max_queued batches wait for the disk (0: until everything is on disk)."""
@@ -92,7 +100,7 @@ class Committer:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _write(self, batches: list[tuple[Path, list]], checkpoint: bytes) -> None:
+    def _write(self, batches: list[tuple[Path, list]], checkpoint: bytes, after: list[Callable[[], None]]) -> None:
         for path, chunks in batches:
             tmp = temporary_sibling(path)
             write_synced(tmp, lambda f: self._write_chunks(f, chunks, "batch_write"))
@@ -103,6 +111,11 @@ class Committer:
                                                             checkpoint[len(checkpoint) // 2 :]], "checkpoint_write"))
         fsync_dir(self.run.root)  # the batch renames above and this temporary are durable before the rename
         os.replace(tmp, self.run.checkpoint)
+        if after:  # what waits for this checkpoint needs its rename durable too: a power cut must not undo it
+            fsync_dir(self.run.root)
+            self.fault.reached("before_acknowledge")  # streams=redis: durable, its entries not yet acknowledged
+            for then in after:
+                then()
 
     def _write_chunks(self, f, chunks: list, fault_point: str) -> None:
         # two writev calls, not a write per chunk: each system call hands the GIL back and forth

@@ -6,7 +6,8 @@ complete and `python -m pipegen.status DIR --verify` (observe/verify.py) passes 
 is in the batch files (and the merged output), so the shards can go. verify reads shards only to add notes,
 so the run still verifies afterwards.
 
-Owns: deleting `streams/rollouts/`'s shard files of a complete, verified run.
+Owns: deleting the rollout stream of a complete, verified run (`streams/rollouts/`'s shard files, or with
+streams=redis the run's rollout stream: run/medium.py's `drop`).
 Must never: delete anything when verify finds a problem, delete batch files, the merged output, the
 failures stream (the reasons of failed units) or the stats, or run before the checkpoint says complete.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import logging
 
 from pipegen.run.checkpoint import load_checkpoint
-from pipegen.run.layout import RunDir, list_shards
+from pipegen.run.layout import RunDir
+from pipegen.run.medium import ROLLOUTS, open_medium
 
 log = logging.getLogger("pipegen.writer")
 
@@ -32,11 +34,5 @@ def drop_streams_once_verified(run: RunDir) -> bool:
         log.warning("generation.keep_streams=false: keeping the rollout shards: --verify found %d problem(s): %s",
                     len(verdict.problems), "; ".join(verdict.problems[:3]))
         return False
-    shards = [path for paths in list_shards(run.rollouts).values() for path in paths]
-    freed = 0
-    for path in shards:
-        freed += path.stat().st_size
-        path.unlink()
-    log.info("generation.keep_streams=false: the run verified; deleted %d rollout shard(s) (%.1f MiB) under %s",
-             len(shards), freed / 2**20, run.rollouts)
+    log.info("generation.keep_streams=false: the run verified; %s", open_medium(run).drop(ROLLOUTS))
     return True
