@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAKE_ENGINE, FAST, REPO
-from support.seaweed import BUCKET, Seaweed
+from pipegen.bench.doubles.seaweed import BUCKET, Seaweed
 
 # FAST's batches of 4 rows; the quiet period left at a minute so each run commits exactly its full batches
 STORE_RUN = [o for o in FAST if not o.startswith("generation.partial_batch_quiet_s")] + [
