@@ -330,6 +330,7 @@ class Writer:
             from pipegen.writer.publish import Publisher
 
             self.publisher = Publisher(self.cfg, self.run, self.keys)
+            self.committer.on_commit = self.publisher.wake  # each batch goes up as soon as it is on disk
             self.publisher.start()
 
     def deliver_to_store(self, code: int) -> int:

@@ -21,6 +21,7 @@ import os
 import signal
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 from pipegen.run.atomic import fsync_dir, temporary_sibling, write_synced
 from pipegen.run.layout import RunDir
@@ -51,6 +52,7 @@ class Committer:
     `submit` queues a batch file's chunks with the checkpoint that lists it; a job takes everything
     queued so far: it writes each batch file (temporary, fsync, rename), then the last checkpoint
     (temporary, fsync, directory fsync, rename). Errors surface in the main loop at the next `poll`.
+    `on_commit`, when set, is called on the thread after each checkpoint rename (the publisher's wake-up).
     """
 
     def __init__(self, run: RunDir, fault: FaultInjector | None = None):
@@ -60,6 +62,7 @@ class Committer:
         self._running: Future | None = None
         self._batches: list[tuple[Path, list]] = []
         self._checkpoint: bytes | None = None
+        self.on_commit: Callable[[], None] | None = None
 
     def submit(self, path: Path, chunks: list, checkpoint: bytes) -> None:
         self._batches.append((path, chunks))
@@ -103,6 +106,8 @@ class Committer:
                                                             checkpoint[len(checkpoint) // 2 :]], "checkpoint_write"))
         fsync_dir(self.run.root)  # the batch renames above and this temporary are durable before the rename
         os.replace(tmp, self.run.checkpoint)
+        if self.on_commit is not None:
+            self.on_commit()
 
     def _write_chunks(self, f, chunks: list, fault_point: str) -> None:
         # two writev calls, not a write per chunk: each system call hands the GIL back and forth
