@@ -11,7 +11,8 @@ Rows, each a ratio measured side by side in one sitting against one SeaweedFS:
   records/s = k x records ÷ (last writer's end - first writer's start). Generation is not timed. The 1, 2 and 4
   writer passes alternate, and each pass writes under a fresh prefix, then the store is read back: every unit in
   exactly one segment, or the scenario fails. Beside it, the CPU the writers and SeaweedFS used (their rusage and
-  /proc figures) and the cores that makes busy: what decides scaling on a small machine;
+  /proc figures), the cores that kept busy, and the CPU a record of 2 writers ÷ 1 (above 1 would be contention
+  that a second writer adds): what decides scaling on a small shared machine;
 - **store requests per committed record**: the S3 gateway's own count (its Prometheus endpoint,
   `SeaweedFS_s3_request_total` by type, not a client-side count) over the 1-writer passes, and the records each
   batch object holds at the default `generation.save_batch_size` (target ≥ 64, the issue's);
@@ -40,7 +41,7 @@ from pathlib import Path
 from pipegen.bench import common as c
 
 KEY = "store"
-TITLE = "Writers against one object store (SeaweedFS on loopback): records/s of 1, 2, 4 writers, requests, makespan"
+TITLE = "18. Writers against one object store (SeaweedFS on loopback): records/s of 1, 2, 4 writers, requests, makespan"
 TARGET_SCALE = "≥ 1.8"
 TARGET_PER_OBJECT = "≥ 64"
 TARGET_MAKESPAN = "≤ 1.05"
