@@ -279,7 +279,8 @@ def _scaling(res: c.ScenarioResult, store, folder: Path, size: dict) -> None:
                   unit="", raw=f"{total} requests for {committed} records over {reps} passes ({by_kind}; SeaweedFS's "
                   "own count, its metrics endpoint)"))
     res.add(c.Row("records per batch object, default save_batch_size", c.median(rows), "rows a segment commits "
-                  "(median)", TARGET_PER_OBJECT, unit="", raw=f"{len(rows)} objects, {min(rows)}-{max(rows)} rows each"))
+                  "(median)", TARGET_PER_OBJECT, unit="",
+                  raw=f"{len(rows)} objects, {min(rows)}-{max(rows)} rows each"))
 
 
 def _makespan(res: c.ScenarioResult, store, folder: Path, size: dict) -> None:
