@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAKE_ENGINE, FAST, REPO
-from support.seaweed import BUCKET, Seaweed
+from pipegen.bench.doubles.seaweed import BUCKET, Seaweed
 
 # FAST's batches of 4 rows; the quiet period left at a minute so each run commits exactly its full batches
 STORE_RUN = [o for o in FAST if not o.startswith("generation.partial_batch_quiet_s")] + [
@@ -166,3 +166,25 @@ def test_wrong_credentials_or_a_missing_bucket_are_refused_in_one_line_before_ge
     lines = [line for line in refused.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and problem in lines[0], refused.stderr
     assert not out.exists()  # nothing written, nothing started
+
+
+def test_the_store_bench_writer_pass_commits_its_shard_once_in_objects_of_the_default_batch(seaweed, tmp_path):
+    """The `store` bench scenario's writer pass (the real Writer and its publisher, fed a pre-written shard), twice
+    under one prefix as writers w0 and w1: every record is in the store exactly once, each object holds the default
+    64 records, and the gateway's own request count (what the scenario reports per record) saw each object and
+    segment PUT. No timing is judged."""
+    from pipegen.bench import store as bench
+    from pipegen.inputs.dataset import load_tokenizer
+    from pipegen.writer.batches import BatchBuilder
+
+    os.environ.update(seaweed.env())  # the pass runs in this process, as in the scenario's writer processes
+    url, count, factory, builder = f"s3://{BUCKET}/bench-smoke", 128, None, None
+    before = seaweed.requests()
+    for i in range(2):
+        cfg, run, factory = bench.prepare_writer(tmp_path / f"w{i}", i, count, url, factory, tokens=32)
+        builder = builder or BatchBuilder(cfg, load_tokenizer(cfg))
+        done = bench.writer_pass(cfg, run, builder, url, f"w{i}")
+        assert done.records == count and done.end > done.start
+    after = seaweed.requests()
+    assert bench.check(url, 2 * count)["rows"] == [64] * 4  # raises if a unit is missing or committed twice
+    assert after.get("PUT", 0) - before.get("PUT", 0) >= 2 * 4  # 4 objects and 4 segments, beside the conf copies

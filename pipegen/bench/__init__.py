@@ -25,4 +25,5 @@ SCENARIOS = {
     "longtail": "pipegen.bench.longtail",
     "grouping_default": "pipegen.bench.grouping_default",
     "demo": "pipegen.bench.demo",
+    "store": "pipegen.bench.store",
 }

@@ -205,17 +205,18 @@ class RecordFactory:
         self.indices = dataset_indices(dataset)
         self.rows = [row_fields(dataset, pos) for pos in range(len(self.indices))]
 
-    def units(self, count: int) -> list[tuple[int, int, int]]:
-        """(position, index, sample) of the first `count` units, prompt-major like the actor's."""
+    def units(self, count: int, first: int = 0) -> list[tuple[int, int, int]]:
+        """(position, index, sample) of `count` units from the `first`-th on, prompt-major like the actor's."""
         out = []
         for pos, index in enumerate(self.indices):
             for sample in range(self.keys.n):
-                out.append((pos, index, sample))
+                if pos * self.keys.n + sample >= first:
+                    out.append((pos, index, sample))
                 if len(out) == count:
                     return out
-        raise ValueError(f"the dataset has only {len(out)} units; asked for {count}")
+        raise ValueError(f"the dataset has only {len(self.indices) * self.keys.n} units; asked for {first} + {count}")
 
-    def records(self, count: int, response_tokens: int, seed: int = 0) -> list[RolloutRecord]:
+    def records(self, count: int, response_tokens: int, seed: int = 0, first: int = 0) -> list[RolloutRecord]:
         import numpy as np
         from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
 
@@ -223,7 +224,7 @@ class RecordFactory:
 
         rng = np.random.default_rng(seed)
         out = []
-        for pos, index, sample in self.units(count):
+        for pos, index, sample in self.units(count, first):
             prompt = rng.integers(TOKEN_LO, TOKEN_HI, PROMPT_TOKENS).tolist()
             response = rng.integers(TOKEN_LO, TOKEN_HI, response_tokens).tolist()
             # logprobs as an engine reports them: python floats (float64) of float32-ish values

@@ -1,7 +1,9 @@
 """Crash-safe file primitives: write-to-temp + fsync + rename + directory fsync.
 
 Owns: the primitives every crash-safe replacement in pipegen is built from (a temporary sibling, a synced
-write, a rename, a directory fsync) and `atomic_write`, their single-file form. The writer's group commit
+write, a rename, a directory fsync) and `atomic_write`, their single-file form; and `replace_unsynced`, the same
+rename without the fsyncs, for a status file rewritten many times a second that a reader must never see torn but
+that a power cut may lose. The writer's group commit
 (writer/committer.py) composes the same primitives so that one directory fsync covers many renames.
 Must never: leave a half-written file under its final name, or hold state between calls.
 """
@@ -50,6 +52,15 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, lambda f: f.write(data))
+
+
+def replace_unsynced(path: Path, data: bytes) -> None:
+    """Write data to a temporary sibling and rename it over path, with no fsync: a reader sees the old file or the
+    new one whole, and a crash of the process leaves one of them; after a power cut the file may be empty or old."""
+    path = Path(path)
+    tmp = temporary_sibling(path)
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def remove_stale_temporaries(directory: Path) -> int:

@@ -374,6 +374,7 @@ class Writer:
             from pipegen.writer.publish import Publisher
 
             self.publisher = Publisher(self.cfg, self.run, self.keys, self.node_writer)
+            self.committer.on_commit = self.publisher.wake  # each batch goes up as soon as it is on disk
             self.publisher.start()
 
     async def answer_runner(self) -> int | None:

