@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 from conftest import FAKE_ENGINE, FAST, REPO
-from support.seaweed import BUCKET, Seaweed
 from test_status import kill_orphans_of, wait_for
 from test_store import assert_exact_in_store, pipegen, seaweed, store_of  # noqa: F401 (seaweed: the module's server)
 
 from pipegen.bench.doubles.loopback_cluster import LOOPBACK_ENV, add_generation_node
+from pipegen.bench.doubles.seaweed import BUCKET, Seaweed
 from pipegen.run.layout import RunDir
 
 NODE_RESOURCE = "pipegen_store_node"
@@ -113,8 +113,10 @@ def units_of(data) -> list[tuple[int, int]]:
 def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(seaweed, nodes, tiny_model):  # noqa: F811
     cluster, _, root = nodes
     prefix = f"two-nodes-{uuid.uuid4().hex[:6]}"  # a name no earlier run left in ~/.cache
-    launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model,
-                                        "llm.engine_args=[--token-latency,0.01,--eos-prob,0]")
+    # two units at a time per node, ~2 s each: a node that starts seconds after the other still finds leased units
+    # it has not started (taken back for it), so both nodes' writers commit, whatever the machine's load
+    launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model, "actors.concurrency=2",
+                                        "llm.engine_args=[--token-latency,0.08,--eos-prob,0]")
     console = finish(launcher, 400)
     assert launcher.returncode == 0, console[-4000:]
     writers = {seg.writer for seg in store_of(seaweed, prefix).segments()}

@@ -204,6 +204,7 @@ class _Placement:
 def test_supervise_returns_what_ended_the_launch(tmp_path):
     from omegaconf import OmegaConf
 
+    from pipegen.config.schema import fill_defaults
     from pipegen.launch.launcher import supervise
     from pipegen.launch.run_writer import RunWriter
     from pipegen.launch.supervise import CrashLoop
@@ -214,6 +215,7 @@ def test_supervise_returns_what_ended_the_launch(tmp_path):
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 1}}, "trainer": {"logger": []},
                             "generation": {"restart_limit": 0, "restart_window_s": 600.0,
                                            "show_progress": False}})
+    fill_defaults(cfg)  # every other key at its one default, as a saved config is read back
     run = RunDir(tmp_path / "run")
     run.launch_file.parent.mkdir(parents=True)
     run.write_launch(LaunchRecord(launch="l", run_key="k"))
