@@ -163,7 +163,7 @@ def test_stalled_request_is_aborted_on_its_server_and_retried_elsewhere(servers)
 
 def test_a_request_waiting_in_the_engines_queue_is_never_called_stalled(servers):
     """Queued is not stalled: a server that runs one request at a time holds ten, so the last waits ~3.6 s in its
-    queue, past its first looks (every second, whatever the clock's deadline). Its load says it holds
+    queue, past its first look (every 2 s, whatever the clock's deadline). Its load says it holds
     every request this actor sent there: nothing is aborted, nothing re-sent, the server stays in rotation."""
     from pipegen.actor.admission import WatchdogLimits
 

@@ -65,9 +65,9 @@ MAX_COPIES = 3  # an attempt and its hedges in flight at once (the tail only)
 SLOWER_BY = 1.5  # a server this many times slower per token than another is worth a hedge there
 HEDGE_BUDGET = 0.05  # hedge copies may cost at most this share of the tokens answered
 LOAD_CONFIRM_S = 0.5  # evidence against an attempt is read again this often...
-SUSPECT_FOR_S = 1.0  # ...and must hold this long, every reading, before it counts as a stall (a prefill in progress,
+SUSPECT_FOR_S = 2.0  # ...and must hold this long, every reading, before it counts as a stall (a prefill in progress,
 # an answer on its way back, are moments)
-LOOK_S = 1.0  # how often the evidence of an attempt the engine has not started is looked at
+LOOK_S = 2.0  # how often the evidence of an attempt the engine has not started is looked at
 ORDER_SLACK_S = 0.05  # attempts sent this close together may reach the engine in either order
 
 
