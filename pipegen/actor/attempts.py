@@ -12,10 +12,11 @@ A generation is judged by what its engine says it is doing, never by the clock a
     there and the server's own count is below this actor's attempts surely counted there (sent LAG_S before the
     reading), or when an attempt sent after this one started over LAG_S ago (the engines schedule in arrival order,
     so this one is not waiting its turn; measured from the first start that overtook it, since a busy engine starts
-    requests every step) and the server holds fewer than reached it. Past the clock's deadline (admission.py's
-    `stall_deadline`), an overtaken attempt counts as stalled however many the server holds (a server shared with
-    other clients, whose counts hide this actor's). A request lost while the engine works on later ones does not
-    count toward taking the server out of rotation;
+    requests every step) and the server holds fewer than reached it (a reading short only by attempts sent in its
+    last TRANSIT_S, which may still be on their way, neither clears nor confirms the suspicion). Past the clock's
+    deadline (admission.py's `stall_deadline`), an overtaken attempt counts as stalled however many the server holds
+    (a server shared with other clients, whose counts hide this actor's). A request lost while the engine works on
+    later ones does not count toward taking the server out of rotation;
   - the server reports no load (LoadUnavailable): the clock alone judges, at that deadline.
   Queued is never stalled. A stalled attempt is aborted on its server (SGLang: `POST /abort_request {rid}`; every
   engine: its connection is closed) and re-sent elsewhere with a new id, and counts as its server's failure.
@@ -81,6 +82,9 @@ class Look:
     # the engine kept starting later requests meanwhile: it lost this one but works, so the loss does not count
     # toward taking it out of rotation (routing.record_lost)
     working: bool = False
+    # the reading fits both a lost attempt and a healthy one (the count is short only by attempts that may still be
+    # on their way): it neither clears nor confirms a suspicion
+    unsure: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -237,6 +241,9 @@ class ServerPool:
                         verdict = f"no answer within llm.request_timeout_s={self.limits.request_timeout_s:.0f}s"
                     else:
                         look = await self._judge(server, request, deadline)
+                        if look.unsure:  # read again soon; a suspicion stands until a clear reading
+                            look_at = time.monotonic() + look.again_s
+                            continue
                         if look.stalled is None or suspect_since is None or now - suspect_since < SUSPECT_FOR_S:
                             # nothing against it, or seen once: read again before calling it stalled
                             suspect_since = (suspect_since or now) if look.stalled is not None else None
@@ -302,6 +309,8 @@ class ServerPool:
         if (missing and evidence.waiting == 0) or (passed and (short or now >= deadline)):
             return Look(f"stalled: not started while {'nothing waits' if evidence.waiting == 0 else 'later ones ran'}"
                         f"; {held}; {age}; aborted there", 0, working=passed)
+        if passed and evidence.known < evidence.asked:  # an attempt sent just before the reading may count for it
+            return Look(None, LOAD_CONFIRM_S, unsure=True)
         return Look(None, LOOK_S)  # queued or running: the engine holds it
 
     async def _stall(self, copies: dict[asyncio.Future, Copy], verdict: str, working: bool = False) -> Failure:

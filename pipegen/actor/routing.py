@@ -54,6 +54,7 @@ class Evidence:
     at: float
     ours: int  # this actor's attempts there sent LAG_S before `at` (surely counted in the reading)
     sent: int  # ...and those sent TRANSIT_S before `at` (counted unless the engine lost one, or lags)
+    asked: int  # ...and all of them when asked (the newest may still be on their way)
 
     @property
     def known(self) -> int:
@@ -245,7 +246,7 @@ class Routing:
             return None
         # stamped when asked: what was sent before it counts
         server.evidence = Evidence(running, waiting, asked, server.sent_before(asked - LAG_S),
-                                   server.sent_before(asked - TRANSIT_S))
+                                   server.sent_before(asked - TRANSIT_S), server.sent_before(asked))
         return server.evidence
 
     # ---- reports ----
