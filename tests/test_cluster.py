@@ -175,13 +175,30 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         wait_for(lambda: cluster_line(out).get("units_released", 0) > 0, 120, "the lost node's units leased again",
                  launcher)
         after_loss = shard_lines(out)  # the lost node writes no more: what its actors' folders gain later is new work
-        add_generation_node(ray_cluster, NODE_RESOURCE)
-        # and an actor of the surviving node crashes: the units it held go back to its node's queue
-        survivor = next(name for name, node in cluster_line(out)["nodes"].items() if not node["leases_lost"])
+        nodes = cluster_line(out)["nodes"]
+        survivor = next(name for name, node in nodes.items() if not node["leases_lost"])
+        lost_node = next(name for name, node in nodes.items() if node["leases_lost"])
+
+        def joined_units() -> dict[str, int]:
+            # the node that joined: a runner of its own (new actor folders), or the lost runner's next incarnation
+            # (Ray moves the lost node's bundle of the placement group onto it: the same actor folders)
+            return {a: n - after_loss.get(a, 0) for a, n in shard_lines(out).items()
+                    if a not in first_actors or a.startswith(f"actor_{lost_node}-")}
+
         actor_stats = next(RunDir(out).stats.glob(f"actor_{survivor}-*.jsonl"))
-        # once its units hold durable tokens (the new node's actor is still starting: the files are the survivor's)
+        survivor_actor = orjson.loads(actor_stats.read_bytes().splitlines()[-1])["pid"]
+        # the survivor's actor is paused until the node that joined writes a unit: that node's runner starts its
+        # server and forkserver, 40 s or more beside the rest of the suite on 2 cores, and a survivor working on
+        # meanwhile finished all the work first on CI. Paused, it holds only its own leases; the rest waits queued.
+        os.kill(survivor_actor, signal.SIGSTOP)
+        add_generation_node(ray_cluster, NODE_RESOURCE)
+        try:
+            wait_for(lambda: sum(joined_units().values()) > 0, 240, "the node that joined writing units", launcher)
+        finally:
+            os.kill(survivor_actor, signal.SIGCONT)
+        # and the survivor's actor crashes, its units holding durable tokens: they go back to its node's queue
         wait_for(lambda: any(RunDir(out).progress.glob("*.jsonl")), 120, "units holding durable tokens", launcher)
-        os.kill(orjson.loads(actor_stats.read_bytes().splitlines()[-1])["pid"], signal.SIGKILL)
+        os.kill(survivor_actor, signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0
     finally:
         if launcher.poll() is None:
@@ -204,13 +221,8 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     print(f"removal -> last lost unit leased again: {last_released - removed_at:.1f}s; "
           f"{final['units_released']} unit(s) leased again")
     lost = [name for name, node in final["nodes"].items() if node["leases_lost"]]
-    assert lost, final["nodes"]
-    # the node that joined mid-run got work: as a runner of its own (new actor folders), or as the lost runner's
-    # next incarnation (Ray moves the lost node's bundle of the placement group onto it: the same actor folders)
-    new_actors = {a: n - after_loss.get(a, 0) for a, n in shard_lines(out).items()
-                  if a not in first_actors or a.startswith(f"actor_{lost[0]}-")}
-    print(f"units written by the actors of the node that joined: {new_actors}")
-    assert sum(new_actors.values()) > 0, (new_actors, final["nodes"])
+    assert lost == [lost_node], final["nodes"]
+    print(f"units written by the actors of the node that joined: {joined_units()}")
     assert "queued again for this node's actors" in RunDir(out).role_log(f"runner_{survivor}").read_text()
     assert not [pid for pid in records[lost[0]].server_pgids if running(pid)]  # the lost runner left no server
     from pipegen.observe.run_status import gather, render
