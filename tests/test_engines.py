@@ -86,8 +86,11 @@ def test_vllm_load_is_read_from_its_metrics_page():
         'vllm:num_requests_running{engine="1",model_name="m"} 1.0',
         'vllm:num_requests_waiting{engine="0",model_name="m"} 5.0',
         'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="capacity"} 5.0',
+        'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="m"} 2.0',
+        'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 17.0',
+        'vllm:iteration_tokens_total_count{engine="1",model_name="m"} 4.0',
     ])
-    assert parse_metrics(page) == (4, 5)
+    assert parse_metrics(page) == (4, 5, 21)
 
 
 def test_a_url_says_which_engine_it_speaks(tmp_path, tiny_model):
@@ -268,3 +271,20 @@ def test_sglang_gets_the_settings_for_the_models_size_unless_the_user_set_them(t
                                                                    "extra_args": ["--cuda-graph-max-bs=64"]}, seed=0)
     assert mine.count("--max-running-requests") == 1 and mine[mine.index("--max-running-requests") + 1] == "512"
     assert "--cuda-graph-max-bs" not in mine and "--cuda-graph-max-bs=64" in mine
+
+
+def test_vllm_counts_an_attempt_only_two_recorded_steps_after_it_reached_the_engine():
+    """vLLM's gauges are those of its last recorded step: a first prefill of seconds on a busy CPU left them at 0
+    running, 0 waiting while 8 requests were there, and supervision aborted all 8. A reading counts an attempt only
+    once two steps were recorded after a reading it had reached (SGLang's counts, read live, after LAG_S)."""
+    import math
+
+    from pipegen.actor.routing import LAG_S, TRANSIT_S, ServerState
+
+    vllm = ServerState("http://vllm")
+    assert vllm.note_reading(10.0, 5) == -math.inf
+    assert vllm.note_reading(11.0, 5) == -math.inf  # one long step: nothing sent since 10 s is known to it
+    assert vllm.note_reading(12.0, 6) == -math.inf  # the step recorded may have begun before anything arrived
+    assert vllm.note_reading(13.0, 7) == 11.0 - TRANSIT_S  # two steps after the reading at 11 s
+    assert vllm.note_reading(13.5, 40) == 13.5 - LAG_S  # fast steps: as live counts
+    assert ServerState("http://sglang").note_reading(13.0, None) == 13.0 - LAG_S

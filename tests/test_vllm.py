@@ -84,7 +84,7 @@ def metrics(url: str) -> tuple[int, int]:
     from pipegen.engines.vllm import parse_metrics
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
-        return parse_metrics(resp.read().decode())
+        return parse_metrics(resp.read().decode())[:2]
 
 
 def stats_lines(out: Path) -> list[dict]:

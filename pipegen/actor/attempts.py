@@ -10,13 +10,15 @@ A generation is judged by what its engine says it is doing, never by the clock a
     vLLM's `/metrics`, the CPU server's counters) is empty: **stalled** (it stopped, and was not put back to wait);
   - not started: queued, unless the engine does not hold it (`routing.Evidence`): **stalled** when nothing waits
     there and the server's own count is below this actor's attempts surely counted there (sent LAG_S before the
-    reading), or when an attempt sent after this one started over LAG_S ago (the engines schedule in arrival order,
-    so this one is not waiting its turn; measured from the first start that overtook it, since a busy engine starts
-    requests every step) and the server holds fewer than reached it (a reading short only by attempts sent in its
-    last TRANSIT_S, which may still be on their way, neither clears nor confirms the suspicion). Past the clock's
-    deadline (admission.py's `stall_deadline`), an overtaken attempt counts as stalled however many the server holds
-    (a server shared with other clients, whose counts hide this actor's). A request lost while the engine works on
-    later ones does not count toward taking the server out of rotation;
+    reading; on vLLM, whose counts are those of its last recorded step, before a reading two steps ago, and past
+    the clock's deadline when two steps never came, or when nothing waits there: an answer read whole shows no
+    progress of its own), or when an attempt sent after this one started over LAG_S ago (the engines schedule in
+    arrival order, so this one is not waiting its turn; measured from the first start that overtook it, since a busy
+    engine starts requests every step) and the server holds fewer than reached it (a reading short only by attempts
+    sent in its last TRANSIT_S, which may still be on their way, neither clears nor confirms the suspicion). Past
+    the clock's deadline (admission.py's `stall_deadline`), an overtaken attempt counts as stalled however many the
+    server holds (a server shared with other clients, whose counts hide this actor's). A request lost while the
+    engine works on later ones does not count toward taking the server out of rotation;
   - the server reports no load (LoadUnavailable): the clock alone judges, at that deadline.
   Queued is never stalled. A stalled attempt is aborted on its server (SGLang: `POST /abort_request {rid}`; every
   engine: its connection is closed) and re-sent elsewhere with a new id, and counts as its server's failure.
@@ -299,8 +301,16 @@ class ServerPool:
             if evidence.waiting == 0:
                 return Look(f"stalled: no token for {now - live.last_chunk_at:.0f}s; {held}; {age}; aborted there", 0)
             return Look(None, LOOK_S)
-        if now - live.sent_at < LAG_S:
+        if live.sent_at >= evidence.counted_before:  # the reading may not count it yet
+            if evidence.by_steps and now >= deadline:  # the engine recorded under two steps since it was sent
+                return Look(f"stalled: no answer from {server.url}, {age}, and {server.url} recorded no step that "
+                            f"counts it (watchdog deadline from max_new_tokens={request.max_new_tokens})", 0)
             return Look(None, LOOK_S)
+        if not self.engine.streams and now >= deadline and evidence.waiting == 0:
+            # an answer read whole shows no progress of its own: past the clock's deadline with nothing queued there,
+            # it is running far past its budget (or lost)
+            return Look(f"stalled: no answer from {server.url} past the watchdog deadline from max_new_tokens="
+                        f"{request.max_new_tokens} while nothing waits; {held}; {age}; aborted there", 0)
         missing = evidence.known < ours  # some of this actor's attempts there are surely unknown to the engine
         short = evidence.known < evidence.sent  # ...or, on a busy engine, likely: fewer held than reached it
         # the engine started an attempt sent after this one, a while ago: this one is not waiting its turn

@@ -130,7 +130,7 @@ class ConcurrencyControl:
                 if s.url in silent:
                     continue
                 try:
-                    running, waiting = await engine.load(session, s.url)
+                    running, waiting, _ = await engine.load(session, s.url)
                 except LoadUnavailable as e:
                     silent.add(s.url)
                     log.info("%s: its concurrency stays at %d", e, s.limit)

@@ -22,6 +22,7 @@ import bisect
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -37,6 +38,7 @@ log = logging.getLogger("pipegen.client")
 STICKY_CACHE_SIZE = 10000
 LOAD_FRESH_S = 0.5  # a load reading younger than this answers supervision's question without asking again
 STARTS_KEPT = 4096  # starts remembered per server (ServerState.starts)
+STEP_READINGS_KEPT = 64  # load readings remembered per server (ServerState.step_readings)
 LAG_S = 1.0  # an attempt sent this long before a load reading is surely counted in it
 TRANSIT_S = 0.1  # an attempt sent this long before a reading has reached a healthy engine on its network
 
@@ -52,9 +54,11 @@ class Evidence:
     running: int
     waiting: int
     at: float
-    ours: int  # this actor's attempts there sent LAG_S before `at` (surely counted in the reading)
+    counted_before: float  # an attempt sent before this is surely counted in the reading (`ServerState.note_reading`)
+    ours: int  # this actor's attempts there sent before counted_before
     sent: int  # ...and those sent TRANSIT_S before `at` (counted unless the engine lost one, or lags)
     asked: int  # ...and all of them when asked (the newest may still be on their way)
+    by_steps: bool = False  # the counts are those of the engine's last recorded step (vLLM), not of `at`
 
     @property
     def known(self) -> int:
@@ -86,6 +90,20 @@ class ServerState:
     evidence: Evidence | None = None  # its last load reading
     load_reported: bool = True  # False once the engine said it has no load route: the clock alone judges
     reading: asyncio.Task | None = None  # a load reading under way (one at a time per server)
+    # (when asked, steps recorded) of its recent load readings, for an engine whose counts are its last step's
+    step_readings: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=STEP_READINGS_KEPT))
+
+    def note_reading(self, asked: float, steps: int | None) -> float:
+        """A load reading asked at `asked`: attempts sent before the returned time are surely counted in it. Counts
+        read live (steps None): LAG_S before it. Counts of the engine's last recorded step (vLLM): an attempt that reached
+        the engine before a reading is counted by the second step recorded after that reading (the first may have
+        begun before it arrived), however long a step takes (a prefill on a busy CPU: seconds)."""
+        live = asked - LAG_S
+        if steps is None:
+            return live
+        self.step_readings.append((asked, steps))
+        seen = [at for at, n in self.step_readings if steps - n >= 2]
+        return min(live, max(seen) - TRANSIT_S) if seen else -math.inf
 
     def sent_before(self, t: float) -> int:
         """Attempts of this actor in flight here that were sent before `t`."""
@@ -235,7 +253,7 @@ class Routing:
     async def _read_load(self, server: ServerState) -> Evidence | None:
         asked = time.monotonic()
         try:
-            running, waiting = await self.engine.load(self.session, server.url)
+            running, waiting, steps = await self.engine.load(self.session, server.url)
         except LoadUnavailable:
             server.load_reported = False
             log.info("%s reports no load: its requests are judged by the clock alone (llm.stall_floor_s, "
@@ -245,8 +263,10 @@ class Routing:
             log.info("%s: no load reading (%s)", server.url, e)
             return None
         # stamped when asked: what was sent before it counts
-        server.evidence = Evidence(running, waiting, asked, server.sent_before(asked - LAG_S),
-                                   server.sent_before(asked - TRANSIT_S), server.sent_before(asked))
+        counted_before = server.note_reading(asked, steps)
+        server.evidence = Evidence(running, waiting, asked, counted_before, server.sent_before(counted_before),
+                                   server.sent_before(asked - TRANSIT_S), server.sent_before(asked),
+                                   by_steps=steps is not None)
         return server.evidence
 
     # ---- reports ----

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Hashable, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Hashable, NamedTuple, Protocol
 
 from pipegen.engines.request import Generation, Keep
 
@@ -72,6 +72,16 @@ class StreamedAnswer(Protocol):
         ...
 
 
+class Load(NamedTuple):
+    """A server's own account of its requests, over every client."""
+
+    running: int
+    waiting: int
+    # engine steps recorded so far, where the counts are those of the last recorded step rather than of now (vLLM's
+    # gauges); None where the counts are read live when asked (SGLang's schedulers)
+    steps: int | None = None
+
+
 class Engine(ABC):
     """What the actor's client (routing.py, sending.py, attempts.py), admission.py and readiness.py ask of a
     server (the package's docstring tells it)."""
@@ -110,9 +120,9 @@ class Engine(ABC):
         """The server's own limit on requests running at once, if it reports one."""
 
     @abstractmethod
-    async def load(self, session: "aiohttp.ClientSession", url: str) -> tuple[int, int]:
-        """(running, waiting) now, over every client of the server. Raises LoadUnavailable when the server does
-        not report it."""
+    async def load(self, session: "aiohttp.ClientSession", url: str) -> Load:
+        """Its requests running and waiting, over every client of the server. Raises LoadUnavailable when the
+        server does not report it."""
 
     # ---- grouping ----
     @abstractmethod

@@ -43,7 +43,7 @@ from typing import Any, AsyncIterator, Hashable
 import aiohttp
 import orjson
 
-from pipegen.engines.base import Engine, EngineRequest, GroupRefused, LoadUnavailable, StreamError
+from pipegen.engines.base import Engine, EngineRequest, GroupRefused, Load, LoadUnavailable, StreamError
 from pipegen.engines.request import Generation, new_rid
 
 
@@ -121,9 +121,9 @@ class SGLang(Engine):
     async def max_running(self, session: aiohttp.ClientSession, url: str) -> int | None:
         return running_limit(await get_json(session, f"{url}/get_server_info", 30.0))
 
-    async def load(self, session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+    async def load(self, session: aiohttp.ClientSession, url: str) -> Load:
         try:
-            return parse_load(await get_json(session, f"{url}/get_load", 5.0))
+            return Load(*parse_load(await get_json(session, f"{url}/get_load", 5.0)))
         except ValueError as e:
             if "HTTP 404" in str(e):
                 raise LoadUnavailable(f"{url} has no /get_load") from e

@@ -35,28 +35,31 @@ from typing import Any, AsyncIterator, Hashable
 
 import aiohttp
 
-from pipegen.engines.base import Engine, EngineRequest, LoadUnavailable, NotStreamed, StreamedAnswer
+from pipegen.engines.base import Engine, EngineRequest, Load, LoadUnavailable, NotStreamed, StreamedAnswer
 from pipegen.engines.request import Generation, new_rid
 
 RUNNING_METRIC = "vllm:num_requests_running"
 WAITING_METRIC = "vllm:num_requests_waiting"
+# one observation per engine step the API server has recorded: the two gauges above are set at the same moment,
+# from that step's scheduler, so they say nothing of requests that reached the engine after the step began
+STEPS_METRIC = "vllm:iteration_tokens_total_count"
 # verl's agent-loop names that vLLM's completion request spells the same way; anything else the loop
 # sends is dropped rather than risking a 400 for an unknown field
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "stop_token_ids", "ignore_eos", "min_tokens")
 
 
-def parse_metrics(text: str) -> tuple[int, int]:
-    """(running, waiting) from vLLM's Prometheus text, summed over its label sets (engines, models).
-    Two names in a page of histograms: a scan of line starts, not a full exposition-format parser."""
-    totals = {RUNNING_METRIC: 0.0, WAITING_METRIC: 0.0}
+def parse_metrics(text: str) -> Load:
+    """Running, waiting and steps recorded from vLLM's Prometheus text, summed over its label sets (engines,
+    models). Three names in a page of histograms: a scan of line starts, not a full exposition-format parser."""
+    totals = {RUNNING_METRIC: 0.0, WAITING_METRIC: 0.0, STEPS_METRIC: 0.0}
     for line in text.splitlines():
-        if line.startswith("vllm:num_requests_"):
+        if line.startswith(("vllm:num_requests_", STEPS_METRIC)):
             # the name ends at its labels or the value: vllm:num_requests_waiting_by_reason is another metric
             name = line.split("{", 1)[0].split(" ", 1)[0]
             if name in totals:
                 totals[name] += float(line.rsplit(" ", 1)[1])
-    return int(totals[RUNNING_METRIC]), int(totals[WAITING_METRIC])
+    return Load(int(totals[RUNNING_METRIC]), int(totals[WAITING_METRIC]), int(totals[STEPS_METRIC]))
 
 
 # vLLM 0.32 can take pictures beside token ids on its other route (`/inference/v1/generate` with `content_parts`,
@@ -125,7 +128,7 @@ class VLLM(Engine):
     async def max_running(self, session: aiohttp.ClientSession, url: str) -> int | None:
         return None
 
-    async def load(self, session: aiohttp.ClientSession, url: str) -> tuple[int, int]:
+    async def load(self, session: aiohttp.ClientSession, url: str) -> Load:
         async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
             text = await resp.text()
             if resp.status == 404:
