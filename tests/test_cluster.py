@@ -190,10 +190,13 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         # the rest of the suite, and a survivor working on meanwhile finished all the work first on CI. So once
         # little is left queued, the survivor's actor is paused until the new node writes a unit (paused, it holds
         # only its own leases; what is queued waits for the new node)
-        paused, deadline = False, time.monotonic() + 240
+        # (beside the rest of the suite and a CPU-heavy process, the first nodes' actors took 83 s to be ready)
+        paused, deadline = False, time.monotonic() + 420
         try:
             while sum(joined_units().values()) == 0:
-                assert launcher.poll() is None and time.monotonic() < deadline, "the node that joined never wrote"
+                assert launcher.poll() is None and time.monotonic() < deadline, (
+                    "the node that joined never wrote", cluster_line(out).get("nodes"),
+                    {p.name: p.read_text()[-400:] for p in (out / "logs").glob("*.log")})
                 if not paused and cluster_line(out).get("units_queued", 0) <= 16:
                     os.kill(survivor_actor, signal.SIGSTOP)
                     paused = True
