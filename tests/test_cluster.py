@@ -140,22 +140,25 @@ def cluster_line(out: Path) -> dict:
     return orjson.loads(lines[-1]) if lines else {}
 
 
-@pytest.mark.slow  # 3-node Ray cluster, 96 units, a node lost, one added, an actor killed: ~2 min on 2 cores
+@pytest.mark.slow  # 3-node Ray cluster, 160 units, a node lost, one added, an actor killed: ~2 min on 2 cores
 # its own waits below add up past pytest's 300 s: the limit holds them all, at a load of 4 on 2 cores too
 @pytest.mark.timeout(900)
 def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_model, ray_cluster):
     out = tmp_path / "run"
     workers = [add_generation_node(ray_cluster, NODE_RESOURCE) for _ in range(2)]
     ray_cluster.wait_for_nodes()
-    # 48 prompts x 2 samples, 1,100 tokens at 4.4 ms each (~4.8 s a unit), 4 at a time per node: ~60 s on two
-    # nodes, long enough to lose one mid-run and have a new one join while work is left (the survivor waits for
-    # it, below); answers past the
+    # 80 prompts x 2 samples, 1,100 tokens at 4.4 ms each (~4.8 s a unit), 4 at a time per node: ~100 s on two
+    # nodes, long enough to lose one mid-run and have a new one join while work is left (its runner starts its
+    # server and forkserver, ~10 s on a quiet machine and 40 s or more beside the rest of the suite on 2 cores,
+    # while the survivor's killed actor is back in milliseconds; with 48 prompts the survivor finished everything
+    # first there, and with 64 once on CI; pausing the survivor meanwhile (SIGSTOP) slowed or stalled the new node's
+    # start, so the survivor works on); answers past the
     # default actors.progress_chunk_tokens (1,024), so they are streamed and kept as they come, and the units in
     # flight on the lost node and in the killed actor continue from their durable tokens
     answer = 1100
     replaced = ("max_samples=", "actors.concurrency=", "max_response_length=")
     overrides = [o for o in FAST if not o.startswith(replaced)] + [
-        "max_samples=48", "actors.concurrency=4", f"max_response_length={answer}", FAKE_ENGINE,
+        "max_samples=80", "actors.concurrency=4", f"max_response_length={answer}", FAKE_ENGINE,
         "llm.engine_args=[--token-latency,0.0044,--eos-prob,0]", "cluster=ray",
         f"cluster.node_resource={NODE_RESOURCE}"]
     env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": ray_cluster.address}
@@ -173,40 +176,13 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         wait_for(lambda: cluster_line(out).get("units_released", 0) > 0, 120, "the lost node's units leased again",
                  launcher)
         after_loss = shard_lines(out)  # the lost node writes no more: what its actors' folders gain later is new work
-        nodes = cluster_line(out)["nodes"]
-        survivor = next(name for name, node in nodes.items() if not node["leases_lost"])
-        lost_node = next(name for name, node in nodes.items() if node["leases_lost"])
-
-        def joined_units() -> dict[str, int]:
-            # the node that joined: a runner of its own (new actor folders), or the lost runner's next incarnation
-            # (Ray moves the lost node's bundle of the placement group onto it: the same actor folders)
-            return {a: n - after_loss.get(a, 0) for a, n in shard_lines(out).items()
-                    if a not in first_actors or a.startswith(f"actor_{lost_node}-")}
-
-        actor_stats = next(RunDir(out).stats.glob(f"actor_{survivor}-*.jsonl"))
-        survivor_actor = orjson.loads(actor_stats.read_bytes().splitlines()[-1])["pid"]
         add_generation_node(ray_cluster, NODE_RESOURCE)
-        # the node that joined starts its runner, server and forkserver: ~70 s on a quiet 2-core machine, more beside
-        # the rest of the suite, and a survivor working on meanwhile finished all the work first on CI. So once
-        # little is left queued, the survivor's actor is paused until the new node writes a unit (paused, it holds
-        # only its own leases; what is queued waits for the new node)
-        # (beside the rest of the suite and a CPU-heavy process, the first nodes' actors took 83 s to be ready)
-        paused, deadline = False, time.monotonic() + 420
-        try:
-            while sum(joined_units().values()) == 0:
-                assert launcher.poll() is None and time.monotonic() < deadline, (
-                    "the node that joined never wrote", cluster_line(out).get("nodes"),
-                    {p.name: p.read_text()[-400:] for p in (out / "logs").glob("*.log")})
-                if not paused and cluster_line(out).get("units_queued", 0) <= 16:
-                    os.kill(survivor_actor, signal.SIGSTOP)
-                    paused = True
-                time.sleep(0.5)
-        finally:
-            if paused:
-                os.kill(survivor_actor, signal.SIGCONT)
-        # and the survivor's actor crashes, its units holding durable tokens: they go back to its node's queue
+        # and an actor of the surviving node crashes: the units it held go back to its node's queue
+        survivor = next(name for name, node in cluster_line(out)["nodes"].items() if not node["leases_lost"])
+        actor_stats = next(RunDir(out).stats.glob(f"actor_{survivor}-*.jsonl"))
+        # once its units hold durable tokens (the new node's actor is still starting: the files are the survivor's)
         wait_for(lambda: any(RunDir(out).progress.glob("*.jsonl")), 120, "units holding durable tokens", launcher)
-        os.kill(survivor_actor, signal.SIGKILL)
+        os.kill(orjson.loads(actor_stats.read_bytes().splitlines()[-1])["pid"], signal.SIGKILL)
         assert launcher.wait(timeout=300) == 0
     finally:
         if launcher.poll() is None:
@@ -215,7 +191,7 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
         log.seek(0)
         console = log.read()
     data = load_trajectories(out / "trajectories.pkl")
-    assert units_of(data) == [(i, s) for i in range(48) for s in range(2)], console[-3000:]  # each unit once
+    assert units_of(data) == [(i, s) for i in range(80) for s in range(2)], console[-3000:]  # each unit once
     # units cut off mid-answer went on elsewhere from their last durable tokens, whole answers as uninterrupted ones
     resumed_at = [at for r, at in zip(data.non_tensor_batch.get("resumed", []),
                                       data.non_tensor_batch.get("resumed_at_token", [])) if r]
@@ -229,8 +205,13 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
     print(f"removal -> last lost unit leased again: {last_released - removed_at:.1f}s; "
           f"{final['units_released']} unit(s) leased again")
     lost = [name for name, node in final["nodes"].items() if node["leases_lost"]]
-    assert lost == [lost_node], final["nodes"]
-    print(f"units written by the actors of the node that joined: {joined_units()}")
+    assert lost, final["nodes"]
+    # the node that joined mid-run got work: as a runner of its own (new actor folders), or as the lost runner's
+    # next incarnation (Ray moves the lost node's bundle of the placement group onto it: the same actor folders)
+    new_actors = {a: n - after_loss.get(a, 0) for a, n in shard_lines(out).items()
+                  if a not in first_actors or a.startswith(f"actor_{lost[0]}-")}
+    print(f"units written by the actors of the node that joined: {new_actors}")
+    assert sum(new_actors.values()) > 0, (new_actors, final["nodes"])
     assert "queued again for this node's actors" in RunDir(out).role_log(f"runner_{survivor}").read_text()
     assert not [pid for pid in records[lost[0]].server_pgids if running(pid)]  # the lost runner left no server
     from pipegen.observe.run_status import gather, render
