@@ -95,9 +95,9 @@ class ServerState:
 
     def note_reading(self, asked: float, steps: int | None) -> float:
         """A load reading asked at `asked`: attempts sent before the returned time are surely counted in it. Counts
-        read live (steps None): LAG_S before it. Counts of the engine's last recorded step (vLLM): an attempt that reached
-        the engine before a reading is counted by the second step recorded after that reading (the first may have
-        begun before it arrived), however long a step takes (a prefill on a busy CPU: seconds)."""
+        read live (steps None): LAG_S before it. Counts of the engine's last recorded step (vLLM): an attempt that
+        reached the engine before a reading is counted by the second step recorded after that reading (the first may
+        have begun before it arrived), however long a step takes (a prefill on a busy CPU: seconds)."""
         live = asked - LAG_S
         if steps is None:
             return live
