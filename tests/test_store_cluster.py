@@ -3,7 +3,8 @@ scratch root, the head with its own, and one real S3-compatible store (SeaweedFS
 node runs its own writer, which commits its node's batches to the store; the head follows the store and merges from
 it. The runs end exact in the store, `verify` passes from the store alone and verl's DataProto reads the merged
 output; a node lost after some of its batches were committed has its uncommitted units run again by the other node,
-and its committed ones stay committed once.
+and its committed ones stay committed once. With streams=redis (a real redis-server, AOF on), a node's writer killed
+before its XACK and a Redis restart mid-run give the files run's trajectories.
 
 How "no role writes outside its own scratch and the store" is checked: every process of a node gets that node's
 HOME and PIPEGEN_NODE_SCRATCH (through its raylet's environment, as `ray start` would give them), the launcher the
@@ -15,14 +16,16 @@ record, and the default locations under the test's real HOME (~/.cache/pipegen/{
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from conftest import FAKE_ENGINE, FAST, REPO
+from conftest import FAKE_ENGINE, FAST, REPO, assert_same_trajectories
 from test_status import kill_orphans_of, wait_for
 from test_store import assert_exact_in_store, pipegen, seaweed, store_of  # noqa: F401 (seaweed: the module's server)
 
@@ -82,16 +85,21 @@ def runners_of(scratch: Path, prefix: str) -> list[Path]:
     return sorted(p for p in (scratch / prefix).iterdir()) if (scratch / prefix).exists() else []
 
 
-def assert_each_role_kept_to_its_own_folders(nodes, prefix: str, head_scratch: Path) -> list[list[str]]:
-    """See the module docstring. Returns each node's runner names."""
+def assert_each_role_kept_to_its_own_folders(nodes, prefix: str, head_scratch: Path,
+                                             shards: bool = True) -> list[list[str]]:
+    """See the module docstring. Returns each node's runner names. `shards`: the run's lines went through shard files
+    (streams=files), each runner's own actors'; else no runner holds a shard."""
     _, added, root = nodes
     seen = []
     for _, scratch in added:
         names = []
         for runner in runners_of(scratch, prefix):
             names.append(runner.name)
-            actors = {p.name for p in (runner / "streams" / "rollouts").iterdir()}
-            assert actors and all(a.startswith(f"actor_{runner.name}-") for a in actors), (runner, actors)
+            if shards:
+                actors = {p.name for p in (runner / "streams" / "rollouts").iterdir()}
+                assert actors and all(a.startswith(f"actor_{runner.name}-") for a in actors), (runner, actors)
+            else:
+                assert not list(runner.glob("streams/rollouts/*/*.jsonl")), f"a shard in {runner}"
         seen.append(names)
     assert all(seen) and not set(seen[0]) & set(seen[1]), seen  # each node ran a runner of its own
     head = RunDir(head_scratch)
@@ -109,15 +117,31 @@ def units_of(data) -> list[tuple[int, int]]:
     return sorted((int(i), int(s)) for i, s in zip(data.non_tensor_batch["index"], data.non_tensor_batch["sample"]))
 
 
-@pytest.mark.timeout(600)
-def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(seaweed, nodes, tiny_model):  # noqa: F811
+# two units at a time per node, ~2 s each: a node that starts seconds after the other still finds leased units it
+# has not started (taken back for it), so both nodes' writers commit, whatever the machine's load. The fake engine
+# answers by seed and context alone, so every run with these settings has the same trajectories.
+TWO_NODE_RUN = ["actors.concurrency=2", "llm.engine_args=[--token-latency,0.08,--eos-prob,0]"]
+
+
+@pytest.fixture(scope="module")
+def two_node_run(seaweed, nodes, tiny_model) -> tuple[str, Path, subprocess.Popen, str]:  # noqa: F811
+    """The two-node run with the files medium (the default): prefix, head scratch, launcher, console."""
     cluster, _, root = nodes
     prefix = f"two-nodes-{uuid.uuid4().hex[:6]}"  # a name no earlier run left in ~/.cache
-    # two units at a time per node, ~2 s each: a node that starts seconds after the other still finds leased units
-    # it has not started (taken back for it), so both nodes' writers commit, whatever the machine's load
-    launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model, "actors.concurrency=2",
-                                        "llm.engine_args=[--token-latency,0.08,--eos-prob,0]")
+    launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model, *TWO_NODE_RUN)
     console = finish(launcher, 400)
+    return prefix, head_scratch, launcher, console
+
+
+def trajectories_in_store(prefix: str):
+    import pickle, obstore; from obstore.store import S3Store  # noqa: E401, E702 (as README has them)
+    return pickle.loads(obstore.get(S3Store.from_url(f"s3://{BUCKET}/{prefix}", client_options={"allow_http": True}),
+                                    "trajectories.pkl").bytes())
+
+
+@pytest.mark.timeout(600)
+def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(seaweed, nodes, two_node_run):  # noqa: F811
+    prefix, head_scratch, launcher, console = two_node_run
     assert launcher.returncode == 0, console[-4000:]
     writers = {seg.writer for seg in store_of(seaweed, prefix).segments()}
     assert len(writers) == 2, writers  # both nodes' writers committed to the store
@@ -125,12 +149,77 @@ def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(sea
     assert writers == {name for names in runners for name in names}
     assert_exact_in_store(seaweed, prefix)
 
-    # README's two lines: verl's DataProto from the store
-    import pickle, obstore; from obstore.store import S3Store  # noqa: E401, E702 (as README has them)
-    data = pickle.loads(obstore.get(S3Store.from_url(f"s3://{BUCKET}/{prefix}", client_options={"allow_http": True}),
-                                    "trajectories.pkl").bytes())
+    data = trajectories_in_store(prefix)  # README's two lines: verl's DataProto from the store
     assert type(data).__name__ == "DataProto"
     assert units_of(data) == [(i, s) for i in range(6) for s in range(2)]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    from support.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+def node_streams(added, prefix: str) -> dict[Path, str]:
+    """streams=redis: each runner start's scratch folder and its rollout stream, named in that folder's
+    conf/streams.json (made there by the first of its processes that asks)."""
+    found = {}
+    for _, scratch in added:
+        for runner in runners_of(scratch, prefix):
+            if RunDir(runner).streams_file.exists():
+                found[runner] = RunDir(runner).stream_key("rollouts")
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_redis_streams_on_two_nodes_give_the_files_output_through_a_writer_killed_before_its_xack_and_a_redis_restart(
+        seaweed, nodes, tiny_model, two_node_run, redis_server):  # noqa: F811
+    """streams=redis on the two-node cluster with no shared folder: each runner start's actors XADD to a stream of
+    its own, which that node's writer reads as a consumer group. A node's writer SIGKILLed while it holds entries it
+    read and has not acknowledged, then Redis SIGKILLed and started again on its AOF: the store holds every unit
+    once, with the same trajectories as the files run."""
+    from pipegen.run.ownership import lock_holder
+
+    cluster, added, root = nodes
+    prefix = f"redis-{uuid.uuid4().hex[:6]}"
+    launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model, *TWO_NODE_RUN, "streams=redis",
+                                        f"streams.redis_url={redis_server.url}")
+    client = redis_server.client()
+    try:
+        def a_writer_holding_unacknowledged_entries() -> tuple[Path, int] | None:
+            for runner, key in node_streams(added, prefix).items():
+                try:
+                    pending = int(client.xpending(key, "pipegen-writers")["pending"])
+                except Exception:  # the group is not made yet
+                    continue
+                pid = lock_holder(RunDir(runner).writer_lock) if pending else None
+                if pid is not None:
+                    return runner, pid
+            return None
+
+        killed, pid = wait_for(a_writer_holding_unacknowledged_entries, 300, "a node's writer holding unacknowledged "
+                               "entries", launcher, poll=0.02)
+        os.kill(pid, signal.SIGKILL)
+        redis_server.kill()  # what it acknowledged is in its AOF (appendfsync always)
+        time.sleep(3)  # units finish meanwhile: their actors hold the lines and retry
+        redis_server.start()  # the same port and folder
+    finally:
+        console = finish(launcher, 400)
+    assert launcher.returncode == 0, console[-4000:]
+    assert_each_role_kept_to_its_own_folders(nodes, prefix, head_scratch, shards=False)
+    assert_exact_in_store(seaweed, prefix)  # (its verify makes the read cache under HOME: after the check above)
+    streams = node_streams(added, prefix)
+    assert len(set(streams.values())) == len(streams) >= 2, streams  # one stream per runner start
+    assert all(int(client.xpending(key, "pipegen-writers")["pending"]) == 0 for key in streams.values())
+    logs = {runner: "".join(p.read_text() for p in (runner / "logs").glob("*.log")) for runner in streams}
+    assert "read by an earlier writer and never acknowledged (XPENDING)" in logs[killed], "the restarted writer"
+    assert any("is unreachable" in text and "line(s) held in memory" in text for text in logs.values())
+    files_prefix, _, files_launcher, files_console = two_node_run
+    assert files_launcher.returncode == 0, files_console[-4000:]
+    assert_same_trajectories(trajectories_in_store(prefix), trajectories_in_store(files_prefix))
 
 
 @pytest.mark.timeout(600)
