@@ -4,7 +4,8 @@ node runs its own writer, which commits its node's batches to the store; the hea
 it. The runs end exact in the store, `verify` passes from the store alone and verl's DataProto reads the merged
 output; a node lost after some of its batches were committed has its uncommitted units run again by the other node,
 and its committed ones stay committed once. With streams=redis (a real redis-server, AOF on), a node's writer killed
-before its XACK and a Redis restart mid-run give the files run's trajectories.
+before its XACK and a Redis restart mid-run give the files run's trajectories, and generation.keep_streams=false
+deletes each node's stream once what its writer committed is in the store.
 
 How "no role writes outside its own scratch and the store" is checked: every process of a node gets that node's
 HOME and PIPEGEN_NODE_SCRATCH (through its raylet's environment, as `ray start` would give them), the launcher the
@@ -180,13 +181,14 @@ def test_redis_streams_on_two_nodes_give_the_files_output_through_a_writer_kille
     """streams=redis on the two-node cluster with no shared folder: each runner start's actors XADD to a stream of
     its own, which that node's writer reads as a consumer group. A node's writer SIGKILLed while it holds entries it
     read and has not acknowledged, then Redis SIGKILLed and started again on its AOF: the store holds every unit
-    once, with the same trajectories as the files run."""
+    once, with the same trajectories as the files run. generation.keep_streams=false: each node's writer deletes its
+    stream at its end, once what it committed is in the store."""
     from pipegen.run.ownership import lock_holder
 
     cluster, added, root = nodes
     prefix = f"redis-{uuid.uuid4().hex[:6]}"
     launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model, *TWO_NODE_RUN, "streams=redis",
-                                        f"streams.redis_url={redis_server.url}")
+                                        f"streams.redis_url={redis_server.url}", "generation.keep_streams=false")
     client = redis_server.client()
     try:
         def a_writer_holding_unacknowledged_entries() -> tuple[Path, int] | None:
@@ -213,8 +215,9 @@ def test_redis_streams_on_two_nodes_give_the_files_output_through_a_writer_kille
     assert_exact_in_store(seaweed, prefix)  # (its verify makes the read cache under HOME: after the check above)
     streams = node_streams(added, prefix)
     assert len(set(streams.values())) == len(streams) >= 2, streams  # one stream per runner start
-    assert all(int(client.xpending(key, "pipegen-writers")["pending"]) == 0 for key in streams.values())
     logs = {runner: "".join(p.read_text() for p in (runner / "logs").glob("*.log")) for runner in streams}
+    # generation.keep_streams=false: each node's writer deleted its rollout stream once its commits were in the store
+    assert not any(client.exists(key) for key in streams.values()), logs
     assert "read by an earlier writer and never acknowledged (XPENDING)" in logs[killed], "the restarted writer"
     assert any("is unreachable" in text and "line(s) held in memory" in text for text in logs.values())
     files_prefix, _, files_launcher, files_console = two_node_run

@@ -132,7 +132,8 @@ class Generation:
                                       "is in trainer.logger; false: no zip", choices=(True, False))
     keep_streams: bool = key(True, "false: once the run is complete and `python -m pipegen.status DIR --verify` "
                                    "passes on it, delete the rollout shards (the batch files and merged output hold "
-                                   "every sample)", choices=(True, False))
+                                   "every sample); on a cluster with a store, each node's once what it committed is "
+                                   "in the store", choices=(True, False))
     batch_int32: bool = key(True, "store token tensors as int32 in batch files (the merge restores int64)",
                             choices=(True, False))
     max_attempts: int = key(8, "tries per request before its unit goes to the failures stream", at_least=1)

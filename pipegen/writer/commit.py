@@ -392,6 +392,10 @@ class Writer:
         if problem:
             log.error("%s", problem)
             return 1
+        if not self.gen.keep_streams:  # what its stream holds is committed and in the store now
+            from pipegen.writer.tidy import drop_node_streams_once_committed
+
+            drop_node_streams_once_committed(self.run, self.keys)
         return 0
 
     def deliver_to_store(self, code: int) -> int:
