@@ -52,7 +52,8 @@ WRITERS = "writers"
 MANIFEST = "manifest"
 CONF_FILES = ("config.yaml", "fingerprint.json", "units.json", "launch.json")
 BACKOFF_FIRST_S = 1.0
-BACKOFF_CAP_S = 15.0  # a store down for minutes is asked again at least this often
+BACKOFF_CAP_S = 5.0  # a store down for minutes is asked again at least this often, so the run goes on within
+# 5 s of its return (a HEAD or PUT every 5 s costs a store nothing)
 FAILED = "failed.json"
 # cluster=ray with a store: the folder under which each node runner makes its scratch folder (set where that node's
 # `ray start` runs); unset: ~/.cache/pipegen/nodes/<bucket>/<prefix>
