@@ -67,8 +67,8 @@ def test_every_engine_implements_the_whole_interface():
     assert len(wanted) >= 14  # build ... streamed: the interface as ARCHITECTURE.md's request path lists it
     for cls in engines:
         assert not inspect.isabstract(cls), f"{cls.__name__} lacks {sorted(cls.__abstractmethods__)}"
-        for name in ("name", "generate_path", "health_path", "streams"):
-            assert isinstance(getattr(cls, name, None), (str, bool)), f"{cls.__name__} lacks {name}"
+        for name in ("name", "generate_path", "health_path", "streams", "load_trails_s"):
+            assert isinstance(getattr(cls, name, None), (str, bool, float)), f"{cls.__name__} lacks {name}"
         for name in wanted:  # each method the engine's own or a deliberate inheritance, with the interface's arguments
             ours, theirs = inspect.signature(getattr(cls, name)), inspect.signature(getattr(Engine, name))
             assert list(ours.parameters) == list(theirs.parameters), f"{cls.__name__}.{name}{ours} vs {theirs}"

@@ -4,7 +4,9 @@ for each generation: retries, the stall watchdog, hedges.
 A generation is judged by what its engine says it is doing, never by the clock alone:
 - **looks, not deadlines**: every attempt on a streaming engine streams, so its first token's chunk says the engine
   started it. An attempt is looked at every LOOK_S; what its engine shows decides (`_judge`), and evidence against
-  it must hold in every reading for SUSPECT_FOR_S before anything is called stalled:
+  it must hold in every reading for SUSPECT_FOR_S before anything is called stalled (each plus the engine's
+  `load_trails_s`, how long its load reading may trail what it holds: vLLM's gauges are its last recorded step's,
+  SGLang's counts are read live):
   - chunks come (within `llm.stall_floor_s`): the engine is generating it;
   - started, then no chunk for `llm.stall_floor_s` while the server's queue (`Engine.load`: SGLang's `/get_load`,
     vLLM's `/metrics`, the CPU server's counters) is empty: **stalled** (it stopped, and was not put back to wait);
@@ -68,9 +70,10 @@ MAX_COPIES = 3  # an attempt and its hedges in flight at once (the tail only)
 SLOWER_BY = 1.5  # a server this many times slower per token than another is worth a hedge there
 HEDGE_BUDGET = 0.05  # hedge copies may cost at most this share of the tokens answered
 LOAD_CONFIRM_S = 0.5  # evidence against an attempt is read again this often...
-SUSPECT_FOR_S = 2.0  # ...and must hold this long, every reading, before it counts as a stall (a prefill in progress,
+SUSPECT_FOR_S = 1.0  # ...and must hold this long, every reading, before it counts as a stall (a prefill in progress,
 # an answer on its way back, are moments)
-LOOK_S = 2.0  # how often the evidence of an attempt the engine has not started is looked at
+LOOK_S = 1.0  # how often the evidence of an attempt the engine has not started is looked at (both plus the
+# engine's load_trails_s: each lost request costs about LOOK_S + SUSPECT_FOR_S of its unit's time)
 ORDER_SLACK_S = 0.05  # attempts sent this close together may reach the engine in either order
 
 
@@ -219,7 +222,7 @@ class ServerPool:
         # engine broke (see _judge)
         deadline = started + min(admission.stall_deadline(server.clock, request.max_new_tokens, stalls),
                                  self.limits.request_timeout_s)
-        look_at = min(started + LOOK_S, deadline)
+        look_at = min(started + self._look_s(), deadline)
         give_up = started + self.limits.request_timeout_s
         primary = self.sender.start(server, request)
         copies: dict[asyncio.Future, Copy] = {primary: Copy(server, request)}
@@ -246,7 +249,8 @@ class ServerPool:
                         if look.unsure:  # read again soon; a suspicion stands until a clear reading
                             look_at = time.monotonic() + look.again_s
                             continue
-                        if look.stalled is None or suspect_since is None or now - suspect_since < SUSPECT_FOR_S:
+                        held = SUSPECT_FOR_S + self.engine.load_trails_s
+                        if look.stalled is None or suspect_since is None or now - suspect_since < held:
                             # nothing against it, or seen once: read again before calling it stalled
                             suspect_since = (suspect_since or now) if look.stalled is not None else None
                             look_at = time.monotonic() + (LOAD_CONFIRM_S if look.stalled is not None else look.again_s)
@@ -282,7 +286,7 @@ class ServerPool:
         now = time.monotonic()
         live = self.sender.live.get(request.rid)
         if live is None:
-            return Look(None, LOOK_S)  # settled meanwhile
+            return Look(None, self._look_s())  # settled meanwhile
         if live.last_chunk_at is not None and now - live.last_chunk_at < stall_floor:
             return Look(None, live.last_chunk_at + stall_floor - now)  # chunks are coming: the engine generates it
         evidence = await self.routing.evidence(server)
@@ -300,12 +304,12 @@ class ServerPool:
         if live.last_chunk_at is not None:  # started, then silent for stall_floor_s: unless put back in its queue
             if evidence.waiting == 0:
                 return Look(f"stalled: no token for {now - live.last_chunk_at:.0f}s; {held}; {age}; aborted there", 0)
-            return Look(None, LOOK_S)
+            return Look(None, self._look_s())
         if live.sent_at >= evidence.counted_before:  # the reading may not count it yet
             if evidence.by_steps and now >= deadline:  # the engine recorded under two steps since it was sent
                 return Look(f"stalled: no answer from {server.url}, {age}, and {server.url} recorded no step that "
                             f"counts it (watchdog deadline from max_new_tokens={request.max_new_tokens})", 0)
-            return Look(None, LOOK_S)
+            return Look(None, self._look_s())
         if not self.engine.streams and now >= deadline and evidence.waiting == 0:
             # an answer read whole shows no progress of its own: past the clock's deadline with nothing queued there,
             # it is running far past its budget (or lost)
@@ -321,7 +325,10 @@ class ServerPool:
                         f"; {held}; {age}; aborted there", 0, working=passed)
         if passed and evidence.known < evidence.asked:  # an attempt sent just before the reading may count for it
             return Look(None, LOAD_CONFIRM_S, unsure=True)
-        return Look(None, LOOK_S)  # queued or running: the engine holds it
+        return Look(None, self._look_s())  # queued or running: the engine holds it
+
+    def _look_s(self) -> float:
+        return LOOK_S + self.engine.load_trails_s
 
     async def _stall(self, copies: dict[asyncio.Future, Copy], verdict: str, working: bool = False) -> Failure:
         log.warning("%s", verdict)

@@ -90,6 +90,9 @@ class Engine(ABC):
     generate_path: str  # POST the body here
     health_path: str  # GET: 200 once the server generates
     streams: bool  # whether `stream_body`, `stream_chunks` and `streamed` work: an answer read as it is generated
+    # how long `load` may trail the requests the server holds: supervision looks at an attempt and holds a suspicion
+    # this much longer than on an engine whose counts are read live
+    load_trails_s: float
 
     # ---- one generation ----
     @abstractmethod

@@ -93,6 +93,7 @@ class SGLang(Engine):
     generate_path = "/generate"
     health_path = "/health_generate"
     streams = True
+    load_trails_s = 0.0  # /get_load: the schedulers count their own queues when asked
 
     def build(self, generation: Generation) -> EngineRequest:
         body = build_request(generation)

@@ -74,6 +74,10 @@ class VLLM(Engine):
     generate_path = "/v1/completions"
     streams = False  # its answers are read whole: long answers keep their progress in chunks (actor/continuation.py)
     health_path = "/health"
+    # /metrics: gauges of the last step the API server recorded (a first prefill on a busy CPU: seconds); which attempts
+    # a reading surely counts follows the recorded steps (routing.ServerState.note_reading), and its looks and
+    # suspicions take a second longer (2 s each, as measured passing beside a CPU hog)
+    load_trails_s = 1.0
 
     def build(self, generation: Generation) -> EngineRequest:
         if generation.pictures:  # refused at launch for llm=vllm (inputs/media.py); this catches llm.protocol=auto
