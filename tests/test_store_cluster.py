@@ -231,8 +231,10 @@ def test_a_node_lost_after_committing_has_its_uncommitted_units_run_elsewhere_an
     cluster, added, root = nodes
     prefix = f"node-lost-{uuid.uuid4().hex[:6]}"
     units = 16 * 2
+    # ~2.4 s a unit, two at a time per node: one node alone needs ~40 s for the 32 units, time for the other's runner
+    # to start beside a loaded machine (at 1 s a unit, beside the suite and a CPU hog, one node did them all first)
     launcher, head_scratch = start_head(seaweed, cluster, root, prefix, tiny_model, "max_samples=16", "actors.concurrency=2",
-                                        "llm.max_batch=2", "llm.engine_args=[--token-latency,0.04,--eos-prob,0]")
+                                        "llm.max_batch=2", "llm.engine_args=[--token-latency,0.1,--eos-prob,0]")
     store = store_of(seaweed, prefix)
     try:
         def committed_by_both() -> dict:
