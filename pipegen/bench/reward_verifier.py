@@ -25,6 +25,7 @@ import orjson
 
 from pipegen.bench import common as c
 from pipegen.bench.end_to_end import RunSpec, run_actor, steady_rate
+from pipegen.run.atomic import replace_unsynced
 
 KEY = "reward"
 TITLE = "11. Scoring through a 100 ms HTTP verifier vs verl's scorer in the actor (instant fake server)"
@@ -56,7 +57,7 @@ def serve_slow(port_file: str, delay_s: float) -> None:
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
-        Path(port_file).write_text(str(runner.addresses[0][1]))
+        replace_unsynced(Path(port_file), str(runner.addresses[0][1]).encode())  # never seen empty
         await asyncio.Event().wait()
 
     asyncio.run(main())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from pipegen.cpu_server.model_backend import read_model_facts
 from pipegen.cpu_server.server import ReferenceServer, build_app
+from pipegen.run.atomic import replace_unsynced
 
 log = logging.getLogger("pipegen.cpu_server")
 
@@ -44,9 +44,7 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("pipegen reference server listening on http://%s:%d (backend=%s, model=%s, context=%d)",
              args.host, server.port, backend.name, args.model_path or "-", backend.context_length)
     if args.port_file:
-        tmp = f"{args.port_file}.tmp{os.getpid()}"
-        Path(tmp).write_text(str(server.port))
-        os.replace(tmp, args.port_file)
+        replace_unsynced(Path(args.port_file), str(server.port).encode())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -24,6 +24,7 @@ import orjson
 from pipegen.rewards.local import FunctionReward
 from pipegen.rewards.protocol import RewardFailure, ScoreRequest
 from pipegen.config.schema import Reward, RewardSpec
+from pipegen.run.atomic import replace_unsynced
 
 log = logging.getLogger("pipegen.rewards.serve")
 ROUTE = "/score"
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reward-kwargs", default="{}", help="JSON object of extra keyword arguments for every call")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0: any free one; see --port-file)")
-    p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--port-file", default=None, help="write the bound port here once serving (atomic)")
     p.add_argument("--processes", type=int, default=Reward().processes,
                    help="processes for a function slower than 0.5 ms a sample (default: %(default)s, as reward.processes)")
     p.add_argument("--timeout-s", type=float, default=Reward().timeout_s,
@@ -81,7 +82,7 @@ async def serve(args: argparse.Namespace) -> None:
     await site.start()
     port = runner.addresses[0][1]
     if args.port_file:
-        Path(args.port_file).write_text(str(port))
+        replace_unsynced(Path(args.port_file), str(port).encode())  # a reader never sees it empty
     log.info("serving %s at http://%s:%d%s", spec.describe(), args.host, port, ROUTE)
     try:
         await asyncio.Event().wait()
