@@ -17,6 +17,7 @@ record, and the default locations under the test's real HOME (~/.cache/pipegen/{
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,6 +154,11 @@ def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(sea
     data = trajectories_in_store(prefix)  # README's two lines: verl's DataProto from the store
     assert type(data).__name__ == "DataProto"
     assert units_of(data) == [(i, s) for i in range(6) for s in range(2)]
+    # the closing line counts the nodes' tokens, though their actors' stats stay on the nodes' disks
+    counts = re.search(r"done: 12 samples \(12 trajectories\), (\d+) output tokens \(as each node's runner counted "
+                       r"its actors when it stopped\); this launch: (\d+) samples, (\d+) output tokens", console)
+    kept = int(data.batch["response_mask"].sum())
+    assert counts and int(counts[1]) == int(counts[3]) == kept and int(counts[2]) == 12, (kept, console[-3000:])
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,7 @@ from pipegen.launch.leases import open_units
 from pipegen.launch.node_processes import NodeProcesses
 from pipegen.launch.run_writer import RunWriter
 from pipegen.launch.world import current_plan
+from pipegen.observe.stats import across_processes, aggregate, stats_history
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import NodeRecord, RunDir, node_actor_role
 from pipegen.run.store import CONF_FILES, Store, conf_key, node_scratch
@@ -336,12 +337,13 @@ class NodeRunner:
                 raise RuntimeError(self.error)
             await asyncio.sleep(0.05)
 
-    async def stop(self, grace_s: float = 30.0) -> None:
-        """The run needs nothing more: actors finish and exit, then every child is stopped."""
+    async def stop(self, grace_s: float = 30.0) -> dict[str, int]:
+        """The run needs nothing more: actors finish and exit, then every child is stopped. Returns what its actors
+        did (`actor_counts`), for the launcher's closing line."""
         self.queue.finished = True
         deadline = time.monotonic() + grace_s
-        actors = [r for name, r in self.processes.sup.roles.items() if name.startswith("actor_")]
-        while any(r.alive for r in actors) and time.monotonic() < deadline:
+        actors = {name: r for name, r in self.processes.sup.roles.items() if name.startswith("actor_")}
+        while any(r.alive for r in actors.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if self.writer is not None and self._signal_writer(FINISH_SIGNAL):  # what it committed goes to the store
             while self.writer.role.proc.poll() is None and time.monotonic() < deadline:
@@ -350,3 +352,15 @@ class NodeRunner:
         if self.writer is not None:
             self.writer.stop()
         self.processes.stop()
+        return self.actor_counts(set(actors))
+
+    def actor_counts(self, actors: set[str]) -> dict[str, int]:
+        """Units completed and output tokens of this start's actors, every process of each counted, from their stats
+        lines in this runner's folder (with a store, a folder on this node that the launcher cannot read)."""
+        try:
+            history = stats_history(self.run.stats)
+            counts = aggregate(across_processes({role: lines for role, lines in history.items() if role in actors}))
+        except Exception as e:  # the counts are for the closing line; the run's output does not depend on them
+            log.warning("%s: its actors' stats could not be read: %s", self.node, e)
+            return {}
+        return {"completed": int(counts["actors/completed"]), "output_tokens": int(counts["actors/output_tokens"])}

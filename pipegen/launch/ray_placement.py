@@ -103,6 +103,7 @@ class NodeSlot:
     units_taken_back: int = 0
     flushing: Any = None  # with a store: the ObjectRef of a flush in flight
     flushed_at: float = 0.0
+    actor_counts: dict[str, int] = field(default_factory=dict)  # what its actors did, as its stop returned it
 
     def pace(self, window_s: float) -> float | None:
         """Units per second its actors took over the last `window_s` (None before they took any)."""
@@ -476,7 +477,8 @@ class RayPlacement:
                                      units_out=sum(len(x.units) for x in book.outstanding(s.name)) if book else 0,
                                      units_leased=s.leased_units, leases_done=s.leases_done,
                                      leases_lost=s.leases_lost, units_taken_back=s.units_taken_back,
-                                     error=s.error)
+                                     error=s.error, completed=s.actor_counts.get("completed"),
+                                     output_tokens=s.actor_counts.get("output_tokens"))
                    for s in self.state.slots.values()},
             units_queued=len(book.queue) if book else 0,
             units_released=book.units_released() if book else 0,
@@ -495,13 +497,18 @@ class RayPlacement:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        stops = {s.handle.stop.remote(): s for s in self.state.slots.values() if s.state == "alive"}
+        if stops:
+            done, _ = ray.wait(list(stops), num_returns=len(stops), timeout=45)
+            for ref in done:
+                try:
+                    stops[ref].actor_counts = ray.get(ref) or {}
+                except Exception as e:  # a runner that failed to stop cleanly: its counts stay unknown
+                    log.warning("%s did not stop cleanly: %s", stops[ref].name, e)
         try:
-            self.write_stats(final=True)
+            self.write_stats(final=True)  # with each stopped runner's counts
         except Exception as e:  # the end state is shown best-effort; stopping the runners matters more
             log.warning("cluster stats: %s", e)
-        stops = [s.handle.stop.remote() for s in self.state.slots.values() if s.state == "alive"]
-        if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=45)
         for pg in self.state.placement_groups:
             try:
                 remove_placement_group(pg)

@@ -35,7 +35,7 @@ from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.provenance import harness_named
 from pipegen.config.invocation import command
 from pipegen.config.schema import RewardSpec, uses_external_loop
-from pipegen.run.stats_line import LaunchStats, WriterStats
+from pipegen.run.stats_line import ClusterStats, LaunchStats, WriterStats
 
 log = logging.getLogger("pipegen.launch")
 
@@ -122,18 +122,36 @@ class Console:
 def run_counts(run: RunDir, snap: Snapshot, metrics: dict) -> str:
     """The closing line's counts after "N samples": trajectories and output tokens over the whole run (every
     launch's processes), then what this launch generated and how fast."""
-    whole = aggregate(across_processes(stats_history(run.stats)))
+    history = stats_history(run.stats)
+    whole = aggregate(across_processes(history))
     ckpt = load_checkpoint(run.checkpoint)
-    text = f" ({ckpt.batches.rows} trajectories), {int(whole.get('actors/output_tokens', 0))} output tokens"
-    this = f"; this launch: {int(snap.metrics.get('actors/completed', 0))} samples, {snap.output_tokens} output tokens"
+    completed, tokens = int(snap.metrics.get("actors/completed", 0)), snap.output_tokens
+    run_tokens, counted_by = int(whole.get("actors/output_tokens", 0)), ""
+    tokens_per_s = metrics.get(LAUNCH_TOKENS_PER_S)
+    cluster = [line for line in history.get(ClusterStats.ROLE, []) if isinstance(line, ClusterStats)]
+    if not whole.get("actors/total") and any(line.final for line in cluster):
+        # a cluster with a store: the actors' stats stay on their nodes, and each runner's stop returned its counts
+        run_tokens = sum(node_totals(line)[1] for line in cluster if line.final)
+        completed, tokens = node_totals(cluster[-1]) if cluster[-1].final else (0, 0)  # this launch's last line
+        counted_by = " (as each node's runner counted its actors when it stopped)"
+        tokens_per_s = tokens / metrics[ELAPSED_S] if metrics.get(ELAPSED_S) else None
+    text = f" ({ckpt.batches.rows} trajectories), {run_tokens} output tokens{counted_by}"
+    this = f"; this launch: {completed} samples, {tokens} output tokens"
     if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
         rates = [human_rate(metrics[LAUNCH_UNITS_PER_S], "samples")]
-        if metrics.get(LAUNCH_TOKENS_PER_S):
-            rates.append(human_rate(metrics[LAUNCH_TOKENS_PER_S], "output tok"))
+        if tokens_per_s:
+            rates.append(human_rate(tokens_per_s, "output tok"))
         if metrics.get(GPU_BUSY) is not None:  # idle GPUs show here
             rates.append(f"GPUs {metrics[GPU_BUSY]:.0f}% busy while generating")
         this += f" in {metrics[ELAPSED_S]:.1f}s ({', '.join(rates)})"
     return f"{text}{this}."
+
+
+def node_totals(line: ClusterStats) -> tuple[int, int]:
+    """Units completed and output tokens of one launch's node runners, as their stops returned them (a runner lost
+    or stopped uncleanly counts nothing: its actors' stats went with it)."""
+    nodes = line.nodes.values()
+    return sum(n.completed or 0 for n in nodes), sum(n.output_tokens or 0 for n in nodes)
 
 
 def reward_name(run: RunDir) -> str:

@@ -192,6 +192,10 @@ class NodeStats:
     leases_lost: int = 0
     units_taken_back: int = 0  # unstarted units given back for idle nodes
     error: str | None = None
+    # its actors' counts when it stopped, read by the runner from its own folder's stats (None: not stopped cleanly);
+    # with a store that folder is on the node, so the launcher learns them only this way
+    completed: int | None = None
+    output_tokens: int | None = None
 
 
 @dataclass
