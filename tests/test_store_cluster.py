@@ -159,6 +159,11 @@ def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(sea
                        r"its actors when it stopped\); this launch: (\d+) samples, (\d+) output tokens", console)
     kept = int(data.batch["response_mask"].sum())
     assert counts and int(counts[1]) == int(counts[3]) == kept and int(counts[2]) == 12, (kept, console[-3000:])
+    from pipegen.observe.run_status import gather, render
+
+    shown = render(gather(RunDir(head_scratch)))  # `pipegen status` in the head's folder: each node's own counts
+    per_node = [int(t) for t in re.findall(r"its actors had completed \d+ sample\(s\), (\d+) output tokens", shown)]
+    assert len(per_node) == 2 and sum(per_node) == kept, shown
 
 
 @pytest.fixture(scope="module")

@@ -346,7 +346,9 @@ class NodeRunner:
         while any(r.alive for r in actors.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if self.writer is not None and self._signal_writer(FINISH_SIGNAL):  # what it committed goes to the store
-            while self.writer.role.proc.poll() is None and time.monotonic() < deadline:
+            # the supervise thread still runs and drops role.proc once it reaps the writer: poll our own reference
+            writer = self.writer.role.proc
+            while writer is not None and writer.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
         self.error = "stopped"  # ends the supervise thread: nothing is restarted any more
         if self.writer is not None:

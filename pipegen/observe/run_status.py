@@ -357,7 +357,9 @@ def render_cluster(line: ClusterStats) -> list[str]:
         out.append(f"    {name:<8} {state}{error}{where}: {node.leases_out} lease(s) out "
                    f"({node.units_out} units), {node.leases_done} done, {node.leases_lost} lost"
                    + (f", {node.units_taken_back} unstarted unit(s) taken back for idle nodes"
-                      if node.units_taken_back else ""))
+                      if node.units_taken_back else "")
+                   + (f"; at its stop its actors had completed {node.completed} sample(s), {node.output_tokens} output "
+                      f"tokens" if node.output_tokens is not None else ""))
     for release in line.releases:
         if release.units:
             after = release.all_leased_again_after_s
