@@ -35,6 +35,8 @@ COMMANDS: dict[str, Subcommand] = {
                          "python -m pipegen.status DIR --verify", ("--verify",)),
     "rescore": Subcommand("pipegen.rescore.command", "score a run's rows again with the current reward, generating "
                           "nothing (old scores kept beside the new)", "python -m pipegen.rescore"),
+    "replay": Subcommand("pipegen.replay", "generate some of a finished run's units again and compare them bit for "
+                         "bit (exit 0 only when identical)", "python -m pipegen.replay"),
     "export": Subcommand("pipegen.export", "a run's trajectories as Parquet or JSON lines",
                          "python -m pipegen.export"),
     "report": Subcommand("pipegen.report", "a run's report", "python -m pipegen.report"),

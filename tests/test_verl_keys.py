@@ -77,7 +77,7 @@ def test_refused_keys_let_through_what_pipegen_does_anyway() -> None:
 def _shared_value(key: str):
     return {"n": 3, "temperature": 0.5, "max_prompt_length": 777, "max_response_length": 999, "seed": 5,
             "max_samples": 11, "train_files": "/data/mine.parquet", "actors.num_actors": 3,
-            "model_path": "/models/mine"}[handling(key).key]
+            "model_path": "/models/mine", "generation.reproducible": True}[handling(key).key]
 
 
 @pytest.mark.parametrize("key", [k for k in VERL_KEYS if isinstance(handling(k), Same)])
@@ -90,11 +90,13 @@ def test_verl_names_of_pipegen_keys_set_pipegen_and_verl_alike(key: str) -> None
                "max_prompt_length": ["actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"],
                "max_response_length": ["actor_rollout_ref.rollout.response_length", "data.max_response_length"],
                "max_samples": ["data.train_max_samples"], "seed": ["data.seed"], "train_files": ["data.train_files"],
-               "actors.num_actors": [], "model_path": ["actor_rollout_ref.model.path"]}[pipegen_key]
+               "actors.num_actors": [], "model_path": ["actor_rollout_ref.model.path"],
+               "generation.reproducible": []}[pipegen_key]
     for verl_key in mirrors:  # what verl's code reads follows
         assert OmegaConf.select(cfg, verl_key) == value, verl_key
     with pytest.raises(ValueError, match="disagree"):
-        translate([f"{pipegen_key}=1" if pipegen_key != "train_files" else "train_files=demo", f"{key}={value}"])
+        translate([{"train_files": "train_files=demo", "generation.reproducible": "generation.reproducible=false"}.get(
+            pipegen_key, f"{pipegen_key}=1"), f"{key}={value}"])
 
 
 GPUS = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
@@ -108,7 +110,6 @@ ENGINE_SETTINGS = {
                             "cpu": ["--max-batch", "64"], "external": "llm.max_running_requests"}),
     "max_model_len": ("2048", {"sglang": ["--context-length", "2048"], "vllm": ["--max-model-len", "2048"]}),
     "dtype": ("float32", {"vllm": ["--dtype", "float32"], "cpu": ["--dtype", "float32"]}),
-    "full_determinism": ("true", {"sglang": ["--enable-deterministic-inference"]}),
 }
 
 

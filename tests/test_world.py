@@ -78,7 +78,7 @@ def test_sglang_command_line():
         assert part in joined
     assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}
     assert "--enable-deterministic-inference" not in argv
-    argv, _ = sglang_server_command(p.servers[0], "/m", {"tp": 2, "deterministic_inference": True}, 0)
+    argv, _ = sglang_server_command(p.servers[0], "/m", {"tp": 2, "reproducible": True}, 0)
     assert "--enable-deterministic-inference" in argv
 
 

@@ -56,7 +56,7 @@ from pipegen.actor.limits import ClientLimits
 from pipegen.actor.routing import LAG_S, RetriesExhausted, Routing, ServerState
 from pipegen.actor.sending import Failure, Live, ProgressLost, Reason, Sender
 from pipegen.engines import AUTO, Engine, EngineRequest, engine
-from pipegen.engines.request import Generation, Keep, RequestRejected, continuation_seed
+from pipegen.engines.request import Generation, Keep, RequestRejected
 from pipegen.run.pictures import image_data_url
 
 if TYPE_CHECKING:
@@ -372,7 +372,7 @@ class ServerPool:
         generation = first.request.generation
         # a copy streams nothing to the unit: two attempts would supersede each other's kept tokens at every chunk
         if ids:
-            rest = generation.continued(ids, continuation_seed(generation.seed, len(ids)))
+            rest = generation.continued(ids)
         else:
             rest = dataclasses.replace(generation, on_tokens=None)
         request = self.engine.build(rest)

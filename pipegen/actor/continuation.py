@@ -16,8 +16,9 @@ Per unit (`UnitProgress`, held by the unit's server manager in rollout.py):
     `length`, ends the answer, as the same stop would end an uninterrupted answer; a chunk that fills its budget is
     written before the next chunk is asked. A crash loses at most the chunk in flight.
   The first request keeps the call's seed (an answer shorter than the threshold is today's answer); a continuation
-  gets a seed derived from the call's and its first token's position, so it does not replay the earlier random
-  draws.
+  keeps it too where the engine keys its draws on (seed, position) (the CPU server; SGLang deterministic), so it
+  draws exactly what the uninterrupted answer drew; elsewhere (vLLM) it gets a seed derived from the call's and its
+  first token's position, so it does not replay the earlier random draws, and its row says `resumed`.
 - **replay**: on a unit's next start, its calls are compared in order with the record: a call whose request
   (its digest) equals the recorded call's is answered from the record when that call was finished (no engine
   work; the same ids and log-probs), or continued from its recorded tokens when it was not. From the first call
@@ -43,7 +44,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from pipegen.engines.request import Generation, Keep, TokenBudget, continuation_seed
+from pipegen.engines.request import Generation, Keep, TokenBudget
 from pipegen.run.pictures import image_data_url
 from pipegen.run.unit_progress import ProgressFile, RecordedCall, parse_calls, read_progress, request_digest
 
@@ -171,7 +172,7 @@ class UnitProgress:
             if self.streams:
                 digest = digest or name()
             keep = self._keeper(call, digest, len(ids)) if self.streams else None
-            rest = call_gen.continued(ids, continuation_seed(seed, len(ids)))
+            rest = call_gen.continued(ids)
             out = await send(dataclasses.replace(rest, max_new_tokens=want, on_tokens=keep))
             got = out.token_ids
             self.tokens_generated += len(got)

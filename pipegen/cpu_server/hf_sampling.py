@@ -3,9 +3,12 @@
 Owns:
   * ``sample`` - temperature, top_p, top_k, min_p, greedy for temperature < 1e-6, repetition / frequency /
     presence penalties over a row's output tokens, logit_bias and min_new_tokens (EOS and stop ids masked), each
-    row with its own parameters and its own RNG, so a row's draws never depend on its batch neighbours;
-  * ``row_seed`` - the RNG seed of a row with a ``sampling_seed`` (with the sample index), independent of the
-    server seed so the same sampling_seed reproduces on any server;
+    row with its own parameters and its own draws, so a row's draws never depend on its batch neighbours;
+  * ``row_seed`` - the seed of a row with a ``sampling_seed`` (with the sample index), independent of the server
+    seed so the same sampling_seed reproduces on any server;
+  * ``keyed_uniform`` - the uniform a row's token is drawn with: a stateless function of (row seed, absolute
+    position of the last input token), as SGLang's deterministic sampler keys its noise, so a continuation (the
+    prompt plus the answer's first k tokens, the same seed) draws token k+1 with the uninterrupted answer's number;
   * ``prompt_logprobs`` - prompt-side logprob lists from a full-logits prefill.
 Logprob convention, SGLang 0.5.12's (``srt/layers/sampler.py``, standard path): the reported logprob of an output
 token, and the top-k / token-id lists, come from ``log_softmax((logits after penalties, logit_bias and the
@@ -16,13 +19,12 @@ rows (temperature < 1e-6, or top_k = 1) report the unscaled log_softmax, as SGLa
 ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` in the server's environment every row reports the unscaled log_softmax, as
 SGLang does. Prompt logprobs are never temperature-scaled (SGLang's ``temp_scaled_logprobs`` is off).
 Must never: import torch at module import time (the server binds its port before torch loads), keep state
-between calls, or draw from a shared RNG.
+between calls, or draw from a shared or advancing RNG.
 """
 
 from __future__ import annotations
 
 import os
-import random
 from typing import Any, Optional, Sequence
 
 from pipegen.cpu_server.model_backend import TopList
@@ -39,6 +41,18 @@ def row_seed(sampling_seed: int, sample_index: int) -> int:
     x = (sampling_seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & MASK64
     x ^= x >> 31
     return x
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a 64-bit bijection that spreads every input bit over the output."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that draws the token after absolute ``position`` of a row seeded ``seed``."""
+    return (_mix64((seed ^ _mix64(position + 0x9E3779B97F4A7C15)) & MASK64) >> 11) / float(1 << 53)
 
 
 def _needs_adjust(sp: SamplingSpec, output_ids: list[int]) -> bool:
@@ -96,9 +110,9 @@ def _draw(logits: Any, specs: list[SamplingSpec], u: Any) -> list[int]:
     return pick.squeeze(1).tolist()
 
 
-def sample(logits: Any, samplings: Sequence[SamplingSpec], rngs: Sequence[random.Random],
+def sample(logits: Any, samplings: Sequence[SamplingSpec], uniforms: Sequence[float],
            outputs: Sequence[list[int]], eos_ids: frozenset[int]) -> tuple[list[int], list[float], Any]:
-    """One token per row of ``logits`` ([B, V] float32) with that row's parameters, RNG and output so far.
+    """One token per row of ``logits`` ([B, V] float32) with that row's parameters, uniform and output so far.
 
     Returns the tokens, their logprobs and the logprob matrix they come from (for top-k / token-id lists),
     both in SGLang's convention (module docstring).
@@ -124,7 +138,7 @@ def sample(logits: Any, samplings: Sequence[SamplingSpec], rngs: Sequence[random
         for i, t in zip(greedy, work[greedy].argmax(dim=-1).tolist()):
             tokens[i] = t
     if sampled:
-        u = torch.tensor([rngs[i].random() for i in sampled], dtype=torch.float64)
+        u = torch.tensor([uniforms[i] for i in sampled], dtype=torch.float64)
         for i, t in zip(sampled, _draw(scaled[sampled], [samplings[i] for i in sampled], u)):
             tokens[i] = t
     lps = lp[torch.arange(b), torch.tensor(tokens, dtype=torch.long)].tolist()

@@ -325,7 +325,11 @@ class ReferenceServer:
             "engine": self.backend.name,
             "vocab_size": self.backend.vocab_size,
             "eos_token_ids": sorted(self.backend.eos_token_ids),
+            # SGLang's name for its batch-invariant mode; the hf backend's --reproducible (canonical.py)
+            "enable_deterministic_inference": bool(self.backend.stats().get("reproducible")),
         }
+        if getattr(self.backend, "not_reproducible", ""):
+            info["pipegen_not_reproducible"] = self.backend.not_reproducible
         return self.json_response(info)
 
     async def get_load(self, request: web.Request) -> web.Response:

@@ -28,6 +28,7 @@ class TokenBudget(Protocol):
     response_length: int
     max_model_len: int
     vocab_size: int | None
+    draws_by_position: bool
 
 
 class RequestRejected(Exception):
@@ -62,6 +63,7 @@ class Generation:
     seed: int | None = None  # the engine's sampling seed (SGLang's sampling_seed, vLLM's seed)
     pictures: list[str] | None = None  # the prompt's pictures as PNG data URLs (run/pictures.py)
     on_tokens: Keep | None = field(default=None, compare=False)  # None: the answer is read whole
+    draws_by_position: bool = False  # the engine keys its draws on (seed, position): the rest keeps the seed
 
     @property
     def return_logprob(self) -> bool:
@@ -73,18 +75,22 @@ class Generation:
         ids = checked_prompt_ids(prompt_ids, limits)
         budget = max_new_tokens_for(sampling_params, len(ids), limits)
         params = {k: v for k, v in sampling_params.items() if k not in BUDGET_KEYS}
-        return cls(ids, params, budget, seed, list(pictures) if pictures else None, on_tokens)
+        return cls(ids, params, budget, seed, list(pictures) if pictures else None, on_tokens,
+                   bool(getattr(limits, "draws_by_position", False)))
 
-    def continued(self, ids: list[int], seed: int | None) -> "Generation":
-        """The rest of this answer after its first `ids`: the prompt plus them, the budget less them."""
-        return Generation(self.prompt_ids + list(ids), self.params, max(0, self.max_new_tokens - len(ids)), seed,
-                          self.pictures, None)
+    def continued(self, ids: list[int]) -> "Generation":
+        """The rest of this answer after its first `ids` (a chunk, a resumed answer, a hedge copy): the prompt plus
+        them, the budget less them, and the seed `continuation_seed` gives it."""
+        return Generation(self.prompt_ids + list(ids), self.params, max(0, self.max_new_tokens - len(ids)),
+                          continuation_seed(self.seed, len(ids), self.draws_by_position), self.pictures, None,
+                          self.draws_by_position)
 
 
-def continuation_seed(seed: int | None, offset: int) -> int | None:
-    """The seed of an answer's rest from its token `offset` on (a chunk, a resumed answer, a hedge copy): the call's
-    own at 0; after that a seed derived from it, so the rest does not replay the earlier random draws."""
-    if seed is None or offset == 0:
+def continuation_seed(seed: int | None, offset: int, draws_by_position: bool = False) -> int | None:
+    """The seed of an answer's rest from its token `offset` on: the call's own at 0, and always where the engine
+    keys each draw on (seed, position) (the rest then draws what the uninterrupted answer drew); elsewhere a seed
+    derived from it, so the rest does not replay the earlier random draws of an engine's per-request stream."""
+    if seed is None or offset == 0 or draws_by_position:
         return seed
     digest = hashlib.blake2b(f"{seed}:{offset}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF

