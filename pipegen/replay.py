@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pick-seed", type=int, default=None, help="which units --units picks (default: random)")
     parser.add_argument("--keep", default=None, metavar="DIR", help="run the replay into DIR and keep it")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="replay with these settings changed")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     run = Path(args.run).expanduser().resolve()
     merged = run / "trajectories.pkl"
     if not (run / "conf" / "config.yaml").is_file() or not merged.is_file():

@@ -178,7 +178,7 @@ SERVER_RESOLVE = pytest.StashKey()
 # one file per worker (--dist loadfile) in collection order (launch.sh passes --no-loadscope-reorder: xdist
 # would otherwise start the files with the most tests first, and test_vllm.py, few tests and the longest,
 # ran alone at the end); every other file follows in its usual order.
-LONGEST_FIRST = ("test_vllm.py", "test_run_damage.py", "test_gateway.py", "test_actor_faults.py", "test_vision.py",
+LONGEST_FIRST = ("test_vllm.py", "test_reproducible.py", "test_run_damage.py", "test_gateway.py", "test_actor_faults.py", "test_vision.py",
                  "test_cluster.py", "test_install.py", "test_models.py", "test_agent_loops.py", "test_rewards.py",
                  "test_day_two.py",
                  "test_writer_crash.py", "test_partial_progress.py", "test_supervision.py", "test_status.py")

@@ -26,4 +26,5 @@ SCENARIOS = {
     "grouping_default": "pipegen.bench.grouping_default",
     "demo": "pipegen.bench.demo",
     "store": "pipegen.bench.store",
+    "reproducible": "pipegen.bench.reproducible",
 }

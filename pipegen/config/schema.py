@@ -458,6 +458,26 @@ def is_reproducible(cfg: DictConfig) -> bool:
     return cfg.llm.kind == "cpu" and cfg.llm.get("engine", HF_BACKEND) == HF_BACKEND
 
 
+def reproducibility(cfg: DictConfig) -> str:
+    """One line on whether the run's data is reproducible and, where not, why (the plan line, the report, the card)."""
+    kind = cfg.llm.kind
+    if not is_reproducible(cfg):
+        if kind == "external":
+            return "not reproducible: the servers are not pipegen's (their batch decides their numerics)"
+        return (f"not reproducible (generation.reproducible=false): a unit's numerics follow what shares its batch"
+                + ("" if kind == "cpu" else f"; true starts llm={kind} in its batch-invariant mode, at a cost"))
+    if kind == "cpu":
+        return ("reproducible: every unit's ids and log-probs, bit for bit, at any concurrency, server count, crash or "
+                "resume (pipegen replay DIR checks it)")
+    if kind == "sglang":
+        return "reproducible: SGLang's deterministic inference (--enable-deterministic-inference), seeds per unit"
+    if kind == "vllm":
+        return ("reproducible as vLLM allows: batch-invariant kernels on GPUs; on CPU float32 (ids the same at any "
+                "concurrency, log-probs within ~1e-5), and a resumed answer differs from its resume point (its row "
+                "says resumed)")
+    return "reproducible: not checked for this engine"
+
+
 def draws_by_position(cfg: DictConfig) -> bool:
     """Whether the run's engine draws each token from (seed, absolute position), so an answer's continuation keeps
     its seed: the CPU server's real model always (cpu_server/hf_sampling.py), SGLang in its deterministic mode."""
@@ -662,6 +682,9 @@ def check_values(cfg: DictConfig) -> None:
             value = OmegaConf.to_container(value, resolve=True)
         if _problem(info.rule, value):
             raise ConfigValueError(f"{info.path}={_shown(value)} is not allowed: use {info.allowed()}")
+    if OmegaConf.select(cfg, "generation.reproducible") is True and OmegaConf.select(cfg, "actors.per_unit_seed") is False:
+        raise ConfigValueError("generation.reproducible=true needs a seed on every request: drop "
+                               "actors.per_unit_seed=false (or set generation.reproducible=false)")
     harness, command = OmegaConf.select(cfg, "external.harness"), OmegaConf.select(cfg, "external.command")
     if harness and command:
         raise ConfigValueError("external.harness and external.command are both set: the external agent loop runs "

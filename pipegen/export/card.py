@@ -117,7 +117,7 @@ def card_text(cfg: DictConfig, run: RunDir, export: Path, numbers: dict[str, Any
              f"- pipegen version: {pipegen_version()}",
              f"- model: {model_name(model)}; revision: {f'`{revision}`' if revision else 'not known'}",
              f"- license: {f'`{license_id}`' if license_id else NO_LICENSE}",
-             f"- engine: {numbers['engine']['llm']}",
+             f"- engine: {numbers['engine']['llm']}; {numbers['engine'].get('reproducible', 'reproducible: not known')}",
              f"- prompts from: {prompts_from(files)}",
              f"- sampling: temperature {sampling['temperature']}, top_p {sampling['top_p']}, top_k "
              f"{sampling['top_k']}, n {sampling['n']} samples per prompt, responses up to "

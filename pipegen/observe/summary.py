@@ -24,7 +24,7 @@ from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.precision import resolve_dtype_name
 from pipegen.run.layout import RunDir
-from pipegen.config.schema import JOB_DEFAULTS, is_demo
+from pipegen.config.schema import JOB_DEFAULTS, is_demo, reproducibility
 
 
 def _files(cfg: DictConfig) -> list[str]:
@@ -73,6 +73,7 @@ def plan_line(cfg: DictConfig, run: RunDir, engine_reason: str = "") -> str:
         dtype = resolve_dtype_name(str(cfg.llm.dtype))
         line += f" in {dtype}" + (" (this CPU has native bf16; llm.dtype=float32 for float32)"
                                   if dtype == "bfloat16" and str(cfg.llm.dtype) == "auto" else "")
+    line += f"; {reproducibility(cfg)}"
     if string_prompts([str(f) for f in _files(cfg)], str(cfg.data.prompt_key)):
         line += f"; the {cfg.data.prompt_key} column holds plain strings: each is sent as one user message"
     if cfg.storage.url:

@@ -343,6 +343,8 @@ def engine_settings(cfg: Any, run: RunDir) -> dict[str, Any]:
     """The engine, the model and the sampling settings the run used."""
     from omegaconf import OmegaConf
 
+    from pipegen.config.schema import reproducibility
+
     rollout = cfg.actor_rollout_ref.rollout
     launch = run.read_launch()
     llm = OmegaConf.to_container(cfg.llm, resolve=True) if "llm" in cfg else {}
@@ -356,6 +358,7 @@ def engine_settings(cfg: Any, run: RunDir) -> dict[str, Any]:
                      "response_length": int(rollout.response_length), "prompt_length": int(rollout.prompt_length),
                      "seed": cfg.get("seed")},
         "agent_loop": str(rollout.get("agent", {}).get("default_agent_loop", "")),
+        "reproducible": reproducibility(cfg) if "llm" in cfg else "not known",
     }
 
 

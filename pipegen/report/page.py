@@ -122,6 +122,7 @@ def render(numbers: dict[str, Any], plots: dict[str, str]) -> str:
     else:
         parts.append("<p>No unit failed.</p>")
     parts.append("<h2>Engine and settings</h2>")
+    parts.append(f"<p>{html.escape(str(numbers['engine'].get('reproducible', 'not known')))}</p>")
     parts.append(f"<pre>{html.escape(orjson.dumps(numbers['engine'], option=orjson.OPT_INDENT_2).decode())}</pre>")
     parts.append(f"<p class='note'>Numbers: report.json beside this page. Computed in "
                  f"{shown(numbers['report_seconds'])} s ({shown(numbers.get('report_cpu_seconds'))} s of CPU)."

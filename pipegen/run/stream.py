@@ -108,13 +108,23 @@ def parse_unit_label(label: str) -> tuple[int, int]:
     return int(index), int(sample)
 
 
+MASK63 = (1 << 63) - 1
+INDEX_BITS, SAMPLE_BITS = 42, 20  # a run's units are distinct below 2^42 indices and 2^20 samples per prompt
+
+
 def unit_seed(base_seed: int, index: int, sample: int, attempt: int = 0) -> int:
-    """A distinct, reproducible sampling seed per unit (fits SGLang's int sampling_seed). A retry (attempt > 0)
-    mixes its attempt in, so a failure that depends on the draw is not drawn again; the first try's seed is
-    the unit's own."""
-    text = f"{base_seed}:{index}:{sample}" + (f":{attempt}" if attempt else "")
-    digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+    """The sampling seed of a unit, in [0, 2^63) (SGLang's sampling_seed and vLLM's seed are int64): a bijection of
+    (index, sample) for a given (base seed, attempt), so no two units of a run share a seed and a prompt's samples
+    never collapse into copies (an engine draws from its seed). A retry (attempt > 0) mixes its attempt in, so a
+    failure that depends on the draw is not drawn again; the first try's seed is the unit's own."""
+    text = f"{base_seed}" + (f":{attempt}" if attempt else "")
+    salt = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & MASK63
+    x = (((index & ((1 << INDEX_BITS) - 1)) << SAMPLE_BITS) | (sample & ((1 << SAMPLE_BITS) - 1))) ^ salt
+    # xor-shifts and odd multiplications mod 2^63 are each invertible: distinct units, distinct seeds
+    x = (x * 0x1F3F1D4E6C9A5B7D) & MASK63
+    x ^= x >> 29
+    x = (x * 0x2C1B3C6D5E4F7A19) & MASK63
+    return x ^ (x >> 32)
 
 
 def prompt_uid(run_key: str, index: int) -> str:
