@@ -101,7 +101,7 @@ def _rows_file(saved: DictConfig, indices: set[int], folder: Path) -> Path:
     return path
 
 
-def _units(data: Any) -> dict[tuple[int, int], list[int]]:
+def units_of(data: Any) -> dict[tuple[int, int], list[int]]:
     """(index, sample) -> the unit's row positions, in trajectory order."""
     out: dict[tuple[int, int], list[int]] = {}
     order = sorted(range(len(data)), key=lambda i: (int(data.non_tensor_batch["index"][i]),
@@ -121,7 +121,7 @@ def _response(data: Any, i: int) -> tuple[list[int], Any]:
 def compare(recorded: Any, replayed: Any, chosen: list[tuple[int, int]]) -> Comparison:
     import torch
 
-    want, got = _units(recorded), _units(replayed)
+    want, got = units_of(recorded), units_of(replayed)
     result = Comparison(units=len(chosen))
     for unit in chosen:
         if unit not in got or len(got[unit]) != len(want[unit]):
@@ -154,17 +154,21 @@ def compare(recorded: Any, replayed: Any, chosen: list[tuple[int, int]]) -> Comp
 def _facts(run: Path, cfg: DictConfig) -> dict[str, Any]:
     """What explains a mismatch, as the run directory records it."""
     from pipegen.config.schema import is_reproducible
+    from pipegen.run.layout import RunDir
     from pipegen.run.precision import resolve_dtype_name
 
     try:
         weights = orjson.loads((run / "conf" / "fingerprint.json").read_bytes()).get("weights")
     except (OSError, ValueError):
         weights = None
+    reported = RunDir(run).engine_facts()  # what the servers said of themselves (conf/engines.json)
     dtype = str(cfg.llm.get("dtype", "auto"))
     if cfg.llm.kind == "cpu":
         dtype = resolve_dtype_name(dtype)
     return {"model": str(cfg.model_path), "model weights": orjson.dumps(weights).decode() if weights else "unrecorded",
-            "engine": f"llm={cfg.llm.kind} ({cfg.llm.get('engine', cfg.llm.kind)})", "dtype": dtype,
+            "engine": f"llm={cfg.llm.kind} ({cfg.llm.get('engine', cfg.llm.kind)})",
+            "engine version": reported.get("version", "unrecorded"), "dtype": reported.get("dtype", dtype),
+            "deterministic mode": reported.get("enable_deterministic_inference", "unrecorded"),
             "reproducible": is_reproducible(cfg)}
 
 
@@ -192,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     saved = OmegaConf.load(run / "conf" / "config.yaml")
     recorded = DataProto.load_from_disk(str(merged))
-    units = sorted(_units(recorded))
+    units = sorted(units_of(recorded))
     chosen = units if args.all or args.units >= len(units) else sorted(
         random.Random(args.pick_seed).sample(units, args.units))
     with tempfile.TemporaryDirectory(prefix="pipegen-replay-") as scratch:

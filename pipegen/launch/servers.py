@@ -25,11 +25,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
-from pipegen.engines import AUTO, UNREACHABLE, UnknownEngine, detect_protocol, engine, ready_problem
+from pipegen.engines import AUTO, UNREACHABLE, UnknownEngine, detect_protocol, engine, ready_problem, server_facts
 from pipegen.launch.world import ServerPlan, llm_settings
 from pipegen.observe.logs import log_tail, with_log_tail
 
@@ -385,6 +385,7 @@ class ServerWatch:
     ready_at: float | None = None  # wall clock, taken in the thread (the launcher's loop may look later)
     error: Exception | None = None
     logged: bool = False
+    facts: dict = field(default_factory=dict)  # what the server reports of its numerics (engines.server_facts)
 
     def start(self) -> "ServerWatch":
         threading.Thread(target=self._wait, name=f"wait-{self.name}", daemon=True).start()
@@ -404,6 +405,7 @@ class ServerWatch:
                                 unreachable_after_s=EXTERNAL_REFUSED_GRACE_S if external else None,
                                 health_path=engine(self.protocol).health_path)
             waited = time.monotonic() - started
+            self.facts = server_facts(self.url, self.protocol)
             self.ready_at, self.ready_after_s = time.time(), waited
         except Exception as e:  # ServerNotReady (died, or missed llm.ready_timeout_s): check_servers raises it
             self.error = e

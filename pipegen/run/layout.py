@@ -6,6 +6,7 @@ DIR/
   conf/fingerprint.json   what defines the data (the resume guard); its digest is the run key
   conf/units.json         the unit manifest: the dataset's indices in order (units = index x sample)
   conf/launch.json        the current launch: its id, the run key, the server URLs, the actor count
+  conf/engines.json       what each of its servers reports of its numerics (version, dtype, deterministic mode)
   conf/streams.json       streams=redis: the run's Redis key prefix, made once (`pipegen:<run key>:<random>`)
   conf/nodes/<node>.json  with cluster=ray, one per node runner: the launch id, its incarnation, host, servers
   tasks/<name>-<digest>.parquet   tasks=[...]: each task's rows in verl's layout (pipegen/tasks/materialize.py)
@@ -146,6 +147,28 @@ class RunDir:
     @property
     def launch_file(self) -> Path:
         return self.conf / "launch.json"
+
+    @property
+    def engines_file(self) -> Path:
+        """What each server of the latest launch reported of its numerics (version, dtype, deterministic mode)."""
+        return self.conf / "engines.json"
+
+    def record_engine(self, url: str, facts: dict) -> None:
+        """Add one server's report to conf/engines.json (the launcher's, as each server answers)."""
+        try:
+            known = orjson.loads(self.engines_file.read_bytes())
+        except (OSError, ValueError):
+            known = {}
+        known[url] = facts
+        atomic_write_bytes(self.engines_file, orjson.dumps(known, option=orjson.OPT_INDENT_2))
+
+    def engine_facts(self) -> dict:
+        """conf/engines.json's first server's report ({} where none was recorded)."""
+        try:
+            known = orjson.loads(self.engines_file.read_bytes())
+        except (OSError, ValueError):
+            return {}
+        return next(iter(known.values()), {}) if isinstance(known, dict) else {}
 
     @property
     def streams_file(self) -> Path:
@@ -347,6 +370,7 @@ class RunDir:
 
     def write_launch(self, launch: "LaunchRecord") -> None:
         atomic_write_bytes(self.launch_file, orjson.dumps(asdict(launch), option=orjson.OPT_INDENT_2))
+        self.engines_file.unlink(missing_ok=True)  # a new launch's servers report again
 
     def read_launch(self) -> "LaunchRecord":
         """The current launch, or an empty record when no launcher has started this run yet; a
