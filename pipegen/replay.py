@@ -173,7 +173,8 @@ def _facts(run: Path, cfg: DictConfig) -> dict[str, Any]:
 
 
 def differences(recorded: dict[str, Any], replay: dict[str, Any]) -> list[str]:
-    return [f"{k}: {recorded[k]} in the run, {replay[k]} in the replay" for k in recorded if recorded[k] != replay.get(k)]
+    return [f"{k}: {recorded[k]} in the run, {replay[k]} in the replay" for k in recorded
+            if recorded[k] != replay.get(k) and "unrecorded" not in (recorded[k], replay.get(k))]
 
 
 def main(argv: list[str] | None = None) -> int:

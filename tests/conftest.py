@@ -211,9 +211,10 @@ def wait_for_lines(launcher: subprocess.Popen, shard: Path, count: int, timeout:
 
 
 def launch_killing_the_actor(out: Path, overrides: list[str], ready, timeout: float = 180, settle: float = 0.0,
-                             env: dict | None = None) -> tuple[int, str]:
-    """Run the launcher on `out`, SIGKILL its one actor once `ready()` is true (then `settle` seconds more), and let
-    the launcher restart it and finish: (its exit code, its stderr)."""
+                             env: dict | None = None, kills: int = 1) -> tuple[int, str]:
+    """Run the launcher on `out`, SIGKILL its one actor once `ready()` is true (then `settle` seconds more), `kills`
+    times (`ready` is asked again for each: it waits for the restarted actor), and let the launcher restart it and
+    finish: (its exit code, its stderr)."""
     import signal
 
     from pipegen.bench.partial_progress import actor_pids
@@ -222,13 +223,14 @@ def launch_killing_the_actor(out: Path, overrides: list[str], ready, timeout: fl
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, **(env or {})})
     try:
-        deadline = time.monotonic() + timeout
-        while not ready():
-            assert time.monotonic() < deadline and launcher.poll() is None, "the run never reached the kill point"
-            time.sleep(0.05)
-        time.sleep(settle)
-        (pid,) = actor_pids(out)
-        os.kill(pid, signal.SIGKILL)
+        for _ in range(kills):
+            deadline = time.monotonic() + timeout
+            while not ready():
+                assert time.monotonic() < deadline and launcher.poll() is None, "the run never reached the kill point"
+                time.sleep(0.05)
+            time.sleep(settle)
+            (pid,) = actor_pids(out)
+            os.kill(pid, signal.SIGKILL)
         _, stderr = launcher.communicate(timeout=240)
     finally:
         if launcher.poll() is None:

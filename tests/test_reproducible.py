@@ -105,9 +105,7 @@ def test_an_actor_killed_twice_mid_answer_gives_the_run_nobody_killed_at_any_con
     continued from its kept tokens after a kill), with every other default: the actor SIGKILLed twice mid-answer.
     `pipegen replay --all` with another concurrency and two servers (a run nobody kills) finds every unit identical,
     ids and log-prob bits; a replay on another model fails, naming the first differing unit and the model."""
-    import signal
-
-    from conftest import assert_verified, load_trajectories
+    from conftest import assert_verified, launch_killing_the_actor, load_trajectories
     from fake_servers import write_dataset
     from pipegen.bench.partial_progress import actor_pids
 
@@ -115,26 +113,17 @@ def test_an_actor_killed_twice_mid_answer_gives_the_run_nobody_killed_at_any_con
     out = tmp_path / "run"
     overrides = [f"train_files=[{data}]", "n=1", "max_response_length=160", "actors.progress_chunk_tokens=32",
                  "generation.report=false"]
-    launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={out}", *overrides], cwd=REPO,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        killed: list[int] = []
-        for kill in range(2):
-            deadline = time.monotonic() + 300
-            while True:  # a new actor, with more kept tokens than at the last kill
-                pids = [p for p in actor_pids(out) if p not in killed]
-                if pids and _progress_lines(out) >= 2 * (kill + 1) + (4 if kill else 0):
-                    break
-                assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[1][-3000:]
-                time.sleep(0.05)
-            os.kill(pids[0], signal.SIGKILL)
-            killed.append(pids[0])
-        _, stderr = launcher.communicate(timeout=600)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.wait()
-    assert launcher.returncode == 0, stderr[-3000:]
+    kills: list[int] = []
+
+    def mid_answer() -> bool:  # an actor not killed yet, with more kept tokens than at the last kill
+        pids = [p for p in actor_pids(out) if p not in kills]
+        if pids and _progress_lines(out) >= (2 if not kills else 8):
+            kills.append(pids[0])
+            return True
+        return False
+
+    returncode, stderr = launch_killing_the_actor(out, overrides, mid_answer, timeout=300, kills=2)
+    assert returncode == 0, stderr[-3000:]
     assert (out / "logs" / "actor_0.log").read_text().count("starting actor_0") == 3
     assert_verified(out)
     rows = load_trajectories(out / "trajectories.pkl")

@@ -473,7 +473,7 @@ def reproducibility(cfg: DictConfig) -> str:
         return "reproducible: SGLang's deterministic inference (--enable-deterministic-inference), seeds per unit"
     if kind == "vllm":
         return ("reproducible as vLLM allows: batch-invariant kernels on GPUs; on CPU float32 (ids the same at any "
-                "concurrency, log-probs within ~1e-5), and a resumed answer differs from its resume point (its row "
+                "concurrency, log-probs within ~2e-5), and a resumed answer differs from its resume point (its row "
                 "says resumed)")
     return "reproducible: not checked for this engine"
 
