@@ -3,7 +3,7 @@
 listed failed in this launch by a node's writer, then makes the outputs from the store alone.
 
 A `Mode` of the writer process (commit.py's `main` picks it; it runs no commit loop of its own). It reads every
-writer's segments and failed.json (run/store.py's `SegmentFollower`, each segment once) and keeps
+writer's segments and failed.json (transport/object_store.py's `SegmentFollower`, each segment once) and keeps
 its stats line true (committed as the store says), so `pipegen status` and the launcher's console on the head count
 from the store. Once the run is settled: failed_units.json goes to the store (or an earlier one is deleted), and
 the merge from the store (publish.py's `merge_from_store`) lays the run out in this node's scratch folder, merges
@@ -27,8 +27,9 @@ from pipegen.run.checkpoint import failed_listing, load_checkpoint, save_checkpo
 from pipegen.run.handshake import EXIT_FAILED_UNITS
 from pipegen.run.layout import RunDir
 from pipegen.run.stats_line import WriterStats
-from pipegen.run.store import SegmentFollower, Store, output_key
+from pipegen.run.store import output_key
 from pipegen.run.stream import UnitKeys, parse_unit_label
+from pipegen.transport.object_store import SegmentFollower, Store
 from pipegen.writer.commit import Mode
 from pipegen.writer.publish import merge_from_store
 
