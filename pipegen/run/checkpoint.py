@@ -172,10 +172,6 @@ class Checkpoint:
         )
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Checkpoint":
-        return cls.from_dict(orjson.loads(data))
-
-    @classmethod
     def from_dict(cls, d: Any) -> "Checkpoint":
         if not isinstance(d, dict) or not REQUIRED_KEYS <= d.keys():
             raise ValueError(f"a checkpoint is an object with the keys {', '.join(sorted(REQUIRED_KEYS))}")
