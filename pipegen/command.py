@@ -12,7 +12,6 @@ arguments itself, or be needed by a run (the roles stay `python -m` modules: act
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -51,21 +50,11 @@ COMMANDS: dict[str, Subcommand] = {
 }
 
 
-def available(name: str) -> bool:
-    """Whether a subcommand's module is installed (`report` arrives with its own module), found without
-    importing it."""
-    try:
-        return importlib.util.find_spec(COMMANDS[name].module) is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def usage() -> str:
-    shown = [name for name in COMMANDS if available(name)]
-    width = max(len(n) for n in shown)
+    width = max(len(n) for n in COMMANDS)
     lines = ["usage: pipegen COMMAND [ARGS ...]   (pipegen COMMAND --help: that command's own arguments)", "",
              "commands:"]
-    lines += [f"  {name:<{width}}  {COMMANDS[name].help}   [{COMMANDS[name].also}]" for name in shown]
+    lines += [f"  {name:<{width}}  {COMMANDS[name].help}   [{COMMANDS[name].also}]" for name in COMMANDS]
     lines += ["", "pipegen run output_dir=DIR is python -m pipegen.launch output_dir=DIR: the same keys, the same run."]
     return "\n".join(lines)
 
@@ -87,12 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"pipegen: error: no command '{name}'; choose one of: {', '.join(n for n in COMMANDS if available(n))} "
+        print(f"pipegen: error: no command '{name}'; choose one of: {', '.join(COMMANDS)} "
               "(pipegen --help)", file=sys.stderr)
-        return 2
-    if not available(name):
-        print(f"pipegen: error: '{name}' is not in this pipegen ({COMMANDS[name].module} is not installed)",
-              file=sys.stderr)
         return 2
     return int(entry(name)([*COMMANDS[name].fixed, *rest]) or 0)
 

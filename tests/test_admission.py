@@ -81,7 +81,10 @@ def test_after_a_burst_of_answers_the_next_requests_go_out_before_the_records_ar
     admitted in its place have asked the server, so a burst of answers never leaves the server idle while
     the actor writes records. The slot count stays at the limit, and a replacement that never asks holds an
     answered unit back by at most ANSWER_HOLD_S."""
-    from pipegen.actor.admission import ANSWER_HOLD_S, Slots
+    from pipegen.actor.admission import Slots
+    from pipegen.actor.supervision import SUPERVISION
+
+    ANSWER_HOLD_S = SUPERVISION.answer_hold_s
 
     async def scenario() -> list[str]:
         events: list[str] = []

@@ -72,3 +72,22 @@ def test_placement_is_chosen_by_dotted_path_and_imports_neither_implementation()
         cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.strip() == "[]"
+
+
+def test_the_stream_medium_is_chosen_by_dotted_path_and_run_imports_no_client():
+    """run/medium.py names each medium by "module:class" (MEDIA): every streams kind the schema knows resolves to a
+    StreamMedium, and importing run/medium.py loads no Redis client (transport/ holds it)."""
+    from pipegen.config.schema import STREAM_KINDS
+    from pipegen.run.medium import MEDIA, StreamMedium, medium_class
+
+    assert set(MEDIA) == set(STREAM_KINDS)
+    for kind in MEDIA:
+        cls = medium_class(kind)
+        assert issubclass(cls, StreamMedium) and cls.kind == kind, kind
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, pipegen.run.medium; "
+                               "print(sorted(m for m in sys.modules if m.split('.')[0] == 'redis' "
+                               "or m.startswith('pipegen.transport')))"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]"

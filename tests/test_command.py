@@ -14,9 +14,7 @@ from pathlib import Path
 
 from conftest import FAKE_ENGINE, REPO
 
-from pipegen.command import COMMANDS, available, entry
-
-SHIPPED = [name for name in COMMANDS if name != "report"]  # report arrives with pipegen/report (its own issue)
+from pipegen.command import COMMANDS, entry
 
 
 def test_help_lists_every_subcommand_and_imports_none_of_them() -> None:
@@ -25,7 +23,7 @@ def test_help_lists_every_subcommand_and_imports_none_of_them() -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     listed = [line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")]
-    assert listed == [name for name in COMMANDS if available(name)] and set(SHIPPED) <= set(listed), result.stdout
+    assert listed == list(COMMANDS), result.stdout
     imported = result.stdout.split("IMPORTED", 1)[1]
     for spec in COMMANDS.values():
         assert f"'{spec.module}'" not in imported, f"--help imported {spec.module}"
@@ -42,8 +40,7 @@ def test_each_subcommand_runs_its_modules_own_main() -> None:
     assert entry("status") is status_main and entry("verify") is status_main
     assert COMMANDS["verify"].fixed == ("--verify",)
     for name in COMMANDS:
-        if name in SHIPPED or available(name):
-            assert callable(entry(name)), name
+        assert callable(entry(name)), name
     launch_entry = (REPO / "pipegen" / "launch" / "__main__.py").read_text()
     assert "from pipegen.launch.launcher import main" in launch_entry
 

@@ -279,7 +279,10 @@ def test_vllm_counts_an_attempt_only_two_recorded_steps_after_it_reached_the_eng
     once two steps were recorded after a reading it had reached (SGLang's counts, read live, after LAG_S)."""
     import math
 
-    from pipegen.actor.routing import LAG_S, TRANSIT_S, ServerState
+    from pipegen.actor.routing import ServerState
+    from pipegen.actor.supervision import SUPERVISION
+
+    LAG_S, TRANSIT_S = SUPERVISION.lag_s, SUPERVISION.transit_s
 
     vllm = ServerState("http://vllm")
     assert vllm.note_reading(10.0, 5) == -math.inf

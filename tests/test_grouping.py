@@ -222,7 +222,9 @@ def test_a_server_that_refuses_groups_gets_each_member_alone_then_no_more_groups
     refusals in a row the server gets one request per generation."""
     from verl.workers.rollout.replica import TokenOutput  # noqa: F401  (its first import outlasts a deadline here)
 
-    from pipegen.actor.sending import GROUP_GIVE_UP
+    from pipegen.actor.supervision import SUPERVISION
+
+    GROUP_GIVE_UP = SUPERVISION.group_give_up
 
     server = FakeServer("cpu", tmp_path, tiny_model, "--token-latency", "0.001").wait_ready()
 

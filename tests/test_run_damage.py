@@ -119,13 +119,14 @@ def finish_in_process(cfg, out: Path) -> str | None:
     from pipegen.run.integrity import DamagedFile
     from pipegen.run.layout import LaunchRecord, RunDir
     from pipegen.writer.commit import Writer
+    from pipegen.writer.modes import LauncherWriter
 
     run = RunDir(out)
     if not run.units_file.exists():
         build_manifest(cfg, run)
     run.write_launch(LaunchRecord(launch=uuid.uuid4().hex, run_key=run.run_key()))
     threads = torch.get_num_threads()
-    writer = Writer(load_run_config(run), run)
+    writer = Writer(load_run_config(run), run, LauncherWriter())
     try:
         # every unit of these cases is in a batch file or a shard line: the writer settles in seconds
         assert asyncio.run(asyncio.wait_for(writer.main(), 120)) == 0

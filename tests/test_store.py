@@ -39,7 +39,7 @@ def pipegen(module: str, *args: str, env: dict, timeout: float = 300) -> subproc
 
 def store_of(seaweed: Seaweed, prefix: str):
     os.environ.update(seaweed.env())  # this process reads the store as a user's script would
-    from pipegen.run.store import Store
+    from pipegen.transport.object_store import Store
 
     return Store(f"s3://{BUCKET}/{prefix}")
 
@@ -85,7 +85,7 @@ def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_s
     # node-0's copy ("node-0" sorts before "node-1"), so the run stays exact, and a filtered copy is a readable batch
     from pipegen.run.batchfile import read_batch
     from pipegen.run.store import Segment, resolve, segment_key
-    from pipegen.run.store_read import _without_units
+    from pipegen.transport.store_read import _without_units
 
     first = store.segments()[0]
     store.create(segment_key("node-1", 0), Segment(**{**first.__dict__, "writer": "node-1", "seq": 0}).to_bytes())

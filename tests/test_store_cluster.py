@@ -276,7 +276,8 @@ def test_a_node_lost_after_committing_has_its_uncommitted_units_run_elsewhere_an
 def test_the_head_counts_what_every_writer_commits_and_the_failures_of_this_launch_only(seaweed):  # noqa: F811
     """The head's view of the store (what leases and the end wait on): each writer's segments read once and
     incrementally, and a node's failed units settled only when listed for this launch and committed nowhere."""
-    from pipegen.run.store import Segment, SegmentFollower, failed_key, segment_key
+    from pipegen.run.store import Segment, failed_key, segment_key
+    from pipegen.transport.object_store import SegmentFollower
     from pipegen.run.stream import UnitKeys
     from pipegen.writer.store_head import failed_uncommitted
 

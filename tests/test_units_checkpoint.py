@@ -72,6 +72,7 @@ def test_a_late_answer_of_a_superseded_attempt_is_a_duplicate_never_a_second_row
     from pipegen.bench import common as c
     from pipegen.writer.batches import from_storage, load_batch
     from pipegen.writer.commit import Writer
+    from pipegen.writer.modes import LauncherWriter
 
     cfg, run = c.prepare_run(tmp_path / "run", "n=2", "max_samples=4", "max_prompt_length=256",
                              "max_response_length=16", "generation.final_merge=false")
@@ -81,7 +82,7 @@ def test_a_late_answer_of_a_superseded_attempt_is_a_duplicate_never_a_second_row
     c.write_records(run.rollouts, [retry, *records[1:], first])
 
     async def drain() -> Writer:
-        writer = Writer(cfg, run)
+        writer = Writer(cfg, run, LauncherWriter())
         try:
             assert await asyncio.wait_for(writer.main(), 60) == 0
         finally:

@@ -128,6 +128,7 @@ def test_a_run_with_pauses_writes_full_batches_and_one_partial_last(setup):
     than the old 2 s flush) become exactly two batch files, 64 rows and the last 16."""
     from pipegen.run.checkpoint import load_checkpoint
     from pipegen.writer.commit import Writer
+    from pipegen.writer.modes import LauncherWriter
 
     cfg, run, builder = setup
     assert int(cfg.generation.save_batch_size) == 64 and float(cfg.generation.partial_batch_quiet_s) >= 60
@@ -142,7 +143,7 @@ def test_a_run_with_pauses_writes_full_batches_and_one_partial_last(setup):
 
     async def scenario():
         c.write_records(run.rollouts, records[:50])
-        writer = Writer(cfg, run)
+        writer = Writer(cfg, run, LauncherWriter())
         task = asyncio.create_task(writer.main())
         await asyncio.sleep(3)
         assert not run.batch_files_on_disk() and not task.done()

@@ -2,7 +2,7 @@
 
 The one owner of the actor's concurrency policy. The actor's loop asks it which units to start
 (`Admission.run`); the server pool (attempts.py) asks it, through `Admission`'s small interface, for a request's
-clock deadline on a server (attempts.py looks at the engine's evidence every LOOK_S; the clock alone judges only a
+clock deadline on a server (attempts.py looks at the engine's evidence every look_s; the clock alone judges only a
 server that reports no load, and how long a request later ones overtook may wait) and whether the tail has begun,
 when a request may be hedged. Nothing else decides either.
 
@@ -16,14 +16,14 @@ when a request may be hedged. Nothing else decides either.
 - `ConcurrencyControl` (concurrency.py): how many units may wait on the servers at once.
 - `Slots` (the hold): which units count against that number (those waiting on a server: a unit frees its
   slot when answered) and the order after an answer (the replacement's request goes out before the
-  answered unit builds its record, at most ANSWER_HOLD_S later).
+  answered unit builds its record, at most answer_hold_s later).
 - hedging: in the tail (nothing left to admit and capacity idle), a request older than the recent p90 latency
   (`hedge_after`) may get a copy; attempts.py sends it only to a measurably faster server, and aborts the loser.
 
 Owns: these estimates, the slot counts, the controller's polling (through engines/, read-only), the
 admission loop, and when the tail starts.
 Must never: send, abort or resend a request (attempts.py does), write a shard (the worker does), or hold a
-unit longer than ANSWER_HOLD_S.
+unit longer than answer_hold_s.
 """
 
 from __future__ import annotations
@@ -38,13 +38,11 @@ from typing import Awaitable, Callable, Iterator, Protocol
 import aiohttp
 
 from pipegen.actor.concurrency import ConcurrencyControl
+from pipegen.actor.supervision import SUPERVISION
 from pipegen.config.schema import Actors, Servers
 from pipegen.engines import Engine
 
 log = logging.getLogger("pipegen.actor")
-
-MIN_OBSERVATIONS = 4  # answers before a server's own token time replaces the prior
-P90_REFRESH = 32  # a full latency window is sorted again for its p90 after 1/32 of it is new
 
 
 @dataclass
@@ -79,17 +77,17 @@ class TokenClock:
         self.observed += 1
 
     def seconds_per_token(self) -> float | None:
-        if len(self.window) < MIN_OBSERVATIONS or self.token_sum <= 0:
+        if len(self.window) < SUPERVISION.min_observations or self.token_sum <= 0:
             return None
         return max(0.0, self.latency_sum) / self.token_sum
 
     def latency_p90(self) -> float | None:
-        if len(self.window) < MIN_OBSERVATIONS:
+        if len(self.window) < SUPERVISION.min_observations:
             return None
         # asked on every wake of every request in the tail: sort the window again only once a few answers
         # have changed it (a sort of 512 costs ~50 us; the p90 of a full window barely moves per answer)
         seen, value = self._p90
-        if value is None or self.observed - seen >= max(1, len(self.window) // P90_REFRESH):
+        if value is None or self.observed - seen >= max(1, len(self.window) // SUPERVISION.p90_refresh):
             lat = sorted(x for x, _ in self.window)
             value = lat[min(len(lat) - 1, int(0.9 * len(lat)))]
             self._p90 = (self.observed, value)
@@ -105,20 +103,12 @@ def stall_deadline(clock: TokenClock, max_new_tokens: int, limits: WatchdogLimit
     return (limits.stall_floor_s + limits.stall_margin * max(1, max_new_tokens) * spt) * (2 ** stalls)
 
 
-ANSWER_HOLD_S = 0.05  # longest an answered unit waits for the units admitted in its place to send
-# Where servers take grouped requests (sending.py), freed slots are refilled in rounds of at least ROUND units, so the
-# refills go out as one grouped request instead of one request each; a round waits at most ROUND_HOLD_S for its slots,
-# and only while the servers have requests queued (their running batch stays full meanwhile)
-ROUND = 4
-ROUND_HOLD_S = 0.25
-
-
 class Slots:
     """Which of an actor's units hold a concurrency slot, and what runs first after a server answers.
 
     A unit holds a slot from its start until the server answers it; it frees it then, not when its record
     is written. And an answered unit builds its record (verl's output, the score, the line) only once the
-    units admitted in its place have sent their requests (at most ANSWER_HOLD_S later): when a burst of
+    units admitted in its place have sent their requests (at most answer_hold_s later): when a burst of
     answers arrives together, the server gets the next burst of requests right away and works on it while
     the actor builds records, instead of idling until every record of the burst is written. A multi-turn
     loop that asks again takes a slot again at once. Units past their answer count towards `held_cap`, so
@@ -159,10 +149,10 @@ class Slots:
     def _unsettle(self) -> None:
         self._settled.clear()
         if self._hold_timer is None:
-            self._hold_timer = asyncio.get_running_loop().call_later(ANSWER_HOLD_S, self._release_hold)
+            self._hold_timer = asyncio.get_running_loop().call_later(SUPERVISION.answer_hold_s, self._release_hold)
 
     def _release_hold(self) -> None:
-        """ANSWER_HOLD_S passed: answered units build their records even if a replacement has not asked."""
+        """answer_hold_s passed: answered units build their records even if a replacement has not asked."""
         self._hold_timer = None
         self._settled.set()
 
@@ -262,7 +252,7 @@ class Admission:
         self.running: set[asyncio.Task] = set()
         self.answers = TokenClock(window=1024)  # every server's answers: the tail's hedging threshold
         self.draining = False  # nothing left to admit
-        self.round = 1  # units a refill waits for (ROUND where a server takes grouped requests; the actor sets it)
+        self.round = 1  # units a refill waits for (round where a server takes grouped requests; the actor sets it)
         self._tail: asyncio.Future | None = None  # resolved when draining starts: wakes watched requests
 
     # ---- asked by the server pool (attempts.py) ----
@@ -341,13 +331,13 @@ class Admission:
                 free = control.total() - self.waiting_on_servers()
                 if in_round == 0 and free < self.round and running and control.queued():
                     # a round of one would be a request of its own: wait for more slots to free (the servers have
-                    # work queued meanwhile, so they do not idle), up to ROUND_HOLD_S
+                    # work queued meanwhile, so they do not idle), up to round_hold_s
                     hold_since = hold_since or loop.time()
-                    if loop.time() - hold_since < ROUND_HOLD_S:
+                    if loop.time() - hold_since < SUPERVISION.round_hold_s:
                         slots.round_done()
                         wake.clear()
                         with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(wake.wait(), ROUND_HOLD_S - (loop.time() - hold_since))
+                            await asyncio.wait_for(wake.wait(), SUPERVISION.round_hold_s - (loop.time() - hold_since))
                         continue
                 hold_since = None
                 in_round += 1

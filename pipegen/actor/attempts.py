@@ -3,21 +3,21 @@ for each generation: retries, the stall watchdog, hedges.
 
 A generation is judged by what its engine says it is doing, never by the clock alone:
 - **looks, not deadlines**: every attempt on a streaming engine streams, so its first token's chunk says the engine
-  started it. An attempt is looked at every LOOK_S; what its engine shows decides (`_judge`), and evidence against
-  it must hold in every reading for SUSPECT_FOR_S before anything is called stalled (each plus the engine's
+  started it. An attempt is looked at every look_s; what its engine shows decides (`_judge`), and evidence against
+  it must hold in every reading for suspect_for_s before anything is called stalled (each plus the engine's
   `load_trails_s`, how long its load reading may trail what it holds: vLLM's gauges are its last recorded step's,
   SGLang's counts are read live):
   - chunks come (within `llm.stall_floor_s`): the engine is generating it;
   - started, then no chunk for `llm.stall_floor_s` while the server's queue (`Engine.load`: SGLang's `/get_load`,
     vLLM's `/metrics`, the CPU server's counters) is empty: **stalled** (it stopped, and was not put back to wait);
   - not started: queued, unless the engine does not hold it (`routing.Evidence`): **stalled** when nothing waits
-    there and the server's own count is below this actor's attempts surely counted there (sent LAG_S before the
+    there and the server's own count is below this actor's attempts surely counted there (sent lag_s before the
     reading; on vLLM, whose counts are those of its last recorded step, before a reading two steps ago, and past
     the clock's deadline when two steps never came, or when nothing waits there: an answer read whole shows no
-    progress of its own), or when an attempt sent after this one started over LAG_S ago (the engines schedule in
+    progress of its own), or when an attempt sent after this one started over lag_s ago (the engines schedule in
     arrival order, so this one is not waiting its turn; measured from the first start that overtook it, since a busy
     engine starts requests every step) and the server holds fewer than reached it (a reading short only by attempts
-    sent in its last TRANSIT_S, which may still be on their way, neither clears nor confirms the suspicion). Past
+    sent in its last transit_s, which may still be on their way, neither clears nor confirms the suspicion). Past
     the clock's deadline (admission.py's `stall_deadline`), an overtaken attempt counts as stalled however many the
     server holds (a server shared with other clients, whose counts hide this actor's). A request lost while the
     engine works on later ones does not count toward taking the server out of rotation;
@@ -28,9 +28,9 @@ A generation is judged by what its engine says it is doing, never by the clock a
 - **hedges that can win**: a copy with the same seed on the same server reproduces the same tokens at the same
   speed, so it can only lose. In the tail (admission.py: nothing left to admit, capacity idle) an attempt older than
   admission's threshold may be copied only to *another* server in rotation, and only when its own server is
-  measurably slower (its seconds per token at least SLOWER_BY times the copy's server's). The copy continues from
+  measurably slower (its seconds per token at least slower_by times the copy's server's). The copy continues from
   the tokens the attempt has streamed so far (prompt plus those ids, the budget less them, a seed of its own), not
-  from token 0; the first answer wins and the other is aborted. The tail's extra work is capped (HEDGE_BUDGET of the
+  from token 0; the first answer wins and the other is aborted. The tail's extra work is capped (hedge_budget of the
   tokens answered) and reported (`hedge_tokens`).
 - **retries**: connection errors, 5xx/408/429, stalls, aborts and unreadable answers are retried with exponential
   backoff and jitter on another server when there is one (routing.py takes a failing server out of rotation).
@@ -53,8 +53,9 @@ import aiohttp
 
 from pipegen.actor.admission import Admission, WatchdogLimits
 from pipegen.actor.limits import ClientLimits
-from pipegen.actor.routing import LAG_S, RetriesExhausted, Routing, ServerState
+from pipegen.actor.routing import RetriesExhausted, Routing, ServerState
 from pipegen.actor.sending import Failure, Live, ProgressLost, Reason, Sender
+from pipegen.actor.supervision import SUPERVISION
 from pipegen.engines import AUTO, Engine, EngineRequest, engine
 from pipegen.engines.request import Generation, Keep, RequestRejected
 from pipegen.run.pictures import image_data_url
@@ -65,16 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["ClientLimits", "ProgressLost", "RequestRejected", "RetriesExhausted", "ServerPool"]
 
 log = logging.getLogger("pipegen.client")
-
-MAX_COPIES = 3  # an attempt and its hedges in flight at once (the tail only)
-SLOWER_BY = 1.5  # a server this many times slower per token than another is worth a hedge there
-HEDGE_BUDGET = 0.05  # hedge copies may cost at most this share of the tokens answered
-LOAD_CONFIRM_S = 0.5  # evidence against an attempt is read again this often...
-SUSPECT_FOR_S = 1.0  # ...and must hold this long, every reading, before it counts as a stall (a prefill in progress,
-# an answer on its way back, are moments)
-LOOK_S = 1.0  # how often the evidence of an attempt the engine has not started is looked at (both plus the
-# engine's load_trails_s: each lost request costs about LOOK_S + SUSPECT_FOR_S of its unit's time)
-ORDER_SLACK_S = 0.05  # attempts sent this close together may reach the engine in either order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +229,7 @@ class ServerPool:
                 wake = min(look_at, give_up) - now
                 if hedge_at is not None:
                     wake = min(wake, max(0.05, hedge_at - now))
-                elif admission.may_hedge_later() and len(copies) < MAX_COPIES:
+                elif admission.may_hedge_later() and len(copies) < SUPERVISION.max_copies:
                     wake = min(wake, 1.0)  # re-check: capacity may free up in the tail
                 if wake <= 0:
                     working = False
@@ -249,11 +240,12 @@ class ServerPool:
                         if look.unsure:  # read again soon; a suspicion stands until a clear reading
                             look_at = time.monotonic() + look.again_s
                             continue
-                        held = SUSPECT_FOR_S + self.engine.load_trails_s
+                        held = SUPERVISION.suspect_for_s + self.engine.load_trails_s
                         if look.stalled is None or suspect_since is None or now - suspect_since < held:
                             # nothing against it, or seen once: read again before calling it stalled
                             suspect_since = (suspect_since or now) if look.stalled is not None else None
-                            look_at = time.monotonic() + (LOAD_CONFIRM_S if look.stalled is not None else look.again_s)
+                            again = SUPERVISION.load_confirm_s if look.stalled is not None else look.again_s
+                            look_at = time.monotonic() + again
                             continue
                         verdict = look.stalled
                         working = look.working
@@ -293,7 +285,7 @@ class ServerPool:
         age = f"unanswered for {now - live.sent_at:.0f}s"
         if evidence is None:
             if server.load_reported:  # a reading failed: no evidence either way yet
-                return Look(None, LOAD_CONFIRM_S)
+                return Look(None, SUPERVISION.load_confirm_s)
             if now < deadline:
                 return Look(None, deadline - now)
             return Look(f"stalled: no answer from {server.url}, {age} (watchdog deadline from max_new_tokens="
@@ -318,17 +310,17 @@ class ServerPool:
         missing = evidence.known < ours  # some of this actor's attempts there are surely unknown to the engine
         short = evidence.known < evidence.sent  # ...or, on a busy engine, likely: fewer held than reached it
         # the engine started an attempt sent after this one, a while ago: this one is not waiting its turn
-        overtaken = server.overtaken_since(live.sent_at + ORDER_SLACK_S)
-        passed = overtaken is not None and now - overtaken >= LAG_S
+        overtaken = server.overtaken_since(live.sent_at + SUPERVISION.order_slack_s)
+        passed = overtaken is not None and now - overtaken >= SUPERVISION.lag_s
         if (missing and evidence.waiting == 0) or (passed and (short or now >= deadline)):
             return Look(f"stalled: not started while {'nothing waits' if evidence.waiting == 0 else 'later ones ran'}"
                         f"; {held}; {age}; aborted there", 0, working=passed)
         if passed and evidence.known < evidence.asked:  # an attempt sent just before the reading may count for it
-            return Look(None, LOAD_CONFIRM_S, unsure=True)
+            return Look(None, SUPERVISION.load_confirm_s, unsure=True)
         return Look(None, self._look_s())  # queued or running: the engine holds it
 
     def _look_s(self) -> float:
-        return LOOK_S + self.engine.load_trails_s
+        return SUPERVISION.look_s + self.engine.load_trails_s
 
     async def _stall(self, copies: dict[asyncio.Future, Copy], verdict: str, working: bool = False) -> Failure:
         log.warning("%s", verdict)
@@ -345,7 +337,8 @@ class ServerPool:
     # ---- hedges ----
     def _hedge_time(self, started: float, copies: dict[asyncio.Future, Copy]) -> float | None:
         """When this attempt may get a copy on another server, or None (see the header)."""
-        if len(copies) >= MAX_COPIES or self.hedge_tokens > HEDGE_BUDGET * max(self.sender.output_tokens, 1000):
+        budget = SUPERVISION.hedge_budget * max(self.sender.output_tokens, 1000)
+        if len(copies) >= SUPERVISION.max_copies or self.hedge_tokens > budget:
             return None
         after = self.admission.hedge_after()
         if after is None or self._faster_server(copies) is None:
@@ -359,7 +352,7 @@ class ServerPool:
         if any(s is None for s in slowest):
             return None
         others = [(s.clock.seconds_per_token(), s) for s in self.servers if s.healthy and s.url not in busy]
-        others = [(spt, s) for spt, s in others if spt is not None and spt * SLOWER_BY <= min(slowest)]
+        others = [(spt, s) for spt, s in others if spt is not None and spt * SUPERVISION.slower_by <= min(slowest)]
         return min(others, key=lambda x: (x[0], x[1].in_flight))[1] if others else None
 
     def _hedge(self, key: Any, copies: dict[asyncio.Future, Copy]) -> None:

@@ -29,10 +29,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import OrderedDict
 from typing import Any, Callable
 
 import orjson
+from cachetools import LRUCache
 from omegaconf import OmegaConf
 
 from pipegen.verl_private import copy_agent_loop, replace_token_builder_factory
@@ -50,9 +50,9 @@ class PromptTokens:
     multimodal prompts included, goes to verl's builder unchanged."""
 
     def __init__(self, max_prompts: int = 4096):
-        self._ids: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
         self._key_locks: dict[bytes, Any] = {}
+        self._ids = _PromptIds(max_prompts, self._key_locks)
+        self._lock = threading.Lock()
         self.max_prompts = max_prompts
 
     def wrap(self, builder: Any) -> Any:
@@ -64,22 +64,30 @@ class PromptTokens:
         with self._lock:
             ids = self._ids.get(key)
             if ids is not None:  # the common case (n-1 of n samples): no per-key lock needed
-                self._ids.move_to_end(key)
                 return list(ids)
             key_lock = self._key_locks.setdefault(key, threading.Lock())
         with key_lock:
             with self._lock:
                 ids = self._ids.get(key)
                 if ids is not None:
-                    self._ids.move_to_end(key)
                     return list(ids)
             ids = tuple(builder.build_initial_tokens(messages, tools=tools))
             with self._lock:
-                self._ids[key] = ids
-                while len(self._ids) > self.max_prompts:
-                    old, _ = self._ids.popitem(last=False)
-                    self._key_locks.pop(old, None)
+                self._ids[key] = ids  # past max_prompts the least recently used prompt goes, with its key lock
             return list(ids)
+
+
+class _PromptIds(LRUCache):
+    """The prompts' ids, least recently used first out; a prompt evicted takes its key lock along."""
+
+    def __init__(self, maxsize: int, key_locks: dict[bytes, Any]):
+        super().__init__(maxsize=maxsize)
+        self._key_locks = key_locks
+
+    def popitem(self) -> tuple[bytes, tuple[int, ...]]:
+        key, ids = super().popitem()
+        self._key_locks.pop(key, None)
+        return key, ids
 
 
 class _CachingBuilder:

@@ -31,16 +31,10 @@ from cachetools import LRUCache
 
 from pipegen.actor.admission import TokenClock
 from pipegen.actor.limits import ClientLimits
+from pipegen.actor.supervision import SUPERVISION
 from pipegen.engines import Engine, LoadUnavailable, is_ready
 
 log = logging.getLogger("pipegen.client")
-
-STICKY_CACHE_SIZE = 10000
-LOAD_FRESH_S = 0.5  # a load reading younger than this answers supervision's question without asking again
-STARTS_KEPT = 4096  # starts remembered per server (ServerState.starts)
-STEP_READINGS_KEPT = 64  # load readings remembered per server (ServerState.step_readings)
-LAG_S = 1.0  # an attempt sent this long before a load reading is surely counted in it
-TRANSIT_S = 0.1  # an attempt sent this long before a reading has reached a healthy engine on its network
 
 
 class RetriesExhausted(Exception):
@@ -56,7 +50,7 @@ class Evidence:
     at: float
     counted_before: float  # an attempt sent before this is surely counted in the reading (`ServerState.note_reading`)
     ours: int  # this actor's attempts there sent before counted_before
-    sent: int  # ...and those sent TRANSIT_S before `at` (counted unless the engine lost one, or lags)
+    sent: int  # ...and those sent transit_s before `at` (counted unless the engine lost one, or lags)
     asked: int  # ...and all of them when asked (the newest may still be on their way)
     by_steps: bool = False  # the counts are those of the engine's last recorded step (vLLM), not of `at`
 
@@ -80,7 +74,7 @@ class ServerState:
     stalled: int = 0  # requests the evidence showed stalled here (then aborted here and re-sent)
     group_limit: int | None = None  # generations it takes in one grouped request (None: not asked yet)
     http_requests: int = 0  # POSTs (a grouped request counts once)
-    group_failures: int = 0  # grouped requests in a row that failed as a whole (sending.GROUP_GIVE_UP: one by one)
+    group_failures: int = 0  # grouped requests in a row that failed as a whole (sending.group_give_up: one by one)
     sent_at: dict[str, float] = field(default_factory=dict)  # rid -> when sent, for each attempt in flight here
     # each time the engine started an attempt sent later than any it had started before (a first chunk, or an
     # answer): (that attempt's send time, when its start was seen), both increasing. A request sent before such an
@@ -91,19 +85,20 @@ class ServerState:
     load_reported: bool = True  # False once the engine said it has no load route: the clock alone judges
     reading: asyncio.Task | None = None  # a load reading under way (one at a time per server)
     # (when asked, steps recorded) of its recent load readings, for an engine whose counts are its last step's
-    step_readings: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=STEP_READINGS_KEPT))
+    step_readings: deque[tuple[float, int]] = field(
+        default_factory=lambda: deque(maxlen=SUPERVISION.step_readings_kept))
 
     def note_reading(self, asked: float, steps: int | None) -> float:
         """A load reading asked at `asked`: attempts sent before the returned time are surely counted in it. Counts
-        read live (steps None): LAG_S before it. Counts of the engine's last recorded step (vLLM): an attempt that
+        read live (steps None): lag_s before it. Counts of the engine's last recorded step (vLLM): an attempt that
         reached the engine before a reading is counted by the second step recorded after that reading (the first may
         have begun before it arrived), however long a step takes (a prefill on a busy CPU: seconds)."""
-        live = asked - LAG_S
+        live = asked - SUPERVISION.lag_s
         if steps is None:
             return live
         self.step_readings.append((asked, steps))
         seen = [at for at, n in self.step_readings if steps - n >= 2]
-        return min(live, max(seen) - TRANSIT_S) if seen else -math.inf
+        return min(live, max(seen) - SUPERVISION.transit_s) if seen else -math.inf
 
     def sent_before(self, t: float) -> int:
         """Attempts of this actor in flight here that were sent before `t`."""
@@ -113,10 +108,10 @@ class ServerState:
         """The engine started an attempt sent at `sent_at`, seen at `now`."""
         if not self.starts or sent_at > self.starts[-1][0]:
             self.starts.append((sent_at, now))
-            if len(self.starts) > STARTS_KEPT:
+            if len(self.starts) > SUPERVISION.starts_kept:
                 # the oldest go: a request older than what is kept reads the oldest kept start, seen later than the
                 # first that overtook it, so it is judged later, never sooner
-                del self.starts[:STARTS_KEPT // 2]
+                del self.starts[:SUPERVISION.starts_kept // 2]
 
     def overtaken_since(self, sent_at: float) -> float | None:
         """When the engine was first seen to start an attempt sent after `sent_at` (None: not yet). Measured from
@@ -136,7 +131,7 @@ class Routing:
         self.limits = limits
         self.session = session
         self.engine = engine  # None until readiness.py recognised the first server (llm.protocol=auto)
-        self.sticky: LRUCache[Hashable, ServerState] = LRUCache(maxsize=STICKY_CACHE_SIZE)
+        self.sticky: LRUCache[Hashable, ServerState] = LRUCache(maxsize=SUPERVISION.sticky_cache_size)
         self._recovered = asyncio.Event()
         self._probes: dict[str, asyncio.Task] = {}
         # called with a server that (re)joins the rotation (sending.py asks its group limit again)
@@ -240,11 +235,11 @@ class Routing:
 
     # ---- the servers' own account ----
     async def evidence(self, server: ServerState) -> Evidence | None:
-        """The server's load read now (or within LOAD_FRESH_S); None when its engine reports none."""
+        """The server's load read now (or within load_fresh_s); None when its engine reports none."""
         if not server.load_reported:
             return None
         now = time.monotonic()
-        if server.evidence is not None and now - server.evidence.at < LOAD_FRESH_S:
+        if server.evidence is not None and now - server.evidence.at < SUPERVISION.load_fresh_s:
             return server.evidence
         if server.reading is None or server.reading.done():
             server.reading = asyncio.get_running_loop().create_task(self._read_load(server))
@@ -265,7 +260,7 @@ class Routing:
         # stamped when asked: what was sent before it counts
         counted_before = server.note_reading(asked, steps)
         server.evidence = Evidence(running, waiting, asked, counted_before, server.sent_before(counted_before),
-                                   server.sent_before(asked - TRANSIT_S), server.sent_before(asked),
+                                   server.sent_before(asked - SUPERVISION.transit_s), server.sent_before(asked),
                                    by_steps=steps is not None)
         return server.evidence
 

@@ -3,12 +3,12 @@ its typed outcome: verl's `TokenOutput`, or a `Failure` whose `reason` is one of
 
 - alone: one POST, streamed (`stream: true`) wherever the engine streams: its first token's chunk is the evidence
   the engine started it (attempts.py), and a generation that keeps its tokens as they come (`on_tokens`) gets a
-  chunk about every KEEP_EVERY_S, its tokens so far handed on with the attempt's id (a re-sent attempt starts
+  chunk about every keep_every_s, its tokens so far handed on with the attempt's id (a re-sent attempt starts
   again; a hedge copy sends none); the last chunk is read as the answer.
-- grouped: requests to one server that are ready together (within GROUP_WINDOW_S; a prompt's n samples first of
+- grouped: requests to one server that are ready together (within group_window_s; a prompt's n samples first of
   all, and any other units admitted in the same round) go as one grouped request where the server's engine takes
   one (`Engine.group_limit`: SGLang's streamed batch `/generate`; not vLLM, not pipegen's CPU server). Every member
-  streams: a member that keeps its tokens gets a chunk about every KEEP_EVERY_S of generation, the others their
+  streams: a member that keeps its tokens gets a chunk about every keep_every_s of generation, the others their
   first token's chunk and their last. Each member stays its own attempt: its own future, abort (by its own id) and
   outcome, settled as its own last chunk arrives. A group that fails as a whole (connection, 5xx) fails each member;
   one the server refuses as a whole (4xx, an in-stream error) is sent again member by member, so only a faulty
@@ -37,6 +37,7 @@ import orjson
 
 from pipegen.actor.admission import Admission
 from pipegen.actor.routing import Routing, ServerState
+from pipegen.actor.supervision import SUPERVISION
 from pipegen.engines import EngineRequest, GroupRefused, StreamError
 from pipegen.engines.request import RequestRejected
 from pipegen.engines.sglang import STREAM_MIN_TOKENS
@@ -48,17 +49,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pipegen.client")
 
-RETRYABLE_4XX = (408, 429)  # request timeout / too many requests (routers): transient, not a client bug
 NO_TIMEOUT = aiohttp.ClientTimeout()  # no total, no socket timeouts (the session default would be 300 s)
-# how long a request waits for others to the same server to share its grouped request: the units of one
-# admission round (a prompt's n samples among them) reach here within a few event-loop turns of each other
-GROUP_WINDOW_S = 0.002
-GROUP_GIVE_UP = 3  # grouped requests to one server failing as a whole in a row: it gets one request each from then
-# A kept answer's chunk comes about this often (its server's observed time per token says how many tokens that is):
-# an actor killed mid-answer loses about half of it per unit in flight, and each chunk costs its parsing and one line
-# of the unit's progress file (BENCHMARKS: the keeping cost); engines/sglang.py's STREAM_MIN_TOKENS is the floor
-KEEP_EVERY_S = 0.1
-PRIOR_S_PER_TOKEN = 0.02  # before a server has answered anything: a GPU decoding a full batch
 
 
 class Reason(enum.Enum):
@@ -177,7 +168,7 @@ class Sender:
         if len(waiting) >= server.group_limit:
             self._flush(server, key)
         elif pending.flush is None:
-            pending.flush = loop.call_later(GROUP_WINDOW_S, self._flush_all, server)
+            pending.flush = loop.call_later(SUPERVISION.group_window_s, self._flush_all, server)
         return member.future
 
     def _left(self, server: ServerState, request: EngineRequest) -> None:  # the attempt settled
@@ -186,12 +177,12 @@ class Sender:
         self.live.pop(request.rid, None)
 
     def interval(self, server: ServerState, request: EngineRequest) -> int:
-        """Tokens between a streamed attempt's chunks: about KEEP_EVERY_S of this server's generation for an answer
+        """Tokens between a streamed attempt's chunks: about keep_every_s of this server's generation for an answer
         whose tokens are kept, else past its budget (its first token's chunk and its last only)."""
         if request.progress is None:
             return request.max_new_tokens + 2
-        spt = server.clock.seconds_per_token() or PRIOR_S_PER_TOKEN
-        return max(STREAM_MIN_TOKENS, int(KEEP_EVERY_S / max(spt, 1e-6)))
+        spt = server.clock.seconds_per_token() or SUPERVISION.prior_s_per_token
+        return max(STREAM_MIN_TOKENS, int(SUPERVISION.keep_every_s / max(spt, 1e-6)))
 
     # ---- grouping ----
     def _forget_group_limit(self, server: ServerState) -> None:
@@ -269,7 +260,7 @@ class Sender:
                                                  headers=self._json_headers, timeout=NO_TIMEOUT) as resp:
                 if resp.status != 200:
                     raw = (await resp.read())[:200].decode(errors="replace")
-                    if resp.status >= 500 or resp.status in RETRYABLE_4XX:
+                    if resp.status >= 500 or resp.status in SUPERVISION.retryable_4xx:
                         return self._group_lost(server, members, Reason.HTTP,
                                                 f"HTTP {resp.status} from {server.url}: {raw}", f"http_{resp.status}")
                     # refused as a whole, maybe for one member's sake: each goes alone and answers for itself
@@ -318,10 +309,10 @@ class Sender:
         _fail(members, Failure(reason, text, kind or reason.value))
 
     def _group_failed(self, server: ServerState, what: str) -> None:
-        """A grouped request failed as a whole; after GROUP_GIVE_UP in a row the server (a router, a server that speaks
+        """A grouped request failed as a whole; after group_give_up in a row the server (a router, a server that speaks
         /generate but not its batched, streamed form) gets one request per generation."""
         server.group_failures += 1
-        if server.group_failures >= GROUP_GIVE_UP and (server.group_limit or 1) > 1:
+        if server.group_failures >= SUPERVISION.group_give_up and (server.group_limit or 1) > 1:
             server.group_limit = 1
             log.warning("%s: %d grouped requests in a row failed (last: %s): one request per generation from now",
                         server.url, server.group_failures, what)
@@ -348,7 +339,7 @@ class Sender:
         except (aiohttp.ClientError, OSError) as e:  # no aiohttp timer runs, so no timeout error either
             self.routing.record_failure(server, "connection")
             return Failure(Reason.CONNECTION, f"{type(e).__name__} from {server.url}: {e}", "connection")
-        if status >= 500 or status in RETRYABLE_4XX:
+        if status >= 500 or status in SUPERVISION.retryable_4xx:
             self.routing.record_failure(server, f"http_{status}")
             return Failure(Reason.HTTP, f"HTTP {status} from {server.url}: {raw[:200].decode(errors='replace')}",
                            f"http_{status}")
@@ -391,7 +382,7 @@ class Sender:
                         return self.read_answer(server, request, answer.whole(chunk), started)
                     take(chunk)
         except StreamError as e:  # SGLang's in-stream refusal (HTTP 200): as the status it names
-            if e.status >= 500 or e.status in RETRYABLE_4XX:
+            if e.status >= 500 or e.status in SUPERVISION.retryable_4xx:
                 self.routing.record_failure(server, f"http_{e.status}")
                 return Failure(Reason.HTTP, f"HTTP {e.status} (in the stream) from {server.url}: {str(e)[:200]}",
                                f"http_{e.status}")

@@ -33,6 +33,7 @@ from pipegen.config.schema import draws_by_position
 from pipegen.actor.rollout import UnitRunner
 from pipegen.actor.readiness import StartupClock, wait_for_first_server
 from pipegen.actor.units import FixedUnits, LeasedUnits, pending_units
+from pipegen.actor.supervision import SUPERVISION
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
 from pipegen.run.checkpoint import load_checkpoint
@@ -129,7 +130,7 @@ class Actor:
         import aiohttp
 
         from pipegen.actor.attempts import ClientLimits, ServerPool
-        from pipegen.actor.admission import ROUND, Admission, WatchdogLimits
+        from pipegen.actor.admission import Admission, WatchdogLimits
         from pipegen.actor.concurrency import ConcurrencyControl, unit_memory_bytes
 
         if self.leases_url is None:
@@ -185,7 +186,7 @@ class Actor:
             await control.discover(session, pool.engine)
             await pool.learn_group_limits()  # before the first burst: the first round goes grouped too
             if any((s.group_limit or 1) > 1 for s in pool.servers):
-                admission.round = ROUND  # refills wait for a few slots, to go out as one grouped request
+                admission.round = SUPERVISION.round  # refills wait for a few slots, to go out as one grouped request
             self.admission = admission  # stats lines show its concurrency from here (None while discovering)
             await admission.run(
                 self.units, lambda pos, sample, slot: self.run_unit(pool, pos, sample, rollouts, failures, slot),

@@ -246,8 +246,8 @@ def chunk_cost_s(tokens_per_chunk: int, chunks: int = 64, reps: int = 20) -> flo
 
 def keeping_cost(res: c.ScenarioResult) -> None:
     """The cost of keeping a streamed answer's tokens, per chunk, as a share of one actor core at 20k tokens/s (a GPU
-    node's rate for one actor): chunks come every `sending.KEEP_EVERY_S` of generation, never more often than every
-    `STREAM_MIN_TOKENS` tokens, so 20k tokens/s is at most 20k / STREAM_MIN_TOKENS chunks a second."""
+    node's rate for one actor): chunks come every `keep_every_s` (actor/supervision.py) of generation, never more
+    often than every `STREAM_MIN_TOKENS` tokens, so 20k tokens/s is at most 20k / STREAM_MIN_TOKENS chunks a second."""
     from pipegen.engines.sglang import STREAM_MIN_TOKENS
 
     for tokens in (STREAM_MIN_TOKENS, 4 * STREAM_MIN_TOKENS):

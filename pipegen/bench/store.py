@@ -138,7 +138,8 @@ def writer_pass(cfg, run, builder, url: str, writer_id: str) -> Pass:
 
 def check(url: str, units: int) -> dict:
     """The store read back as every reader reads it: units committed, units committed twice, rows per segment."""
-    from pipegen.run.store import Store, resolve
+    from pipegen.run.store import resolve
+    from pipegen.transport.object_store import Store
 
     segments = Store(url).segments()
     keys = sorted(k for seg in segments for k in seg.unit_keys())

@@ -4,7 +4,8 @@ Writes DIR/trajectories.parquet (or .jsonl): one row per trajectory, in the merg
 batch files the checkpoint lists, and beside the Parquet file its Hugging Face dataset card, README.md
 (export/card.py); or DIR/trajectories.atif/, one ATIF document per trajectory (export/atif.py). Works on any run
 with committed batches, finished or not, merged or not.
-A storage url (s3://bucket/prefix) is read from the store alone (run/store_read.py) and its export put back there.
+A storage url (s3://bucket/prefix) is read from the store alone (transport/store_read.py's StoreRun) and its export
+put back there.
 Owns: argument parsing and the one-line errors. Must never: touch the run's own files, or import the writer
 (the writer starts this command after its merge; nothing leads back).
 """
@@ -15,8 +16,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipegen.export.writers import FORMATS, ROW_GROUP_ROWS, export_plan
+
+if TYPE_CHECKING:
+    from pipegen.run.layout import RunDir
+    from pipegen.transport.store_read import StoreRun
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,26 +35,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row-group-rows", type=int, default=ROW_GROUP_ROWS,
                    help="rows per Parquet row group / per write (bounds memory; default %(default)s)")
     args = p.parse_args(argv)
+    from pipegen.run.store import StoreError
+    from pipegen.transport.store_read import StoreRun
 
+    read = StoreRun(args.run_dir)  # a store url: the store alone, its committed segments as a run directory
+    try:
+        with read as run:
+            code = export_run(run, args, read)
+    except StoreError as e:
+        if read.run is None:
+            print(f"pipegen.export: {e}", file=sys.stderr)
+            return 2
+        print(f"pipegen.export: written to {read.run.root} but not uploaded: {e}", file=sys.stderr)
+        return 1
+    if read.url and code == 0:  # a store run's export goes back to the store (an --output outside it stays local)
+        print(f"pipegen.export: uploaded to {read.url}: "
+              f"{', '.join(read.keys) or 'nothing (the output is outside the run)'}")
+    return code
+
+
+def export_run(run: RunDir, args: argparse.Namespace, read: StoreRun) -> int:
+    """The export of one run directory; what it writes is named to `read` (a StoreRun) to go back to a store."""
     from pipegen.run.batchfile import BatchFileError, legacy_format_message
     from pipegen.run.checkpoint import load_checkpoint
     from pipegen.run.config import load_run_config
-    from pipegen.run.layout import RunDir
     from pipegen.run.rows import SortedRows
 
-    from pipegen.run.store import StoreError, is_store_url
-
-    url = args.run_dir if is_store_url(args.run_dir) else None
-    if url:
-        from pipegen.run.store_read import materialize
-
-        try:
-            run = materialize(url)  # the store alone: its committed segments, as a run directory
-        except StoreError as e:
-            print(f"pipegen.export: {e}", file=sys.stderr)
-            return 2
-    else:
-        run = RunDir(Path(args.run_dir).expanduser().resolve())
     if not run.root.is_dir():
         print(f"pipegen.export: {run.root} does not exist: pass a run directory", file=sys.stderr)
         return 2
@@ -71,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
             docs = export_atif(cfg, plan, out, max(1, args.row_group_rows))
             print(f"pipegen.export: {docs} ATIF documents -> {out}/ ({time.monotonic() - started:.1f}s)")
-            return _to_store(url, run, [out])
+            read.put_back(out)
+            return 0
         rows = export_plan(cfg, plan, out, args.format, max(1, args.row_group_rows))
     except BatchFileError as exc:
         print(f"pipegen.export: {exc}", file=sys.stderr)
@@ -84,24 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         card = write_card(cfg, run, out)
         print(f"pipegen.export: dataset card -> {card}" if card is not None else
               f"pipegen.export: no dataset card: {run.export_card(out)} exists and pipegen did not write it")
-        return _to_store(url, run, [out] + ([card] if card is not None else []))
-    return _to_store(url, run, [out])
-
-
-def _to_store(url: str | None, run, paths: list[Path]) -> int:
-    """A store run's export goes back to the store, beside the run (an --output outside the cache stays local)."""
-    if url is None:
+        read.put_back(out, *([card] if card is not None else []))
         return 0
-    from pipegen.run.store import StoreError
-    from pipegen.run.store_read import upload
-
-    inside = [p for p in paths if Path(p).resolve().is_relative_to(run.root)]
-    try:
-        keys = upload(url, run, inside)
-    except StoreError as e:
-        print(f"pipegen.export: written to {run.root} but not uploaded: {e}", file=sys.stderr)
-        return 1
-    print(f"pipegen.export: uploaded to {url}: {', '.join(keys) or 'nothing (the output is outside the run)'}")
+    read.put_back(out)
     return 0
 
 

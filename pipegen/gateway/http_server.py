@@ -20,11 +20,11 @@ import hashlib
 import hmac
 import logging
 import secrets
-from collections import OrderedDict
 from typing import Any, Callable
 
 import orjson
 from aiohttp import web
+from cachetools import FIFOCache
 
 from pipegen.gateway.dialects import DIALECTS, BadRequest
 from pipegen.gateway.session import Session, SessionClosed
@@ -42,7 +42,7 @@ class Gateway:
         self.host = host
         self.port: int | None = None
         self.sessions: dict[str, Session] = {}
-        self.finished: OrderedDict[str, None] = OrderedDict()
+        self.finished: FIFOCache = FIFOCache(maxsize=FINISHED_KEPT)  # the oldest finished id goes first
         self.refused = 0  # calls refused for their session or key
         self._runner: web.AppRunner | None = None
         self._starting: asyncio.Lock | None = None
@@ -85,8 +85,6 @@ class Gateway:
         session.close()
         self.sessions.pop(session.sid, None)
         self.finished[session.sid] = None
-        while len(self.finished) > FINISHED_KEPT:
-            self.finished.popitem(last=False)
 
     def base_url(self, session: Session) -> str:
         """The session's OpenAI base URL (ends in /v1; Anthropic's is the same without it)."""

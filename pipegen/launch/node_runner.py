@@ -50,7 +50,8 @@ from pipegen.launch.world import current_plan
 from pipegen.observe.stats import across_processes, aggregate, stats_history
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import NodeRecord, RunDir, node_actor_role
-from pipegen.run.store import CONF_FILES, Store, conf_key, node_scratch
+from pipegen.run.store import CONF_FILES, conf_key, node_scratch
+from pipegen.transport.object_store import Store
 
 log = logging.getLogger("pipegen.node")
 

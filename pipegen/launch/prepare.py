@@ -1,7 +1,7 @@
 """Everything the launcher does before a process starts, in one function: `prepare(argv)`.
 
 In order: --help; the job's one resolved config (launch/job.py: composed, type-checked, output_dir and the
-inputs' short names resolved; nothing written); with storage.url, the store asked once (run/store.py's
+inputs' short names resolved; nothing written); with storage.url, the store asked once (transport/object_store.py's
 `refusal`: wrong credentials, a missing bucket, an unreachable endpoint); the placement chosen (torchrun's or Slurm's node variables
 without cluster=ray are refused); the reward settings checked (the user's reward function loaded once); the
 preflight (launch/preflight.py: the reward called once on the first row, the harness imported); then,
@@ -112,7 +112,7 @@ def prepare(argv: list[str]) -> Prepared | int:
         return refuse(str(e))
     cfg, run = job.cfg, job.run
     if cfg.storage.url:  # wrong credentials, no bucket, no store at the endpoint: refused before anything runs
-        from pipegen.run.store import refusal
+        from pipegen.transport.object_store import refusal
 
         problem = refusal(str(cfg.storage.url))
         if problem:

@@ -17,7 +17,7 @@ loss), which `pipegen.status` shows.
 
 With a store (storage.url) the nodes share no folder: the launcher puts the run's conf files into the store before
 the runners start (units.json once read), each runner runs its own writer, and what is committed is what the
-store's segments say (run/store.py's `SegmentFollower`), never another node's disk. A lease then stays out until
+store's segments say (transport/object_store.py's `SegmentFollower`), never another node's disk. A lease then stays out until
 its units are committed in the store (or listed failed), so a node lost after writing them, before its writer
 published them, has them leased again; once a node's leases are all written and the queue is empty, its runner is
 asked to `flush` (its writer commits the partial batch), every FLUSH_EVERY_S until they are committed. A unit a
@@ -139,7 +139,7 @@ class RayPlacement:
         self._infra: tuple[type[BaseException], ...] = ()
         self.stats: StatsAppender | None = None
         self.store_url = str(cfg.storage.url) if cfg.storage.url else None
-        self.follower = None  # with a store: run/store.py's SegmentFollower
+        self.follower = None  # with a store: transport/object_store.py's SegmentFollower
         self._written: set[int] = set()  # with a store: leases whose units are all in a shard line, not yet committed
         self._polled = 0.0
 
@@ -153,7 +153,8 @@ class RayPlacement:
         self.launch = self.run.read_launch().launch
         self.stats = StatsAppender(self.run.stats, CLUSTER_ROLE)
         if self.store_url:  # the runners read the run's contract from the store: it is there before they start
-            from pipegen.run.store import CONF_FILES, SegmentFollower, Store, conf_key
+            from pipegen.run.store import CONF_FILES, conf_key
+            from pipegen.transport.object_store import SegmentFollower, Store
 
             store = Store(self.store_url, patience_s=None)
             for name in CONF_FILES:

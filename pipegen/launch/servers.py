@@ -104,8 +104,8 @@ def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed:
         "--random-seed", str(seed),
         "--skip-tokenizer-init",
         # a streamed chunk (a kept answer's, a grouped member's) carries its new ids and log-probs only, not the
-        # answer so far: reading ~1/KEEP_EVERY_S chunks a second costs each token once (engines/sglang.py reads
-        # either shape and refuses a piece whose log-probs do not match its ids)
+        # answer so far: reading ~1/keep_every_s chunks a second (actor/supervision.py) costs each token once
+        # (engines/sglang.py reads either shape and refuses a piece whose log-probs do not match its ids)
         "--incremental-streaming-output",
     ]
     if int(llm["dp"]) > 1:

@@ -12,7 +12,7 @@ stats line, whether that process is alive, the age of that line; who holds DIR/.
 where the logs are. Exit status 0 for any run directory; 2 with one line for a path that is not one.
 
 Owns: reading a run directory into a human (or --json) report.
-A storage url (s3://bucket/prefix) is read from the store alone (run/store_read.py) into a local read cache.
+A storage url (s3://bucket/prefix) is read from the store alone (transport/store_read.py) into a local read cache.
 
 Must never: write anything under DIR, take or break the writer lock, signal a process, or import
 verl/torch (it must answer in well under a second beside a busy run).
@@ -33,7 +33,7 @@ from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.ownership import LockStatus, lock_status
-from pipegen.run.store import StoreError, is_store_url, read_publish_state
+from pipegen.run.store import StoreError, read_publish_state
 from pipegen.observe.progress import snapshot
 from pipegen.run.unit_progress import progress_summary
 from pipegen.observe.startup import startup_phases
@@ -416,21 +416,25 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print(f"error: {usage()}", file=sys.stderr)
         return 2
-    arg = args[0].split("=", 1)[1] if args[0].startswith("output_dir=") else args[0]
-    run = RunDir(Path(arg).expanduser().resolve()) if not is_store_url(arg) else None
-    if run is None:
-        if following:
-            print("pipegen.status: error: --follow reads a node's shards: pass its scratch folder (output_dir)",
-                  file=sys.stderr)
-            return 2
-        from pipegen.run.store_read import materialize
+    from pipegen.transport.store_read import StoreRun
 
-        try:
-            run = materialize(arg, outputs=verify)  # the store alone: its segments, as a run directory
-        except StoreError as e:
-            print(f"pipegen.status: error: {e}", file=sys.stderr)
-            return 2
-        print(f"pipegen.status: {arg} read from the store into {run.root}", file=sys.stderr)
+    read = StoreRun(args[0], outputs=verify)  # a store url: the store alone, its segments as a run directory
+    if read.url and following:
+        print("pipegen.status: error: --follow reads a node's shards: pass its scratch folder (output_dir)",
+              file=sys.stderr)
+        return 2
+    try:
+        with read as run:
+            if read.url:
+                print(f"pipegen.status: {read.url} read from the store into {run.root}", file=sys.stderr)
+            return show(run, as_json, verify, following)
+    except StoreError as e:
+        print(f"pipegen.status: error: {e}", file=sys.stderr)
+        return 2
+
+
+def show(run: RunDir, as_json: bool, verify: bool, following: bool) -> int:
+    """`pipegen status` of one run directory: --follow, --verify, or the snapshot (text or --json)."""
     if following:
         return follow(run)
     if verify:

@@ -56,7 +56,7 @@ def end_of_run(cfg: Any, run: RunDir, code: int) -> int:
     print(f"  report:       {page}", file=stream, flush=True)
     if cfg.get("storage", {}).get("url"):  # a store run's report goes beside its outputs
         from pipegen.run.store import StoreError
-        from pipegen.run.store_read import upload
+        from pipegen.transport.store_read import upload
 
         try:
             upload(str(cfg.storage.url), run, [run.report_html, run.report_json])
@@ -74,31 +74,22 @@ def main(argv: list[str] | None = None) -> int:
                                             "(finished or in progress)")
     p.add_argument("run_dir", help="the run directory (output_dir of the launch)")
     args = p.parse_args(argv)
-    arg = args.run_dir.split("=", 1)[1] if args.run_dir.startswith("output_dir=") else args.run_dir
-    from pipegen.run.store import StoreError, is_store_url
-
-    if is_store_url(arg):  # the store alone: its committed segments as a run directory, the report put back there
-        from pipegen.run.store_read import materialize, upload
-
-        try:
-            run = materialize(arg)
-            page = write_report(run)
-            keys = upload(arg, run, [run.report_html, run.report_json])
-        except StoreError as e:
-            print(f"pipegen.report: {e}", file=sys.stderr)
-            return 2
-        print(f"pipegen.report: {page} (uploaded to {arg}: {', '.join(keys)})")
-        return 0
-    run = RunDir(Path(arg).expanduser().resolve())
-    if not run.config_file.exists():
-        print(f"pipegen.report: {run.root} is not a pipegen run directory (no conf/config.yaml)", file=sys.stderr)
-        return 2
     from pipegen.run.integrity import DamagedFile
+    from pipegen.run.store import StoreError
+    from pipegen.transport.store_read import StoreRun
 
+    read = StoreRun(args.run_dir)  # a store url: its committed segments as a run directory, the report put back there
     try:
-        page = write_report(run)
-    except DamagedFile as e:
+        with read as run:
+            if not read.url and not run.config_file.exists():
+                print(f"pipegen.report: {run.root} is not a pipegen run directory (no conf/config.yaml)",
+                      file=sys.stderr)
+                return 2
+            page = write_report(run)
+            read.put_back(run.report_html, run.report_json)
+    except (StoreError, DamagedFile) as e:
         print(f"pipegen.report: {e}", file=sys.stderr)
         return 2
-    print(f"pipegen.report: {page} (numbers: {run.report_json})")
+    uploaded = f"uploaded to {read.url}: {', '.join(read.keys)}" if read.url else f"numbers: {run.report_json}"
+    print(f"pipegen.report: {page} ({uploaded})")
     return 0

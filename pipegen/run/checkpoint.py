@@ -8,7 +8,8 @@ Every part is O(ranges + actors), not O(units) or O(batches), so a commit costs 
 committed units.
 
 Owns: the checkpoint's schema, its validation on load (a damaged one is a DamagedFile naming the
-rebuild command, never an empty checkpoint), and its atomic replacement.
+rebuild command, never an empty checkpoint), its atomic replacement, and what failed_units.json holds
+(`failed_listing`: every writer that settles a run writes it, on disk or in the store).
 Must never: list every committed unit (its cost per batch must not grow with the run), or be written
 before the batch file it lists is durable.
 """
@@ -171,10 +172,6 @@ class Checkpoint:
         )
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Checkpoint":
-        return cls.from_dict(orjson.loads(data))
-
-    @classmethod
     def from_dict(cls, d: Any) -> "Checkpoint":
         if not isinstance(d, dict) or not REQUIRED_KEYS <= d.keys():
             raise ValueError(f"a checkpoint is an object with the keys {', '.join(sorted(REQUIRED_KEYS))}")
@@ -244,6 +241,23 @@ def failure_summary(failed: dict[str, Any], reasons: int = 5, units: int = 4) ->
         rest = sum(len(labels) for _, labels, _ in groups[reasons:])
         lines.append(f"and {rest} more unit(s) with {len(groups) - reasons} other reason(s)")
     return lines
+
+
+PENDING_LISTED = 10000  # pending units named one by one in failed_units.json (the count is always there)
+
+
+def failed_listing(committed: int, total: int, failed: dict[str, str], pending: list[str]) -> bytes:
+    """failed_units.json: each failed unit (index:sample) with its reason, and the units still pending when a writer
+    alone delivers a partial output."""
+    listing: dict[str, Any] = {"committed": committed, "total": total, "failed": len(failed),
+                               "retry": "rerun the same command: it retries only these units, each with a fresh seed",
+                               "units": failed}
+    if pending:
+        listing["pending"] = len(pending)
+        listing["pending_why"] = ("not generated: no launcher or actor was alive when the writer ran alone; "
+                                  "rerun the same command to generate only them")
+        listing["pending_units"] = pending[:PENDING_LISTED]  # the first ones; the count says how many
+    return orjson.dumps(listing, option=orjson.OPT_INDENT_2)
 
 
 def load_checkpoint(path: Path) -> Checkpoint:

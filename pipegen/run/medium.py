@@ -2,8 +2,10 @@
 
 `streams=files` (the default): each actor's shard files under DIR/streams/<topic>/ (run/stream.py's
 ShardAppender and ShardTailer, positions as byte offsets in checkpoint.json). `streams=redis`: one Redis stream
-per run and topic (run/redis_stream.py), read by the writer as a consumer group. The line is the line either
+per run and topic (transport/redis_medium.py), read by the writer as a consumer group. The line is the line either
 way: the exact bytes of a RolloutRecord or FailureRecord line (run/stream.py), so every reader parses it the same.
+Each medium is named in MEDIA by its dotted path and imported only when its kind is chosen (as
+launch/placement.py chooses placements), so this module imports no network client.
 
 What each role asks of a medium, and nothing else:
 - an actor: an `Appender` per topic (`append` returns once the line is durable in the medium: a shard write, or
@@ -17,17 +19,19 @@ What each role asks of a medium, and nothing else:
 - the launcher: `refusal()` (one line when the medium cannot hold the run: an unreachable Redis, one without
   AOF), and `holds_lines()` / `drop()` / `where()` for the resume guard, tidy and messages.
 
-Owns: choosing the medium from the run's config (`open_medium`, the one place that reads `streams.kind`), the
-launch's check of it (`medium_refusal`), the files medium's wiring of run/stream.py, and the topics' names.
-Must never: parse a record beyond its head, decide what is committed, or hold a line the medium has not made
-durable as if it were written.
+Owns: the medium's interface, choosing the medium from the run's config (`open_medium`, the one place that reads
+`streams.kind`), the launch's check of it (`medium_refusal`), the files medium's wiring of run/stream.py, and the
+topics' names.
+Must never: import a medium's client (Redis) at any level, parse a record beyond its head, decide what is
+committed, or hold a line the medium has not made durable as if it were written.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections import Counter
-from typing import Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 from omegaconf import DictConfig
 
@@ -77,9 +81,15 @@ class Reader(Tail, Protocol):
 
 
 class StreamMedium(ABC):
-    """Where a run's lines go: the files medium below, or run/redis_stream.py's RedisMedium."""
+    """Where a run's lines go: the files medium below, or transport/redis_medium.py's RedisMedium."""
 
     kind: str
+
+    @classmethod
+    def open(cls, run: RunDir, streams: Mapping[str, Any], wait_s: float) -> "StreamMedium":
+        """The medium of `run` from the config's `streams` keys; `wait_s`: how long a read waits for an unreachable
+        server before it raises OSError."""
+        return cls(run)  # type: ignore[call-arg]  # the files medium needs only the run directory
 
     @abstractmethod
     def where(self, topic: str) -> str:
@@ -200,6 +210,19 @@ class FileReader:
         pass
 
 
+# streams.kind -> its medium as "module:class" (config/schema.py's STREAM_KINDS names the kinds)
+MEDIA: dict[str, str] = {
+    "files": "pipegen.run.medium:FileMedium",
+    "redis": "pipegen.transport.redis_medium:RedisMedium",
+}
+
+
+def medium_class(kind: str) -> type[StreamMedium]:
+    """The class MEDIA names for this kind, imported now."""
+    module, _, name = MEDIA[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def open_medium(run: RunDir, cfg: DictConfig | None = None, wait_s: float = WAIT_S) -> StreamMedium:
     """The run's medium, by `streams.kind` of `cfg` (else the run's saved config; files when it has none). `wait_s`:
     how long a read waits for an unreachable Redis before it raises OSError (0: a console that must not stall)."""
@@ -210,11 +233,7 @@ def open_medium(run: RunDir, cfg: DictConfig | None = None, wait_s: float = WAIT
 
         cfg = load_run_config(run)
     streams = cfg.get("streams") or {}
-    if streams.get("kind", "files") == "redis":
-        from pipegen.run.redis_stream import RedisMedium
-
-        return RedisMedium(run, str(streams.redis_url), wait_s)
-    return FileMedium(run)
+    return medium_class(str(streams.get("kind", "files"))).open(run, streams, wait_s)
 
 
 def medium_refusal(run: RunDir, cfg: DictConfig) -> str:

@@ -17,12 +17,12 @@ hold more than a few batches' tensors at once, or know the file format (run/batc
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
+from cachetools import LRUCache
 
 from pipegen.run.batchfile import (INT_TENSORS, ROW_KEYS, BatchFileError, StoredBatch, object_array, read_batch,
                                    read_row_keys)
@@ -79,9 +79,10 @@ class SortedRows:
     reward_keys: Optional[list[str]]
     cache_size: int = 4
     batch_reads: int = 0
-    _cache: OrderedDict = field(default_factory=OrderedDict)
+    _cache: LRUCache = field(init=False, repr=False)  # the last `cache_size` batches read
 
     def __post_init__(self) -> None:
+        self._cache = LRUCache(maxsize=max(1, self.cache_size))
         self._span = [(int(d.min()), int(d.max())) if len(d) else (0, -1) for d in self.dest]
 
     @property
@@ -134,14 +135,10 @@ class SortedRows:
         return cls.scan([run.batch_file(i) for i in ckpt.batches.numbers()], **kwargs)
 
     def _batch(self, i: int) -> StoredBatch:
-        if i in self._cache:
-            self._cache.move_to_end(i)
-            return self._cache[i]
-        part = read_batch(self.paths[i])
-        self.batch_reads += 1
-        self._cache[i] = part
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        part = self._cache.get(i)
+        if part is None:
+            part = self._cache[i] = read_batch(self.paths[i])
+            self.batch_reads += 1
         return part
 
     def tensors(self, lo: int, hi: int) -> dict[str, np.ndarray]:

@@ -2,6 +2,6 @@
 
 import sys
 
-from pipegen.writer.commit import main
+from pipegen.writer.process import main
 
 sys.exit(main())

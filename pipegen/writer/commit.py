@@ -1,4 +1,4 @@
-"""Writer process: tails every actor shard into checkpointed DataProto batches, then merges them.
+"""The writer's commit loop: tails the run's stream medium into checkpointed DataProto batches, then merges them.
 
 `python -m pipegen.writer output_dir=DIR` starts or restarts it, alone or under the launcher.
 
@@ -9,119 +9,103 @@ The commit protocol, in order, each step crash-safe on its own (ARCHITECTURE.md 
  2. drop units already committed or buffered (counted as duplicates);
  3. at save_batch_size rows build a padded batch; write it to a temporary file, fsync, rename to
     batch_NNNNN.arrow (pipegen/run/batchfile.py). A partial batch is written only when every unit is
-    settled, when nothing of the run generates any more (a writer alone, step 6), or after
-    partial_batch_quiet_s seconds (minutes by default) without new lines: each sample
-    is already durable in its shard line, so small batches would buy nothing but files;
+    settled, when the mode says nothing more will arrive (a writer alone), or after partial_batch_quiet_s
+    seconds (minutes by default) without new lines: each sample is already durable in its shard line, so
+    small batches would buy nothing but files;
  4. then replace checkpoint.json (committed ranges, batches, offsets, failures): temporary file,
     fsync, fsync the directory (which makes the batch renames of step 3 durable too), rename;
  5. on start: take the lock, load the checkpoint (rebuilt from the batch files when it is missing; a
     damaged one, or a listed batch file missing, is refused with one line), adopt the batch files it
     does not list (orphans of a crash between 3 and 4: whole, since fsynced before their rename);
- 6. when every unit is committed or failed in this launch: merge, zip, upload; mark complete when none failed,
-    else list the failed units beside the partial output (generation.all_or_nothing=true: no output then).
-    A writer left alone (no launcher and no actor alive: alone.py) has nothing more to wait for: once it has
-    read every shard it commits what they hold at once (no quiet period), merges that partial output, lists
-    the units still pending beside it (failed_units.json) and exits 0; a relaunch generates the rest.
+ 6. when the mode says its part is settled: its end (`finalize` merges, zips and uploads; marks complete when
+    none failed, else lists the failed units beside the partial output; generation.all_or_nothing=true: no
+    output then).
 
 Steps 3-4's disk half (writing the encoded batch files, then the checkpoint) runs on one background
 thread, `Committer` (committer.py), while the main loop parses the next lines; this module decides
-what each commit holds and hands it over in order.
+what each commit holds and hands it over in order. With storage.url, a publisher (publish.py) commits each
+batch again to the object store, exactly once, on its own thread.
 
-With storage.url, a publisher (publish.py) commits each batch again to the object store, exactly once, on its own
-thread; the run ends once every committed batch is published and the outputs are uploaded.
-Under cluster=ray with a store, `writer=ID` makes this a node runner's writer: it commits what its node's shards hold,
-publishes as ID, never settles nor merges the run (other nodes own the other units), commits at once on the
-runner's FLUSH_SIGNAL and exits once published on FINISH_SIGNAL (run/handshake.py). The head's writer follows the
-store instead (store_head.py).
+One writer process, one job (`Mode`: when it is settled, what it does at the end, what a signal means), picked by
+process.py's `main`: the launcher's writer (which ends as the writer alone when nothing of the run generates any
+more) and a node runner's writer (modes.py), the head of a store cluster (store_head.py). Those modules import
+this one, never the reverse.
 
 Owns: checkpoint.json, batch_*.arrow, trajectories.pkl/.zip, failed_units.json and the writer lock.
 Must never: write a batch that the checkpoint does not list yet as if it were committed, hold the
 whole run in memory before the merge (at most `MAX_QUEUED_BATCHES` encoded batches wait for the
-disk), or run twice on one directory.
+disk), run twice on one directory, or import a mode.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import subprocess
-import sys
 import time
+from abc import ABC, abstractmethod
 from typing import Callable
 
-import orjson
 from omegaconf import DictConfig
 
-from pipegen.observe.logs import setup_logging, watch_parent
 from pipegen.observe.stats import StatsAppender
-from pipegen.run.atomic import atomic_write_bytes, remove_stale_temporaries
-from pipegen.run.batchfile import CONVERT_FLAG, legacy_format_message
-from pipegen.run.checkpoint import (check_listed_batches, failure_reason, failure_summary, load_checkpoint,
-                                   save_checkpoint)
-from pipegen.run.config import load_run_config
-from pipegen.run.diskfull import exit_disk_full, is_disk_full
-from pipegen.run.fingerprint import check_fingerprint
-from pipegen.run.handshake import (EXIT_DAMAGED, EXIT_FAILED_UNITS, EXIT_LOCKED, FINISH_SIGNAL, FLUSH_SIGNAL,
-                                   WRITER_IMPORTS, import_then_wait_for_manifest)
-from pipegen.run.integrity import DamagedFile
-from pipegen.run.layout import RunDir, output_dir_from_args
+from pipegen.run.atomic import atomic_write_bytes
+from pipegen.run.checkpoint import failed_listing, failure_reason, failure_summary, load_checkpoint, save_checkpoint
+from pipegen.run.layout import RunDir
 from pipegen.run.medium import FAILURES, ROLLOUTS, open_medium
-from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.run.stats_line import WriterStats
 from pipegen.run.stream import (FailureRecord, LineParser, RolloutRecord, UnitKeys, parse_unit_label, read_head,
                                 unit_label)
-from pipegen.writer.alone import who_generates
 from pipegen.writer.committer import Committer
 
 log = logging.getLogger("pipegen.writer")
 
 MAX_QUEUED_BATCHES = 4  # encoded batches waiting for the disk before the main loop waits too
-WAITING_LINE_S = 60.0  # how often a writer without new lines says what it waits for
-ALONE_CHECK_S = 1.0  # how often a writer that has caught up with the shards asks whether anything still generates
-PENDING_LISTED = 10000  # pending units named one by one in failed_units.json (the count is always there)
+STATS_EVERY_S = 2.0  # how often the writer's stats line is appended while it runs
 
 
-def failed_listing(committed: int, total: int, failed: dict[str, str], pending: list[str]) -> bytes:
-    """failed_units.json: each failed unit (index:sample) with its reason, and the units still pending when a writer
-    alone delivers a partial output."""
-    listing = {"committed": committed, "total": total, "failed": len(failed),
-               "retry": "rerun the same command: it retries only these units, each with a fresh seed",
-               "units": failed}
-    if pending:
-        listing["pending"] = len(pending)
-        listing["pending_why"] = ("not generated: no launcher or actor was alive when the writer ran alone; "
-                                  "rerun the same command to generate only them")
-        listing["pending_units"] = pending[:PENDING_LISTED]  # the first ones; the count says how many
-    return orjson.dumps(listing, option=orjson.OPT_INDENT_2)
+class Mode(ABC):
+    """One job of the writer process: when it is settled, what it does at the end, what a signal means."""
 
-
-class RunnerAsks:
-    """What a node writer's runner asked by signal: "flush", "finish" (a flush, then the end) or nothing yet."""
-
-    def __init__(self) -> None:
-        self.what = ""
+    publishes_as: str | None = None  # cluster=ray with a store: the writer id a node's writer publishes as
+    settles_run = True  # False: other writers settle the run (a node's writer), so "already complete" is not its own
+    writer: Writer | None = None  # the commit loop this mode drives, once it runs one
 
     def listen(self) -> None:
-        """Installed first thing in main(): a signal's default action would kill the writer."""
-        def asked(signum, _frame):
-            self.what = "finish" if signum == FINISH_SIGNAL or self.what == "finish" else "flush"
+        """What a signal means, installed first thing in main(); by default nothing (Ctrl-C: KeyboardInterrupt)."""
 
-        signal.signal(FLUSH_SIGNAL, asked)
-        signal.signal(FINISH_SIGNAL, asked)
+    def run(self, cfg: DictConfig, run: RunDir) -> int:
+        """The process's work: the commit loop, driven by this mode. Returns the writer's exit code."""
+        import uvloop
 
-    def take(self) -> str:
-        what, self.what = self.what, ""
-        return what
+        writer = Writer(cfg, run, self)
+        try:
+            return uvloop.run(writer.main())
+        finally:
+            writer.committer.close()
+
+    def committed(self) -> int:
+        """Units committed so far (the line a Ctrl-C ends with)."""
+        return self.writer.ckpt.num_committed if self.writer is not None else 0
+
+    @abstractmethod
+    def settled(self, got: int, now: float) -> bool:
+        """Between two pulls of `writer` (`got` lines read, monotonic `now`): whether its end comes now."""
+
+    @abstractmethod
+    async def end(self) -> int | None:
+        """What it does once settled; the exit code, or None to go on reading (a node's flush)."""
 
 
 class Writer:
-    def __init__(self, cfg: DictConfig, run: RunDir, node_writer: str | None = None,
-                 asks: RunnerAsks | None = None):
+    """The commit loop of one run directory; `mode` (a Mode) decides when it ends and how (None: a caller that drives
+    pull, commit and flush itself, as the benches do)."""
+
+    def __init__(self, cfg: DictConfig, run: RunDir, mode: Mode | None = None):
         self.cfg = cfg
         self.run = run
-        self.node_writer = node_writer  # cluster=ray with a store: this node runner's writer id
-        self.asks = asks or RunnerAsks()
+        self.mode = mode
+        if mode is not None:
+            mode.writer = self
         self.gen = cfg.generation
         # read once: an omegaconf lookup per line cost more than parsing a 1k-token line
         self.save_batch_size = int(self.gen.save_batch_size)
@@ -135,6 +119,7 @@ class Writer:
         self.medium = open_medium(run, cfg)  # streams.kind: the shards (files) or the run's Redis streams
         self.buffer: dict[int, RolloutRecord] = {}
         self.buffered_rows = 0
+        self.idle_since = time.monotonic()  # when the last line was read
         self.duplicates = 0
         self.unknown_units = 0
         self.builder = None  # BatchBuilder, made in main() (it imports verl)
@@ -150,25 +135,9 @@ class Writer:
 
     # ---- start-up (step 5) ----
     def recover(self) -> None:
-        if not self.run.checkpoint.exists() and self.run.batch_files_on_disk():
-            # batch files without a checkpoint: it was lost (a copy without it) or never written (a crash
-            # before the first one). Either way the batch files are the truth: rebuild, never delete.
-            from pipegen.writer.rebuild import rebuild
+        from pipegen.writer.rebuild import recover
 
-            log.warning("no %s beside %d batch file(s): rebuilding it from them", self.run.checkpoint.name,
-                        len(self.run.batch_files_on_disk()))
-            log.warning("%s", rebuild(self.run, self.keys.n).summary(self.run))
-            self.ckpt = load_checkpoint(self.run.checkpoint)
-        check_listed_batches(self.run.root, self.ckpt)
-        listed = {self.run.batch_file(i) for i in self.ckpt.batches.numbers()}
-        orphans = [p for p in self.run.batch_files_on_disk() if p not in listed]
-        if orphans:
-            from pipegen.writer.rebuild import adopt_orphans
-
-            for entry in adopt_orphans(self.run, self.ckpt, orphans, self.keys.n):
-                log.warning("set aside %s", entry)
-            save_checkpoint(self.run.checkpoint, self.ckpt)
-        remove_stale_temporaries(self.run.root)
+        self.ckpt = recover(self.run, self.ckpt, self.keys.n)
         self.ckpt.run_key = self.run.run_key()
         if self.ckpt.launch != self.launch:
             # A new launch retries the units that failed before; forget their old failures.
@@ -319,84 +288,21 @@ class Writer:
     def failed_reasons(self) -> dict[str, str]:
         return {unit: failure_reason(info) for unit, info in self.ckpt.failed.items()}
 
-    def pending_units(self) -> list[str]:
-        """index:sample of every unit of the manifest neither committed nor failed, in the manifest's order."""
-        failed = set(self.ckpt.failed)
-        return [unit_label(index, sample) for index in self.run.read_manifest() for sample in range(self.keys.n)
-                if self.keys.key(index, sample) not in self.ckpt.committed
-                and unit_label(index, sample) not in failed]
-
-    async def finish_alone(self) -> int:
-        """No launcher and no actor of this run is alive: nothing more will reach the shards. Read what they
-        hold (a line written just before its actor died included), commit it now, deliver the partial output
-        and name what is still pending. Exit 0, or EXIT_FAILED_UNITS when units failed in this launch."""
-        while await self.pull():
-            pass
-        await self.flush()
-        pending = [] if self.settled() else self.pending_units()
-        self.finalize(pending)
-        self.write_stats(final=True)
-        self.export()
-        if pending:
-            log.warning("no launcher or actor of this run is alive: committed %d of %d unit(s) (%s); %d still "
-                        "pending, listed in %s; rerun the same command to generate only them",
-                        self.ckpt.num_committed, self.total_units,
-                        self.run.merged_output() or self.run.root, len(pending), self.run.failed_units)
-        return self.deliver_to_store(0 if self.ckpt.complete or not self.ckpt.failed else EXIT_FAILED_UNITS)
-
-    def say_waiting(self) -> None:
-        """What a quiet writer waits for (alone, it would otherwise say nothing): the units not yet in a shard."""
-        failed = len(self.ckpt.failed)
-        pending = self.total_units - self.ckpt.num_committed - len(self.buffer) - failed
-        log.info("waiting for %d of %d unit(s) to appear in %s (the actors write them; alive: %s; with no launcher "
-                 "or actor alive the writer commits what is there and exits)", pending, self.total_units,
-                 self.medium.where(ROLLOUTS), ", ".join(who_generates(self.run)) or "none")
-
     def export(self, only_if_missing: bool = False) -> None:
-        """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it
-        reads the run directory, nothing of the writer's). A failed export never fails the run: the
-        merged output is complete, and the log names the command that retries it."""
-        fmt = self.gen.get("export_format")
-        if not fmt or not self.ckpt.merged or (only_if_missing and self.run.export_file(str(fmt)).exists()):
-            return
-        command = [sys.executable, "-m", "pipegen.export", str(self.run.root), "--format", str(fmt)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode:
-            log.error("export to %s failed (%s); retry with: python -m pipegen.export %s --format %s",
-                      self.run.export_file(str(fmt)), (done.stderr.strip().splitlines() or ["no output"])[-1],
-                      self.run.root, fmt)
-        else:
-            log.info("%s", done.stdout.strip())
+        """generation.export_format, after the merge (merge.py's `export`)."""
+        from pipegen.writer.merge import export
+
+        export(self.run, self.gen.get("export_format"), self.ckpt.merged, only_if_missing)
 
     def start_publisher(self) -> None:
         """storage.url: publish each committed batch to the object store on a background thread."""
         if self.cfg.storage.url:
             from pipegen.writer.publish import Publisher
 
-            self.publisher = Publisher(self.cfg, self.run, self.keys, self.node_writer)
+            publishes_as = self.mode.publishes_as if self.mode is not None else None
+            self.publisher = Publisher(self.cfg, self.run, self.keys, publishes_as)
             self.committer.on_commit = self.publisher.wake  # each batch goes up as soon as it is on disk
             self.publisher.start()
-
-    async def answer_runner(self) -> int | None:
-        """A node writer asked to flush: every line its node's shards hold committed now and handed to the
-        publisher, with the failures seen. Returns the exit code once asked to finish and all of it is published."""
-        asked = self.asks.take()
-        while await self.pull():
-            pass
-        await self.flush()
-        self.publisher.failed_now(self.launch, self.failed_reasons())
-        if asked != "finish":
-            return None
-        self.write_stats(final=True)
-        problem = self.publisher.finish([], [])
-        if problem:
-            log.error("%s", problem)
-            return 1
-        if not self.gen.keep_streams:  # what its stream holds is committed and in the store now
-            from pipegen.writer.tidy import drop_node_streams_once_committed
-
-            drop_node_streams_once_committed(self.run, self.keys)
-        return 0
 
     def deliver_to_store(self, code: int) -> int:
         """storage.url: wait until every committed batch is published (as long as the store takes to answer),
@@ -420,22 +326,14 @@ class Writer:
             batch_rows(self.run.batch_file(number), whole=True)
 
     def write_stats(self, final: bool = False) -> None:
-        self.stats.append(
-            WriterStats(
-                final=final,
-                committed=self.ckpt.num_committed,
-                units_total=self.total_units,
-                batches=len(self.ckpt.batches),
-                buffered=len(self.buffer),
-                failed=len(self.ckpt.failed),
-                duplicates=self.duplicates,
-                unknown_units=self.unknown_units,
-                torn_lines=self.rollouts.stats.torn_lines + self.failures.stats.torn_lines,
-                lines=self.rollouts.stats.lines,
-            )
-        )
+        ckpt, rollouts, failures = self.ckpt, self.rollouts.stats, self.failures.stats
+        self.stats.append(WriterStats(
+            final=final, committed=ckpt.num_committed, units_total=self.total_units, batches=len(ckpt.batches),
+            buffered=len(self.buffer), failed=len(ckpt.failed), duplicates=self.duplicates,
+            unknown_units=self.unknown_units, torn_lines=rollouts.torn_lines + failures.torn_lines, lines=rollouts.lines))
 
     async def main(self) -> int:
+        """The commit loop under its mode, from start-up to the mode's end; the exit code."""
         from pipegen.writer.batches import BatchBuilder
         from pipegen.inputs.dataset import load_processor, load_tokenizer
 
@@ -443,15 +341,11 @@ class Writer:
         self.builder = BatchBuilder(self.cfg, load_tokenizer(self.cfg), load_processor(self.cfg))
         self.recover()
         self.start_publisher()
-        if self.node_writer is None and self.ckpt.complete and self.ckpt.num_committed == self.total_units:
+        if self.mode.settles_run and self.ckpt.complete and self.ckpt.num_committed == self.total_units:
             log.info("run already complete: %s", self.run.trajectories)
             self.export(only_if_missing=True)  # a crash may have cut the last launch short after its merge
             return self.deliver_to_store(0)
-        idle_since = time.monotonic()
-        sleep = 0.005
-        last_stats = 0.0
-        said_waiting = time.monotonic() - WAITING_LINE_S + 5.0  # the first line after 5 s without new lines
-        asked_alone = 0.0
+        self.idle_since, sleep, last_stats = time.monotonic(), 0.005, 0.0
         while True:
             got = await self.pull()
             self.committer.poll()
@@ -460,124 +354,17 @@ class Writer:
                 return 1
             now = time.monotonic()
             if got:
-                idle_since = now
+                self.idle_since = now
                 sleep = 0.005  # busy: poll every few ms so tail latency stays low
             else:
                 sleep = min(0.2, sleep * 2)  # idle: back off
-            if self.buffer and (now - idle_since >= self.quiet_period_s or self.settled()):
+            if self.buffer and (now - self.idle_since >= self.quiet_period_s or self.settled()):
                 await self.commit()
-            if now - last_stats >= 2.0:
+            if now - last_stats >= STATS_EVERY_S:
                 self.write_stats()
                 last_stats = now
-                if self.node_writer is not None:
-                    self.publisher.failed_now(self.launch, self.failed_reasons())
-            if self.node_writer is not None:  # its runner says when to flush and when to end: other nodes settle the run
-                if self.asks.what:
-                    code = await self.answer_runner()
-                    if code is not None:
-                        return code
-                await asyncio.sleep(sleep)
-                continue
-            if not got and not self.settled() and now - asked_alone >= ALONE_CHECK_S:
-                asked_alone = now  # caught up with the shards: does anything still generate?
-                if not who_generates(self.run):
-                    return await self.finish_alone()
-            if now - idle_since >= 5.0 and now - said_waiting >= WAITING_LINE_S:
-                self.say_waiting()
-                said_waiting = now
-            if self.settled() and not self.buffer:
-                await self.committer.wait()
-                self.finalize()
-                self.write_stats(final=True)
-                self.export()
-                return self.deliver_to_store(0 if self.ckpt.complete else EXIT_FAILED_UNITS)
+            if self.mode.settled(got, now):
+                code = await self.mode.end()
+                if code is not None:
+                    return code
             await asyncio.sleep(sleep)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    store_url = next((a.split("=", 1)[1] for a in argv if a.startswith("output_dir=") and "://" in a), None)
-    if store_url:  # a store run's merge, from the store alone
-        setup_logging("writer")
-        from pipegen.writer.publish import merge_from_store
-
-        return merge_from_store(store_url)
-    run = RunDir(output_dir_from_args(argv))
-    node_writer = next((a.split("=", 1)[1] for a in argv if a.startswith("writer=")), None)
-    asks = RunnerAsks()
-    if node_writer is not None:
-        asks.listen()
-    # Ctrl-C on a writer run by hand raises KeyboardInterrupt (answered below) even where SIGINT arrived ignored,
-    # as it does in a shell's background job, nohup or a test runner's worker: Python then installs no handler
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    setup_logging("writer")
-    watch_parent()
-    try:
-        cfg = load_run_config(run)
-    except DamagedFile as e:
-        return refuse(run, e)
-    lock = DirectoryLock(run.writer_lock)
-    try:
-        lock.acquire()
-    except LockHeld as e:
-        print(f"pipegen.writer: {e}", file=sys.stderr)
-        return EXIT_LOCKED
-    if CONVERT_FLAG in argv:
-        from pipegen.writer.convert import convert_pickle_batches
-
-        try:
-            count = convert_pickle_batches(run)
-        finally:
-            lock.release()
-        print(f"pipegen.writer: converted {count} pickle batch file(s) of {run.root} to Arrow batch files; "
-              f"continue the run as before (python -m pipegen.launch output_dir={run.root})")
-        return 0
-    legacy = run.legacy_batch_files()
-    problem = legacy_format_message(run.root, legacy) if legacy else check_fingerprint(cfg, run)
-    if problem:
-        lock.release()
-        print(f"pipegen.writer: {problem}", file=sys.stderr)
-        return 2
-    writer = None
-    try:
-        if "--rebuild" in argv:
-            from pipegen.writer.rebuild import rebuild
-
-            print(rebuild(run, int(cfg.actor_rollout_ref.rollout.n)).summary(run))
-            return 0
-        import uvloop
-
-        import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
-        if cfg.storage.url and str(cfg.cluster.kind) == "ray" and node_writer is None:
-            from pipegen.writer.store_head import follow_store  # the head: its nodes' writers commit the run
-
-            return follow_store(cfg, run)
-        writer = Writer(cfg, run, node_writer, asks)
-        return uvloop.run(writer.main())
-    except KeyboardInterrupt:  # Ctrl-C on a writer run by hand: one line, no traceback; nothing committed is lost
-        committed = writer.ckpt.num_committed if writer is not None else 0
-        print(f"pipegen.writer: stopped (Ctrl-C); {committed} unit(s) committed are safe; rerun python -m "
-              f"pipegen.writer output_dir={run.root} (or the launch command) to continue", file=sys.stderr)
-        return 130
-    except DamagedFile as e:
-        return refuse(run, e)
-    except OSError as e:
-        if is_disk_full(e):
-            return exit_disk_full(run.root, "writer", "pipegen.writer")
-        raise
-    finally:
-        if writer is not None:
-            writer.committer.close()
-        lock.release()
-
-
-def refuse(run: RunDir, damage: DamagedFile) -> int:
-    """One line for a damaged run-directory file, also in the writer's final stats line (the launcher
-    closes with it); nothing on disk is touched."""
-    print(f"pipegen.writer: error: {damage}", file=sys.stderr)
-    try:
-        StatsAppender(run.stats, WriterStats.ROLE).append(WriterStats(final=True, refused=str(damage)))
-    except OSError:
-        pass
-    return EXIT_DAMAGED
-

@@ -4,7 +4,7 @@ Owns: the merge (key alignment across batches, (index, sample, trajectory) order
 restored, verl's timing metrics, `meta_info["temperature"]` that verl's log-prob pass reads), the output
 modes (one `trajectories.pkl`, or `trajectories/part_NNNNN.pkl` + `index.json` for runs larger than RAM),
 `trajectories.zip` (output + checkpoint + config), uploaded to wandb when it is a tracking backend. The
-optional export runs after it, as its own step (`python -m pipegen.export`, started by the writer).
+optional export runs after it, as its own step (`export`: `python -m pipegen.export`, started here).
 
 Bounded memory: a `MergePlan` is the run's `SortedRows` (pipegen/run/rows.py: every batch read once for
 its sort keys, then preallocated int64 tensors filled row range by row range) as DataProtos. Files are
@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import pickle
 import shutil
+import subprocess
+import sys
 import time
 import zipfile
 from functools import partial
@@ -216,3 +218,18 @@ def write_artifact(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
         from pipegen.observe.tracking import upload_artifact
 
         upload_artifact(cfg, run)
+
+
+def export(run: RunDir, fmt: str | None, merged: bool, only_if_missing: bool = False) -> None:
+    """generation.export_format: after the merge, `python -m pipegen.export` as a step of its own (it reads the
+    run directory, nothing of the writer's). A failed export never fails the run: the merged output is complete,
+    and the log names the command that retries it."""
+    if not fmt or not merged or (only_if_missing and run.export_file(str(fmt)).exists()):
+        return
+    command = [sys.executable, "-m", "pipegen.export", str(run.root), "--format", str(fmt)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        log.error("export to %s failed (%s); retry with: python -m pipegen.export %s --format %s",
+                  run.export_file(str(fmt)), (done.stderr.strip().splitlines() or ["no output"])[-1], run.root, fmt)
+    else:
+        log.info("%s", done.stdout.strip())

@@ -42,9 +42,10 @@ from pipegen.run.atomic import replace_unsynced
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.rows import batch_rows
-from pipegen.run.store import (CONF_FILES, PublishState, Segment, SegmentTaken, Store, batch_key, conf_key, failed_key,
+from pipegen.run.store import (CONF_FILES, PublishState, Segment, SegmentTaken, batch_key, conf_key, failed_key,
                                key_ranges, output_key, segment_key, sha256)
 from pipegen.run.stream import UnitKeys
+from pipegen.transport.object_store import Store
 from pipegen.writer.committer import FAULT_ENV, FaultInjector
 
 log = logging.getLogger("pipegen.writer")
@@ -232,23 +233,23 @@ def merge_from_store(url: str, cache: Path | None = None) -> int:
     """`python -m pipegen.writer output_dir=s3://bucket/prefix`: the run's merged output made from the store alone
     (every node's scratch may be gone; laid out in `cache`, default the read cache) and uploaded there. Returns the
     exit code; one line on failure."""
+    from pipegen.run.config import load_run_config
     from pipegen.run.store import StoreError
-    from pipegen.run.store_read import materialize, upload
+    from pipegen.transport.store_read import StoreRun
     from pipegen.writer.merge import merge_run
 
+    read = StoreRun(url, cache)
     try:
-        run = materialize(url, cache)
-        from pipegen.run.config import load_run_config
-
-        ckpt = load_checkpoint(run.checkpoint)
-        if not len(ckpt.batches):
-            print(f"pipegen.writer: {url} has no committed batch yet: nothing to merge", file=sys.stderr)
-            return 2
-        merge_run(load_run_config(run), run, ckpt)
-        outputs, _ = run_outputs(run, None)
-        keys = upload(url, run, [p for p in outputs if p != run.failed_units])
+        with read as run:
+            ckpt = load_checkpoint(run.checkpoint)
+            if not len(ckpt.batches):
+                print(f"pipegen.writer: {url} has no committed batch yet: nothing to merge", file=sys.stderr)
+                return 2
+            merge_run(load_run_config(run), run, ckpt)
+            outputs, _ = run_outputs(run, None)
+            read.put_back(*(p for p in outputs if p != run.failed_units))
     except StoreError as e:
         print(f"pipegen.writer: {e}", file=sys.stderr)
         return 2
-    print(f"pipegen.writer: merged {ckpt.num_committed} unit(s) of {url} from the store alone: {', '.join(keys)}")
+    print(f"pipegen.writer: merged {ckpt.num_committed} unit(s) of {url} from the store alone: {', '.join(read.keys)}")
     return 0

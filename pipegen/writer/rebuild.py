@@ -9,11 +9,12 @@ writer then reads every shard from its start, drops the lines of units already c
 head, unparsed) and commits the rest; actors skip every unit that has a shard line, so nothing on disk
 is generated again. The old checkpoint is kept beside the new one (`integrity.set_aside`).
 
-The writer runs the same rebuild on its own when the checkpoint is missing and batch files exist (a
-run directory copied without it, or a crash between the first batch file and the first checkpoint),
-and adopts the batch files a crash left unlisted (`adopt_orphans`) instead of deleting them.
+The writer's start (`recover`, step 5 of writer/commit.py's protocol) runs the same rebuild on its own when the
+checkpoint is missing and batch files exist (a run directory copied without it, or a crash between the first
+batch file and the first checkpoint), and adopts the batch files a crash left unlisted (`adopt_orphans`) instead
+of deleting them.
 
-Owns: the rebuild and orphan adoption. A batch file is read through the run contract's
+Owns: the rebuild, orphan adoption and the writer's recovery at its start. A batch file is read through the run contract's
 `rows.batch_rows` (its row keys only, or the run's DamagedFile), as `status --verify` reads it.
 Must never: delete a file (a damaged or repeated batch file is set aside), or run beside a live writer
 (the CLI holds the writer lock).
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from pipegen.run.checkpoint import Checkpoint, save_checkpoint
+from pipegen.run.atomic import remove_stale_temporaries
+from pipegen.run.checkpoint import Checkpoint, check_listed_batches, load_checkpoint, save_checkpoint
 from pipegen.run.integrity import DamagedFile, set_aside
 from pipegen.run.layout import RunDir
 from pipegen.run.rows import batch_rows
@@ -121,3 +123,24 @@ def adopt_orphans(run: RunDir, ckpt: Checkpoint, orphans: list[Path], n: int) ->
         log.warning("adopted %s (%d units): written before a crash, never listed by the checkpoint", path.name,
                     len(units))
     return aside
+
+
+def recover(run: RunDir, ckpt: Checkpoint, n: int) -> Checkpoint:
+    """The writer's start: the checkpoint rebuilt when it is missing beside batch files, its listed batch files
+    checked (DamagedFile when one is missing), the unlisted ones adopted, stale temporaries removed."""
+    if not run.checkpoint.exists() and run.batch_files_on_disk():
+        # batch files without a checkpoint: it was lost (a copy without it) or never written (a crash
+        # before the first one). Either way the batch files are the truth: rebuild, never delete.
+        log.warning("no %s beside %d batch file(s): rebuilding it from them", run.checkpoint.name,
+                    len(run.batch_files_on_disk()))
+        log.warning("%s", rebuild(run, n).summary(run))
+        ckpt = load_checkpoint(run.checkpoint)
+    check_listed_batches(run.root, ckpt)
+    listed = {run.batch_file(i) for i in ckpt.batches.numbers()}
+    orphans = [p for p in run.batch_files_on_disk() if p not in listed]
+    if orphans:
+        for entry in adopt_orphans(run, ckpt, orphans, n):
+            log.warning("set aside %s", entry)
+        save_checkpoint(run.checkpoint, ckpt)
+    remove_stale_temporaries(run.root)
+    return ckpt

@@ -1,6 +1,10 @@
 """A run read back from its object store alone: the committed segments laid out as a run directory in a local read
 cache, so every reader (`pipegen status`, `verify`, `export`, `report`, the merge) runs its own code on it.
 
+`StoreRun(arg)`, the one read-back every reader uses (`pipegen status`, `report`, `export`, the writer's merge from
+the store): entered, a run directory (a folder as it is, a storage url materialized); left without an error, the
+files the body named (`put_back`) go into the store beside the run.
+
 `materialize(url)` reads every writer's segments, applies the tie-break (run/store.py's `resolve`: a unit in two
 segments is kept from the one first by (writer, seq)), downloads each batch object a kept segment names and checks
 its size and sha256 (a cached copy with the right digest is not fetched again), numbers them batch_00000.arrow ...
@@ -14,9 +18,11 @@ back. Must never: write to the store anything but a reader's outputs, or count a
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import TracebackType
 
 import numpy as np
 import orjson
@@ -26,9 +32,10 @@ from pipegen.run.batchfile import BatchColumns, encode_batch_file, read_batch
 from pipegen.run.checkpoint import Checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import RunDir
-from pipegen.run.store import (CONF_FILES, Segment, Store, StoreError, StoreRefused, conf_key, output_key,
+from pipegen.run.store import (CONF_FILES, Segment, StoreError, StoreRefused, conf_key, is_store_url, output_key,
                                read_cache, resolve, sha256)
 from pipegen.run.stream import parse_unit_label
+from pipegen.transport.object_store import Store
 
 
 def materialize(url: str, cache: Path | None = None, outputs: bool = False) -> RunDir:
@@ -138,3 +145,35 @@ def upload(url: str, run: RunDir, paths: list[Path]) -> list[str]:
         store.put_file(key, Path(path))
         keys.append(key)
     return keys
+
+
+class StoreRun:
+    """`with StoreRun(arg) as run:` the run that `arg` names (a run directory, `output_dir=DIR`, or a storage url read
+    back from the store alone into the read cache; `cache`, `outputs`: as `materialize`). Leaving the block without
+    an error puts the files the body named with `put_back` into the store (those under the run directory; a folder
+    run keeps them local); `keys` then holds their object names. StoreError (one line) from either end: `run` is
+    None when the read failed, set when the put did."""
+
+    def __init__(self, arg: str | os.PathLike, cache: Path | None = None, outputs: bool = False):
+        text = str(arg)
+        text = text.split("=", 1)[1] if text.startswith("output_dir=") else text
+        self.url = text if is_store_url(text) else None
+        self.arg, self.cache, self.outputs = text, cache, outputs
+        self.run: RunDir | None = None
+        self.keys: list[str] = []
+        self._back: list[Path] = []
+
+    def __enter__(self) -> RunDir:
+        self.run = (materialize(self.url, self.cache, self.outputs) if self.url
+                    else RunDir(Path(self.arg).expanduser().resolve()))
+        return self.run
+
+    def put_back(self, *paths: Path) -> None:
+        """Files the body wrote, for the store (a store run's only)."""
+        self._back += paths
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if kind is None and self.url and self._back:
+            inside = [p for p in self._back if Path(p).resolve().is_relative_to(self.run.root)]
+            self.keys = upload(self.url, self.run, inside)

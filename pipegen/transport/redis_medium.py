@@ -1,4 +1,5 @@
-"""streams=redis: the run's lines through Redis streams, as PipelineRL's `streams=redis` offers.
+"""streams=redis: the run's lines through Redis streams, as PipelineRL's `streams=redis` offers (run/medium.py's
+MEDIA names this medium; nothing imports it by name).
 
 One stream per run and topic, `<namespace>:rollouts` and `<namespace>:failures` (the namespace is
 `pipegen:<run key>:<random>`, made once per run directory: layout.RunDir.stream_namespace), so two runs on one
@@ -34,7 +35,7 @@ import asyncio
 import logging
 import queue
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -115,6 +116,10 @@ class RedisMedium(StreamMedium):
         self.url = url
         self.wait_s = wait_s  # how long a read-only call waits for an unreachable Redis
         self._client: redis.Redis | None = None
+
+    @classmethod
+    def open(cls, run: RunDir, streams: Mapping[str, Any], wait_s: float) -> "RedisMedium":
+        return cls(run, str(streams["redis_url"]), wait_s)
 
     @property
     def client(self) -> redis.Redis:
