@@ -8,6 +8,7 @@ Around them, the seed's keys one at a time: each honoured, or refused in one lin
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,22 @@ def test_the_seeds_generation_yaml_runs_unchanged_on_the_cpu(seed_dir: Path, tmp
             "sample before a partial batch file is written") in lines
     assert any(line.startswith("  note: actor_rollout_ref.rollout.gpu_memory_utilization=0.85: a GPU setting, "
                                "unused") for line in lines)
+    # the closing line's rates are its own counts over its own time
+    closing = re.search(r"this launch: (\d+) samples, (\d+) output tokens in ([\d.]+)s \(([\d.]+) samples/s, "
+                        r"([\d.]+) output tok/s\)", result.stdout)
+    assert closing, result.stdout
+    samples, tokens, seconds, per_s, tok_per_s = (float(g) for g in closing.groups())
+    assert samples == 12  # each rate within the rounding of the numbers shown (seconds to 0.1, rates to 0.1)
+    assert samples / (seconds + 0.05) - 0.05 <= per_s <= samples / (seconds - 0.05) + 0.05, closing[0]
+    assert tokens / (seconds + 0.05) - 0.51 <= tok_per_s <= tokens / (seconds - 0.05) + 0.51, closing[0]  # >= 100: whole
+
+    # the seed resumes by running the same command again: the run is found complete, and nothing is generated
+    again = _launch("--config-path", str(seed_dir), "--config-name", "generation",
+                    f"actor_rollout_ref.model.path={tiny_model}", "data.train_files=[demo]",
+                    f"trainer.default_local_dir={out}", "trainer.n_gpus_per_node=0", *SMALL)
+    assert again.returncode == 0 and "already complete" in again.stdout, again.stderr[-3000:]
+    assert "pipegen: done: 12 samples (12 trajectories)" in again.stdout
+    assert "; this launch generated nothing (the run was complete)." in again.stdout, again.stdout
 
 
 def test_run_generation_takes_the_composed_config_and_a_runs_own(seed_dir: Path, tmp_path: Path,

@@ -28,7 +28,7 @@ from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import across_processes, aggregate, human_rate, latest_stats, stats_history
-from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, LAUNCH_UNITS_PER_S, RunTracker
+from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, RunTracker
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
@@ -119,28 +119,32 @@ class Console:
                 self.tracker.finish(exit_code=0 if exc_type is None else 1)
 
 
-def run_counts(run: RunDir, snap: Snapshot, metrics: dict) -> str:
+def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = True) -> str:
     """The closing line's counts after "N samples": trajectories and output tokens over the whole run (every
-    launch's processes), then what this launch generated and how fast."""
+    launch's processes), then what this launch generated and how fast (`generated=False`: a launch that found the
+    run complete and generated nothing; the stats then are an earlier launch's)."""
     history = stats_history(run.stats)
     whole = aggregate(across_processes(history))
     ckpt = load_checkpoint(run.checkpoint)
     completed, tokens = int(snap.metrics.get("actors/completed", 0)), snap.output_tokens
     run_tokens, counted_by = int(whole.get("actors/output_tokens", 0)), ""
-    tokens_per_s = metrics.get(LAUNCH_TOKENS_PER_S)
     cluster = [line for line in history.get(ClusterStats.ROLE, []) if isinstance(line, ClusterStats)]
     if not whole.get("actors/total") and any(line.final for line in cluster):
         # a cluster with a store: the actors' stats stay on their nodes, and each runner's stop returned its counts
         run_tokens = sum(node_totals(line)[1] for line in cluster if line.final)
         completed, tokens = node_totals(cluster[-1]) if cluster[-1].final else (0, 0)  # this launch's last line
         counted_by = " (as each node's runner counted its actors when it stopped)"
-        tokens_per_s = tokens / metrics[ELAPSED_S] if metrics.get(ELAPSED_S) else None
     text = f" ({ckpt.batches.rows} trajectories), {run_tokens} output tokens{counted_by}"
+    if not generated:
+        return f"{text}; this launch generated nothing (the run was complete)."
     this = f"; this launch: {completed} samples, {tokens} output tokens"
-    if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
-        rates = [human_rate(metrics[LAUNCH_UNITS_PER_S], "samples")]
-        if tokens_per_s:
-            rates.append(human_rate(tokens_per_s, "output tok"))
+    elapsed = metrics.get(ELAPSED_S)
+    if elapsed:
+        # the rates of the counts this line shows, over the time it shows (the tracker's launch averages count
+        # from its first look at the run, which a resumed or fast run had already passed)
+        rates = [human_rate(completed / elapsed, "samples")]
+        if tokens:
+            rates.append(human_rate(tokens / elapsed, "output tok"))
         if metrics.get(GPU_BUSY) is not None:  # idle GPUs show here
             rates.append(f"GPUs {metrics[GPU_BUSY]:.0f}% busy while generating")
         this += f" in {metrics[ELAPSED_S]:.1f}s ({', '.join(rates)})"
@@ -192,7 +196,7 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
     launch = snap.roles.get(LaunchStats.ROLE)
     metrics = launch.metrics if isinstance(launch, LaunchStats) else {}
     if snap.complete:
-        print(f"pipegen: done: {snap.committed} samples{run_counts(run, snap, metrics)}")
+        print(f"pipegen: done: {snap.committed} samples{run_counts(run, snap, metrics, not already_complete)}")
         print(f"  reward:       {reward_name(run)}")
         outcomes = unit_outcomes(run)
         scores = outcomes.rewards if outcomes is not None else None
