@@ -33,9 +33,8 @@ def shipped_conf_dir() -> Path:
     pipegen/conf/. Located, not imported."""
     spec = importlib.util.find_spec("pipegen.conf")
     if spec is None or not spec.submodule_search_locations:
-        # pipegen-rl spelled here, not read from pipegen/distribution.py: config/ imports nothing of pipegen
         raise RuntimeError("pipegen's conf/ folder is not installed (pipegen.conf): reinstall pipegen "
-                           "(./launch.sh --setup, or pip install pipegen-rl)")
+                           "(./launch.sh --setup, or pip install . in a checkout)")
     return Path(list(spec.submodule_search_locations)[0]).resolve()
 
 
@@ -47,7 +46,7 @@ def verl_config_dir() -> str:
     """verl's trainer/config folder, found without executing verl's __init__ (which costs ~5 s)."""
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("verl is not installed: run ./launch.sh --setup, or pip install pipegen-rl")
+        raise RuntimeError("verl is not installed: run ./launch.sh --setup, or pip install . in a checkout of pipegen")
     return os.path.join(list(spec.submodule_search_locations)[0], "trainer", "config")
 
 
