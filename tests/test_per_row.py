@@ -1,6 +1,7 @@
 """verl's per-row settings and a dataset's indices, checked as a user meets them: a row's `__do_sample__=False`
 makes that row greedy (its samples equal a temperature=0 run of it), a per-row column pipegen does not honour is
-refused in one line, and a duplicate `extra_info.index` is refused before any server starts."""
+refused in one line, a duplicate `extra_info.index` is refused before any server starts, and rows the default
+reward cannot score are said to be so, before and after."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import launch, load_trajectories
+from conftest import FAKE_ENGINE, launch, load_trajectories
 from pipegen.config.schema import DEMO_PARQUET
 
 SHORT = ["max_response_length=12", "llm.max_batch=8", "actors.concurrency=8", "generation.save_batch_size=4",
@@ -60,3 +61,21 @@ def test_a_dataset_pipegen_cannot_run_as_written_is_refused_before_a_server_star
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == f"pipegen: error: {line}", \
         result.stderr[-2000:]
     assert not list((tmp_path / "run" / "logs").glob("server_*")), "a server was started"
+
+
+def test_rows_the_default_reward_cannot_score_are_named_before_and_after(tmp_path: Path, tiny_model: str) -> None:
+    import pandas as pd
+
+    demo = pd.read_parquet(DEMO_PARQUET).head(3).drop(columns=["reward_model"])
+    demo.to_parquet(rows := tmp_path / "no_truth.parquet")
+    result = launch(tmp_path / "run", f"model_path={tiny_model}", f"train_files={rows}", FAKE_ENGINE, "n=1", *SHORT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert ("warning: the first row has no reward_model.ground_truth, which verl's default_compute_score scores by: "
+            "such rows are generated and stay unscored; set custom_reward_function.path=my_reward.py or "
+            "reward.verifier_url=URL to score them") in lines, result.stdout
+    assert any(line.startswith("  warning:      3 of 3 trajectories have no score (rows verl's default_compute_score "
+                               "cannot score: no data_source it knows, or no reward_model.ground_truth); set "
+                               "custom_reward_function.path=my_reward.py or reward.verifier_url=URL, then ")
+               and line.endswith(f"rescore {(tmp_path / 'run').resolve()} scores them without generating")
+               for line in lines), result.stdout

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipegen.observe.summary import job_lines
-from pipegen.observe.outcomes import unit_outcomes
+from pipegen.observe.outcomes import Outcomes, unit_outcomes
 from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
@@ -151,6 +151,28 @@ def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = Tru
     return f"{text}{this}."
 
 
+def unscored_line(run: RunDir, outcomes: Outcomes | None) -> str:
+    """The closing summary's warning when trajectories have no score ('' when every one has, or when the outcomes
+    could not be read): how many, and how to score them."""
+    if outcomes is None:
+        return ""
+    rows = load_checkpoint(run.checkpoint).batches.rows
+    scored = outcomes.rewards.scored if outcomes.rewards is not None else 0
+    if not rows or scored >= rows:
+        return ""
+    from pipegen.run.config import load_run_config
+
+    cfg = load_run_config(run)
+    if not cfg.actors.scoring:
+        return ""
+    why = ("rows verl's default_compute_score cannot score: no data_source it knows, or no "
+           "reward_model.ground_truth" if not (cfg.reward.verifier_url or cfg.custom_reward_function.path or cfg.tasks)
+           else "the reward gave no score")
+    return (f"  warning:      {rows - scored} of {rows} trajectories have no score ({why}); set "
+            f"custom_reward_function.path=my_reward.py or reward.verifier_url=URL, then {command('rescore')} "
+            f"{run.root} scores them without generating")
+
+
 def node_totals(line: ClusterStats) -> tuple[int, int]:
     """Units completed and output tokens of one launch's node runners, as their stops returned them (a runner lost
     or stopped uncleanly counts nothing: its actors' stats went with it)."""
@@ -203,6 +225,9 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
         if scores is not None:
             print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
                   f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
+        unscored = unscored_line(run, outcomes)
+        if unscored:
+            print(unscored)
         for line in job_lines(run, outcomes):  # prompts skipped, responses that reached the limit
             print(line)
         if snap.merged:
