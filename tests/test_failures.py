@@ -19,7 +19,7 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     base = [f"model_path={tiny_model}", *FAST_REPORTED, FAKE_ENGINE, "generation.max_attempts=1"]
     first = launch(out, *base, "llm.engine_args=[--fail-rate,0.5]")
     assert first.returncode == 1, first.stderr[-3000:]
-    assert "failed" in first.stderr and "Rerun the same command to retry only them" in first.stderr
+    assert "unit(s) failed to generate: rerun the same command to retry only them (each with a fresh seed)" in first.stderr
     assert "partial output:" in first.stderr  # the closing line says the output is partial
 
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())

@@ -39,7 +39,8 @@ from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.pictures import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry
 from pipegen.run.medium import Appender
-from pipegen.run.stream import FailureRecord, RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid, unit_seed
+from pipegen.run.stream import (NOT_SCORED, FailureRecord, RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid,
+                                 unit_seed)
 
 if TYPE_CHECKING:
     from verl.workers.rollout.replica import TokenOutput
@@ -440,8 +441,7 @@ class UnitRunner:
             await failures.append(FailureRecord(
                 index=index, sample=sample, launch=self.launch.launch, seed=e.record.seed,
                 agent_name=e.record.agent_name, attempt=attempt,
-                reason=f"not scored (its samples are kept: the next launch scores them without generating): "
-                       f"{type(e.cause).__name__}: {e.cause}",
+                reason=f"{NOT_SCORED}: {type(e.cause).__name__}: {e.cause}",
                 unscored=orjson.loads(e.record.to_line())).to_line())
             progress.discard()  # its samples are in the failure line
             return e

@@ -151,6 +151,26 @@ def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = Tru
     return f"{text}{this}."
 
 
+def failed_what(run: RunDir, failed: dict) -> str:
+    """What failed and what to do, in words: units whose generation failed are retried by the same command, each
+    with a fresh seed; units generated but not scored keep their samples, which a rescore (or the same command,
+    with the reward unchanged) scores without generating. Each told apart by its reason (run/stream.py's NOT_SCORED)."""
+    from pipegen.run.checkpoint import failure_reason
+    from pipegen.run.stream import NOT_SCORED
+
+    unscored = sum(1 for info in failed.values() if failure_reason(info).startswith(NOT_SCORED))
+    generation = len(failed) - unscored
+    parts = []
+    if generation:
+        parts.append(f"{generation} unit(s) failed to generate: rerun the same command to retry only them (each "
+                     f"with a fresh seed)")
+    if unscored:
+        parts.append(f"{unscored} unit(s) generated but not scored (the reward raised or gave no score; their samples "
+                     f"are kept): fix the reward, then {command('rescore')} {run.root} scores them without "
+                     f"generating (the same command does too while the reward is unchanged)")
+    return "; ".join(parts) + f". Listed in {run.failed_units}."
+
+
 def unscored_line(run: RunDir, outcomes: Outcomes | None) -> str:
     """The closing summary's warning when trajectories have no score ('' when every one has, or when the outcomes
     could not be read): how many, and how to score them."""
@@ -239,15 +259,14 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
         lines = f"{run.streams}/" if medium.kind == "files" else f"{run.streams}/ (stats), {medium.where(ROLLOUTS)}"
         print(f"  logs:         {run.logs}/   streams: {lines}")
         return 0
+    what = failed_what(run, snap.failed_units)
     if snap.merged or run.merged_output() is not None:
         where = f"{run.merged_output() or run.trajectories} and {run.artifact}"
-        print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {snap.failed} "
-              f"unit(s) failed, listed in {run.failed_units}. Rerun the same command to retry only them (each with "
-              f"a fresh seed).", file=sys.stderr)
+        print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {what}",
+              file=sys.stderr)
     else:
-        print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed, no merged output "
-              f"(generation.all_or_nothing=true, or generation.final_merge=false: the batch files). Failed units: "
-              f"{run.failed_units}; rerun the same command to retry only them.", file=sys.stderr)
+        print(f"pipegen: {snap.committed}/{snap.total} committed, no merged output (generation.all_or_nothing=true, "
+              f"or generation.final_merge=false: the batch files); {what}", file=sys.stderr)
     for line in failure_summary(snap.failed_units):
         print(f"  {line}", file=sys.stderr)
     print(f"  logs: {run.logs}/   details: {command('status')} {run.root}", file=sys.stderr)
