@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipegen.observe.summary import job_lines
-from pipegen.observe.outcomes import Outcomes, unit_outcomes
+from pipegen.observe.outcomes import Outcomes, committed_rewards, unit_outcomes
 from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
@@ -242,6 +242,11 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
         print(f"  reward:       {reward_name(run)}")
         outcomes = unit_outcomes(run)
         scores = outcomes.rewards if outcomes is not None else None
+        if run.role_log("rescore").exists():  # rescored (logs/rescore.log): the batch files hold the rewards, the
+            # streams the rewards at generation
+            scores = committed_rewards(run)
+            if outcomes is not None:
+                outcomes.rewards = scores
         if scores is not None:
             print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
                   f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
