@@ -1,4 +1,5 @@
-"""The Python entry: `pipegen.generate(output_dir, **keys)` and `pipegen.run_generation(cfg)`.
+"""The Python entry: `pipegen.generate(output_dir, **keys)` and `pipegen.run_generation(cfg)` (seed 000's name: it
+takes the seed's composed config, or a run's own saved conf/config.yaml).
 
 For a notebook or a script that wants a run's data without a shell: the same keys as the command line
 (pipegen's and verl's, nested dicts or dotted names), the same run directory, and back the directory and
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Mapping
 
+from pipegen.config.overrides import to_overrides
+
 if TYPE_CHECKING:
     from pipegen.observe.summary import RunSummary
 
-GROUPS = ("llm", "cluster", "streams")  # config groups: {"llm": {"kind": "vllm", ...}} chooses llm=vllm
 
 
 @dataclass
@@ -45,70 +47,22 @@ class GenerationError(RuntimeError):
         self.returncode = returncode
 
 
-def _value(value: Any) -> str:
-    """A Python value as Hydra's override grammar reads it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        return "{" + ",".join(f"{k}:{_value(v)}" for k, v in value.items()) + "}"
-    text = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
-    plain = text and all(c.isalnum() or c in "/._-:@+~" for c in text) and not text[0].isdigit()
-    return text if plain or _is_number(text) else "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
-
-
-def to_overrides(keys: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """`{"n": 4, "llm": {"kind": "vllm", "tp": 2}, "data.shuffle": True}` -> `["n=4", "llm=vllm", "llm.tp=2",
-    "data.shuffle=true"]`. A dict value is a group of keys, except where verl's key holds a dict itself
-    (e.g. data.apply_chat_template_kwargs): pass those as a dotted name with the dict as its value."""
-    out: list[str] = []
-    for name, value in keys.items():
-        path = f"{prefix}{name}"
-        if isinstance(value, Mapping) and not (prefix or "." in name) and path in GROUPS:
-            value = dict(value)
-            kind = value.pop("kind", None)
-            if kind is not None:
-                out.append(f"{path}={kind}")
-            out += to_overrides(value, f"{path}.")
-        elif isinstance(value, Mapping) and not any(path.endswith(k) for k in _DICT_KEYS):
-            out += to_overrides(value, f"{path}.")
-        else:
-            out.append(f"{path}={_value(value)}")
-    return out
-
-
-_DICT_KEYS = ("apply_chat_template_kwargs", "mm_processor_kwargs", "engine_kwargs", "reward_kwargs")
-
-
 def run_generation(cfg: Mapping[str, Any] | Any, *, quiet: bool = False) -> GenerationResult:
-    """Run (or resume) the generation `cfg` describes: a mapping, an OmegaConf config or a list of
-    `key=value` overrides with `output_dir` among them. Returns the run directory and its summary; raises
-    GenerationError with the launcher's error line when it could not run."""
+    """Run (or resume) the generation `cfg` describes: a mapping, a list of `key=value` overrides, or a composed
+    OmegaConf config: seed 000's (`hydra.compose` of its generation.yaml: verl's ppo_trainer and its own keys) or
+    a run's own saved conf/config.yaml (config/config_file.py's `overrides_of` keeps the keys that differ from
+    their defaults). The run's folder: output_dir or trainer.default_local_dir, else verl's
+    outputs/<project_name>/<experiment_name>. Returns the run directory and its summary; raises GenerationError
+    with the launcher's error line when it could not run."""
     if isinstance(cfg, (list, tuple)):
         overrides = [str(o) for o in cfg]
-    else:
-        if type(cfg).__module__.startswith("omegaconf"):
-            from omegaconf import OmegaConf
+    elif type(cfg).__module__.startswith("omegaconf"):
+        from pipegen.config.config_file import overrides_of
 
-            cfg = OmegaConf.to_container(cfg, resolve=True)
+        overrides = overrides_of(cfg)
+    else:
         overrides = to_overrides(cfg)
-    out = next((o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")), None)
-    if out is None:
-        raise ValueError("output_dir is missing: pipegen.generate('runs/NAME', ...) or run_generation({'output_dir': ...})")
-    run_dir = Path(out.strip("'\"")).expanduser().resolve()
+    run_dir, overrides = _run_folder(overrides)
     returncode, tail = _launch(overrides, quiet)
     from pipegen.observe.summary import run_summary
     from pipegen.run.layout import RunDir
@@ -120,6 +74,26 @@ def run_generation(cfg: Mapping[str, Any] | Any, *, quiet: bool = False) -> Gene
     error = next((line for line in reversed(tail) if line.startswith("pipegen: error:")),
                  tail[-1] if tail else f"the launcher exited with {returncode}")
     raise GenerationError(error.removeprefix("pipegen: error: "), run_dir, returncode)
+
+
+def _run_folder(overrides: list[str]) -> tuple[Path, list[str]]:
+    """The run's folder as the launch will name it, and the overrides with it spelt out once (a folder made of
+    `${trainer.experiment_name}` or `${now:...}` is resolved here, so the caller and the launch name one folder)."""
+    from pipegen.config.overrides import given, parse
+    from pipegen.config.verl_keys import translate_with_notes
+
+    try:
+        text = given(translate_with_notes(overrides)[0], "output_dir") or ""
+    except ValueError:
+        text = ""  # refused: the launcher says why in its one line
+    if "${" in text:
+        from pipegen.config.compose import compose
+
+        text = str(compose([o for o in overrides if (p := parse(o)) is not None and p.key.startswith("trainer.")]
+                           + [f"output_dir={text}"]).output_dir)
+        overrides = [o for o in overrides if (p := parse(o)) is None
+                     or p.key not in ("output_dir", "trainer.default_local_dir")] + [f"output_dir={text}"]
+    return Path(text.strip("'\"")).expanduser().resolve(), overrides
 
 
 def generate(output_dir: str | os.PathLike[str], *, quiet: bool = False, **keys: Any) -> GenerationResult:

@@ -9,5 +9,6 @@ DISTRIBUTION = "pipegen-rl"
 
 
 def pip_install(extra: str) -> str:
-    """The command that installs pipegen with one of its extras (pyproject.toml's optional-dependencies)."""
-    return f"pip install '{DISTRIBUTION}[{extra}]'"
+    """The command that installs pipegen with one of its extras (pyproject.toml's optional-dependencies): from a
+    checkout, since no package index serves pipegen yet."""
+    return f"pip install '.[{extra}]' in pipegen's checkout"

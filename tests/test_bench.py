@@ -174,3 +174,13 @@ def test_the_fake_sglangs_streamed_members_concatenate_to_its_unstreamed_answers
         assert stats["chunks"] == chunks and stats["running"] == stats["waiting"] == 0
     finally:
         fake.stop()
+
+
+def test_bench_help_says_what_quick_costs():
+    """--quick runs every scenario smaller: it took 12 minutes on 2 shared cores, not the "< 2 min" it claimed."""
+    text = subprocess.run([sys.executable, "-m", "pipegen.bench", "--help"], capture_output=True, text=True,
+                          timeout=120).stdout
+    flat = " ".join(text.split())
+    assert "< 2 min" not in flat
+    assert ("--quick smaller sizes and fewer repetitions of every scenario (about 12 min on 2 shared cores; --only "
+            "SCENARIO runs one)") in flat, text

@@ -16,6 +16,8 @@ NO_BAD_VALUE = {
     "custom_reward_function.path": "any path; the launcher loads the function from it (tests/test_rewards.py)",
     "custom_reward_function.reward_kwargs": "any mapping of keyword arguments; a non-mapping is refused at launch",
     "reward.verifier_url": "any string; the launcher refuses one that is not an http(s) URL (tests/test_rewards.py)",
+    "ray_kwargs.ray_init": "any mapping of ray.init's keyword arguments; Ray refuses one it does not take",
+    "ray_kwargs.timeline_json_file": "any path (or null); Ray writes its timeline there",
 }
 
 
@@ -98,6 +100,7 @@ RESOLVED_ELSEWHERE = {
     "custom_reward_function.name": "tests/test_rewards.py",
     "custom_reward_function.reward_kwargs": "its entries are new keys (+custom_reward_function.reward_kwargs.NAME=..., "
                                             "tests/test_rewards.py)",
+    "ray_kwargs.ray_init": "its entries are new keys (+ray_kwargs.ray_init.NAME=..., tests/test_seed_config.py)",
     "external.command": "tests/test_gateway.py (set instead of external.harness: the two exclude each other)",
 }
 

@@ -19,7 +19,7 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     base = [f"model_path={tiny_model}", *FAST_REPORTED, FAKE_ENGINE, "generation.max_attempts=1"]
     first = launch(out, *base, "llm.engine_args=[--fail-rate,0.5]")
     assert first.returncode == 1, first.stderr[-3000:]
-    assert "failed" in first.stderr and "Rerun the same command to retry only them" in first.stderr
+    assert "unit(s) failed to generate: rerun the same command to retry only them (each with a fresh seed)" in first.stderr
     assert "partial output:" in first.stderr  # the closing line says the output is partial
 
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
@@ -32,6 +32,11 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     partial = load_trajectories(out / "trajectories.pkl")
     delivered = {f"{i}:{s}" for i, s in zip(partial.non_tensor_batch["index"], partial.non_tensor_batch["sample"])}
     assert len(delivered) == ckpt["num_committed"] and not delivered & failed
+    # and says so itself: a trainer reading only trajectories.pkl learns it is partial, and where the rest is named
+    assert {k: partial.meta_info[k] for k in ("complete", "committed_units", "total_units", "failed_units",
+                                              "pending_units", "failed_units_file")} == {
+        "complete": False, "committed_units": ckpt["num_committed"], "total_units": 12, "failed_units": len(failed),
+        "pending_units": 0, "failed_units_file": "failed_units.json"}
     listing = orjson.loads((out / "failed_units.json").read_bytes())
     assert set(listing["units"]) == failed and listing["failed"] == len(failed)
     assert (out / "trajectories.zip").exists()
@@ -65,6 +70,7 @@ def test_failed_units_are_reported_kept_out_and_retried_by_the_next_launch(tmp_p
     data = load_trajectories(out / "trajectories.pkl")
     units = sorted(zip((int(i) for i in data.non_tensor_batch["index"]), (int(s) for s in data.non_tensor_batch["sample"])))
     assert units == [(i, s) for i in range(6) for s in range(2)]
+    assert "failed_units" not in data.meta_info and "complete" not in data.meta_info  # complete: nothing to say
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
     assert ckpt["complete"] and ckpt["failed"] == {}
     # each record says which try produced it: a retried unit is attempt 1, every other unit attempt 0

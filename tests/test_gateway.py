@@ -323,7 +323,7 @@ def test_a_harness_whose_sdk_is_missing_fails_in_one_line_naming_the_extra(monke
     with pytest.raises(HarnessFailed) as failed:
         Harness("pipegen.examples.answer_check_retry:harness", None, 10.0).callable()
     assert str(failed.value) == ("external.harness=pipegen.examples.answer_check_retry:harness: needs the openai SDK, "
-                                 "which is not installed: pip install 'pipegen-rl[examples]'")
+                                 "which is not installed: pip install '.[examples]' in pipegen's checkout")
     with pytest.raises(ModuleNotFoundError):
         Harness("pipegen_no_such_module:harness", None, 10.0).callable()
 

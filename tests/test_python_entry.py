@@ -100,9 +100,9 @@ def assert_report_renders(out: Path, numbers: dict, tmp_path: Path) -> None:
 
 def test_a_refused_setting_raises_the_launchers_one_line_error(tmp_path: Path) -> None:
     with pytest.raises(pipegen.GenerationError) as refused:
-        pipegen.generate(tmp_path / "run", quiet=True, **{"trainer.nnodes": 2})
-    assert str(refused.value).startswith("trainer.nnodes is not used by pipegen: several nodes run through a Ray "
-                                         "cluster: cluster=ray"), refused.value
+        pipegen.generate(tmp_path / "run", quiet=True, **{"trainer.total_epochs": 3})
+    assert str(refused.value).startswith("trainer.total_epochs is not used by pipegen: each prompt is generated n "
+                                         "times"), refused.value
     assert refused.value.returncode == 2 and "\n" not in str(refused.value)
 
 

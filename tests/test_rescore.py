@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FAKE_ENGINE, FAST, REPO, assert_verified, launch, load_trajectories, response_texts
+from conftest import FAKE_ENGINE, FAST, FAST_REPORTED, REPO, assert_verified, launch, load_trajectories, response_texts
 
 # v1 raises on odd rows (their units fail, their samples kept); v2, the fix, scores every row differently
 REWARD_V1 = '''
@@ -35,10 +35,14 @@ def test_rescore_after_a_reward_fix_scores_every_row_keeps_the_old_scores_and_ge
     reward = tmp_path / "my_reward.py"
     reward.write_text(REWARD_V1)
     out = tmp_path / "run"
-    command = [f"model_path={tiny_model}", FAKE_ENGINE, *FAST, f"custom_reward_function.path={reward}",
+    command = [f"model_path={tiny_model}", FAKE_ENGINE, *FAST_REPORTED, f"custom_reward_function.path={reward}",
                "custom_reward_function.name=my_score"]
     first = launch(out, *command)
     assert first.returncode != 0  # the odd rows' units failed (their samples kept for a rescore)
+    import orjson
+
+    stale = orjson.loads((out / "report.json").read_bytes())
+    assert stale["progress"]["failed"] > 0
     before = load_trajectories(out / "trajectories.pkl")
     old = {(int(i), int(s)): score for i, s, score in zip(before.non_tensor_batch["index"],
                                                           before.non_tensor_batch["sample"], scores(before))}
@@ -74,11 +78,21 @@ def test_rescore_after_a_reward_fix_scores_every_row_keeps_the_old_scores_and_ge
             assert previous is None and previous_by.startswith("none (its reward failed") and "cannot verify odd rows" in previous_by
     assert_verified(Path(out))
 
+    # the rescore refreshed the report: the run's state now, and the new rewards
+    assert f"  report:       {out.resolve() / 'report.html'}" in done.stdout, done.stdout
+    fresh = orjson.loads((out / "report.json").read_bytes())
+    assert fresh["state"] == "finished" and (fresh["progress"]["committed"], fresh["progress"]["failed"]) == (12, 0)
+    new_mean = sum(scores(data)) / len(data)
+    assert next(iter(fresh["sources"].values()))["mean_reward"] == pytest.approx(new_mean, abs=1e-4)
+    # and the same launch command, run again, finds it complete and reports the rewards the output holds
+    again = launch(out, *command)
+    assert again.returncode == 0 and "already complete" in again.stdout, again.stderr[-2000:]
+    assert f"  rewards:      mean {new_mean:.3f} over 12 samples" in again.stdout, again.stdout
+    assert "this launch generated nothing (the run was complete)." in again.stdout
+
     # the report says which reward scored the rows, with the extra key's statistics and the best and worst answers
     from pipegen.report.command import write_report
     from pipegen.run.layout import RunDir
-
-    import orjson
 
     write_report(RunDir(out))
     numbers = orjson.loads((out / "report.json").read_bytes())

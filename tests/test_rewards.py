@@ -198,6 +198,14 @@ def test_http_verifier_scores_as_the_file_and_a_failing_one_is_recorded_not_fake
         kept = {f"{r['index']}:{r['sample']}": r["unscored"] for r in lines}
         assert all(k["reward"] is None and k["trajectories"][0]["response_ids"] for k in kept.values())
         assert "not scored" in first.stderr and "partial output" in first.stderr
+        # the closing line says one thing to do about them: no "rerun ... with a fresh seed" (nothing is generated
+        # again), the rescore that scores them without generating
+        closing = next(ln for ln in first.stderr.splitlines() if ln.startswith("pipegen: partial output:"))
+        assert "fresh seed" not in closing and "failed to generate" not in closing, closing
+        assert (f"{len(failed)} unit(s) generated but not scored (the reward raised or gave no score; their samples "
+                f"are kept): fix the reward, then ") in closing and (
+            f"rescore {out.resolve()} scores them without generating (the same command does too while the reward is "
+            f"unchanged). Listed in {out.resolve() / 'failed_units.json'}.") in closing, closing
 
         # the verifier recovers: the same command scores exactly the kept samples, generating nothing
         flag.write_text("ok")

@@ -182,11 +182,13 @@ def test_wandb_offline_run_holds_metrics_and_artifact(tmp_path, tiny_model):
         assert any(key in row for row in history), key
     assert any(k.startswith("finish_reason/") for row in history for k in row)
 
-    # the writer's upload run: trajectories.zip as a dataset artifact
+    # the writer's upload run: trajectories.zip as seed 000's artifact, which a trainer's
+    # use_artifact("trajectories:latest", type="trajectories") finds
     artifacts = [r.artifact for r in runs["upload"] if r.WhichOneof("record_type") == "artifact"]
     assert len(artifacts) == 1
     art = artifacts[0]
-    assert art.name == "trajectories-offline-check" and art.type == "dataset"
+    assert art.name == "trajectories" and art.type == "trajectories"
+    assert {"latest", "offline-check"} <= set(art.aliases), art.aliases
     assert [e.path for e in art.manifest.contents] == ["trajectories.zip"]
     assert orjson.loads(art.metadata)["rows"] == 12
     assert art.manifest.contents[0].size == (out / "trajectories.zip").stat().st_size

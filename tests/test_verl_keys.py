@@ -4,6 +4,7 @@ or refused in one line that says what to set instead."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,7 +78,8 @@ def test_refused_keys_let_through_what_pipegen_does_anyway() -> None:
 def _shared_value(key: str):
     return {"n": 3, "temperature": 0.5, "max_prompt_length": 777, "max_response_length": 999, "seed": 5,
             "max_samples": 11, "train_files": "/data/mine.parquet", "actors.num_actors": 3,
-            "model_path": "/models/mine", "generation.reproducible": True}[handling(key).key]
+            "model_path": "/models/mine", "output_dir": "/tmp/verl-keys/mine",
+            "generation.partial_batch_quiet_s": 7.5, "generation.reproducible": True}[handling(key).key]
 
 
 @pytest.mark.parametrize("key", [k for k in VERL_KEYS if isinstance(handling(k), Same)])
@@ -90,11 +92,11 @@ def test_verl_names_of_pipegen_keys_set_pipegen_and_verl_alike(key: str) -> None
                "max_prompt_length": ["actor_rollout_ref.rollout.prompt_length", "data.max_prompt_length"],
                "max_response_length": ["actor_rollout_ref.rollout.response_length", "data.max_response_length"],
                "max_samples": ["data.train_max_samples"], "seed": ["data.seed"], "train_files": ["data.train_files"],
-               "actors.num_actors": [], "model_path": ["actor_rollout_ref.model.path"],
-               "generation.reproducible": []}[pipegen_key]
+               "actors.num_actors": [], "model_path": ["actor_rollout_ref.model.path"], "output_dir": [],
+               "generation.partial_batch_quiet_s": [], "generation.reproducible": []}[pipegen_key]
     for verl_key in mirrors:  # what verl's code reads follows
         assert OmegaConf.select(cfg, verl_key) == value, verl_key
-    with pytest.raises(ValueError, match="disagree"):
+    with pytest.raises(ValueError, match="disagree|name two run folders"):
         translate([{"train_files": "train_files=demo", "generation.reproducible": "generation.reproducible=false"}.get(
             pipegen_key, f"{pipegen_key}=1"), f"{key}={value}"])
 
@@ -168,7 +170,8 @@ def test_keys_verl_reads_reach_the_saved_config_as_set() -> None:
     wanted = {}
     for k in keys:
         value = OmegaConf.select(base, k)
-        wanted[k] = _changed(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+        wanted[k] = 0 if k == "trainer.n_gpus_per_node" else _changed(
+            OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
     cfg = _config(*(f"{k}={_shown(v)}" for k, v in wanted.items()))
     for key, value in wanted.items():
         got = OmegaConf.select(cfg, key)
@@ -178,12 +181,25 @@ def test_keys_verl_reads_reach_the_saved_config_as_set() -> None:
 
 def test_the_launcher_refuses_a_verl_key_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "pipegen.launch", f"output_dir={tmp_path / 'run'}",
-                             "trainer.n_gpus_per_node=8"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                             "trainer.total_epochs=3"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert lines[-1] == ("pipegen: error: trainer.n_gpus_per_node is not used by pipegen: pipegen uses every GPU "
-                         "CUDA_VISIBLE_DEVICES shows, llm.tp per server"), result.stderr
+    assert lines[-1] == ("pipegen: error: trainer.total_epochs is not used by pipegen: each prompt is generated n "
+                         "times: set n"), result.stderr
     assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+def test_more_gpus_than_the_machine_has_are_refused_in_one_line(tmp_path: Path) -> None:
+    """verl's trainer.n_gpus_per_node is honoured: asking for more GPUs than the node shows stops the launch in one
+    line naming what it shows, before anything is written."""
+    result = subprocess.run([sys.executable, "-m", "pipegen.launch", f"output_dir={tmp_path / 'run'}",
+                             "trainer.n_gpus_per_node=8"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "pipegen: error: trainer.n_gpus_per_node=8, but this node shows 0 GPU(s) (nvidia-smi -L, "
+        "CUDA_VISIBLE_DEVICES): set trainer.n_gpus_per_node=0 or fewer"), result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_custom_chat_template_shapes_every_prompt(tiny_model: str) -> None:

@@ -94,3 +94,36 @@ def test_auto_actor_count_follows_the_servers_and_the_cores(llm, gpus, cpus, exp
     p = plan_world(llm, "auto", {}, count_devices=lambda: gpus, pick_port=lambda host: next(ports), cpus=cpus)
     assert p.num_actors == expected
     assert plan_world(llm, 3, {}, count_devices=lambda: gpus, pick_port=lambda host: next(ports), cpus=cpus).num_actors == 3
+
+
+@pytest.mark.parametrize("tp,dp,servers", [(1, 2, 4), (2, 2, 2), (1, 8, 1), (4, 2, 1)])
+def test_sglang_data_parallelism_gives_each_server_tp_times_dp_gpus(tp, dp, servers):
+    """verl's data_parallel_size (llm.dp) on SGLang: each server holds tp x dp GPUs and is told --tp-size tp
+    --dp-size dp (SGLang needs tp x dp GPUs under CUDA_VISIBLE_DEVICES); the servers' GPUs add up to the node's 8,
+    and the line under the plan counts them."""
+    llm = {"kind": "sglang", "tp": tp, "dp": dp}
+    p = plan(llm, {})
+    assert len(p.servers) == servers and sorted(g for s in p.servers for g in s.gpus) == list(range(8))
+    for server in p.servers:
+        argv, env = sglang_server_command(server, "/m", llm, 0)
+        flags = dict(zip(argv, argv[1:]))
+        assert int(flags["--tp-size"]) == tp and int(flags.get("--dp-size", 1)) == dp, argv
+        assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == tp * dp
+    size = tp * dp
+    assert p.gpu_line(plan_llm := {"kind": "sglang", "tp": tp, "dp": dp}) == (
+        f"servers: {servers} sglang server{'s' if servers > 1 else ''} of {size} GPUs each (--tp-size {tp}"
+        + (f" --dp-size {dp}" if dp > 1 else "") + "), 8 GPUs in all"), plan_llm
+
+
+def test_trainer_n_gpus_per_node_takes_the_first_gpus_and_refuses_more_than_shown():
+    p = plan_world({"kind": "sglang", "tp": 2}, 1, {}, count_devices=lambda: 8, pick_port=lambda host: next(ports),
+                   gpus_per_node=4)
+    assert [s.gpus for s in p.servers] == [(0, 1), (2, 3)]
+    with pytest.raises(PlanError) as refused:
+        plan_world({"kind": "sglang", "tp": 1}, 1, {}, count_devices=lambda: 2, pick_port=lambda host: 1,
+                   gpus_per_node=8)
+    assert str(refused.value) == ("trainer.n_gpus_per_node=8, but this node shows 2 GPU(s) (nvidia-smi -L, "
+                                  "CUDA_VISIBLE_DEVICES): set trainer.n_gpus_per_node=2 or fewer")
+    cpu = plan_world({"kind": "vllm", "num_servers": 1}, 1, {}, count_devices=lambda: 8,
+                     pick_port=lambda host: 1, gpus_per_node=0)
+    assert [s.gpus for s in cpu.servers] == [()]  # 0 GPUs: vLLM's CPU build

@@ -39,7 +39,8 @@ from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.pictures import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry
 from pipegen.run.medium import Appender
-from pipegen.run.stream import FailureRecord, RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid, unit_seed
+from pipegen.run.stream import (NOT_SCORED, FailureRecord, RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid,
+                                 unit_seed)
 
 if TYPE_CHECKING:
     from verl.workers.rollout.replica import TokenOutput
@@ -315,6 +316,14 @@ class UnitRunner:
         self._base_seed = int(cfg.seed)
         self._per_unit_seed = bool(cfg.actors.per_unit_seed)
 
+    def row_sampling_params(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The run's sampling params, greedy for a row whose `__do_sample__` is false (verl's per-row override, as
+        verl's AgentLoopWorker applies it with apply_greedy_sampling_params)."""
+        params = dict(self.sampling_params)
+        if "__do_sample__" in row and row["__do_sample__"] is not None and not bool(row["__do_sample__"]):
+            params.update(temperature=0, top_p=1.0, top_k=-1)
+        return params
+
     def peek(self, response_ids: list[int]) -> str:
         """The start of a response as one line of text: what `tail -f` of the shards shows a person."""
         return " ".join(self._decode(response_ids[:PEEK_TOKENS]).split())[:PEEK_CHARS]
@@ -367,7 +376,7 @@ class UnitRunner:
                              "(register yours with actor_rollout_ref.rollout.agent.agent_loop_config_path)")
         agent = self.loops.build(agent_name, UnitServerManager(pool, sticky_key=index, sampling_seed=seed, slot=slot,
                                                                gateway=self.gateway, progress=progress))
-        result = await agent.run(dict(self.sampling_params), **kwargs)
+        result = await agent.run(self.row_sampling_params(row), **kwargs)
         outputs = check_trajectories(result, self.prompt_length, self.response_length, self.placeholders)
         resumed = progress.row_fields()
         for out in outputs if resumed else ():  # a user filters resumed rows by these (docs/outputs.md)
@@ -432,8 +441,7 @@ class UnitRunner:
             await failures.append(FailureRecord(
                 index=index, sample=sample, launch=self.launch.launch, seed=e.record.seed,
                 agent_name=e.record.agent_name, attempt=attempt,
-                reason=f"not scored (its samples are kept: the next launch scores them without generating): "
-                       f"{type(e.cause).__name__}: {e.cause}",
+                reason=f"{NOT_SCORED}: {type(e.cause).__name__}: {e.cause}",
                 unscored=orjson.loads(e.record.to_line())).to_line())
             progress.discard()  # its samples are in the failure line
             return e

@@ -26,8 +26,10 @@ async def _measure(url: str, model: str, prompts: int, concurrency: int, reps: i
     try:
         from openai import AsyncOpenAI
     except ModuleNotFoundError:
-        raise SystemExit("bench gateway: needs the openai SDK, which is not installed: "
-                         "pip install 'pipegen-rl[examples]'") from None
+        from pipegen.distribution import pip_install
+
+        raise SystemExit(f"bench gateway: needs the openai SDK, which is not installed: {pip_install('examples')}") \
+            from None
     from transformers import AutoTokenizer
     from verl.experimental.agent_loop.tool_parser import ToolParser
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder

@@ -33,9 +33,8 @@ def shipped_conf_dir() -> Path:
     pipegen/conf/. Located, not imported."""
     spec = importlib.util.find_spec("pipegen.conf")
     if spec is None or not spec.submodule_search_locations:
-        # pipegen-rl spelled here, not read from pipegen/distribution.py: config/ imports nothing of pipegen
         raise RuntimeError("pipegen's conf/ folder is not installed (pipegen.conf): reinstall pipegen "
-                           "(./launch.sh --setup, or pip install pipegen-rl)")
+                           "(./launch.sh --setup, or pip install . in a checkout)")
     return Path(list(spec.submodule_search_locations)[0]).resolve()
 
 
@@ -47,24 +46,26 @@ def verl_config_dir() -> str:
     """verl's trainer/config folder, found without executing verl's __init__ (which costs ~5 s)."""
     spec = importlib.util.find_spec("verl")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("verl is not installed: run ./launch.sh --setup, or pip install pipegen-rl")
+        raise RuntimeError("verl is not installed: run ./launch.sh --setup, or pip install . in a checkout of pipegen")
     return os.path.join(list(spec.submodule_search_locations)[0], "trainer", "config")
 
 
 # pipegen's own groups: every key of them is the schema's, so a new key (+key) there could only be ignored
 PIPEGEN_GROUPS = ("actors", "generation", "trainer", "reward", "external", "export", "llm", "cluster",
-                  "streams")
+                  "streams", "ray_kwargs")
 VERL_GROUPS = ("actor_rollout_ref", "data", "distillation")  # verl's own YAML: only a composition knows its keys
 
 
 def new_key_allowed(key: str) -> bool:
-    """Where a new key (`+key=...`) means something: the free-form keyword groups (a reward's reward_kwargs, a
-    chat template's or an agent loop's kwargs, an engine's kwargs), never pipegen's root or its own groups."""
-    return any(part.endswith("kwargs") for part in key.split(".")[:-1])
+    """Where a new key (`+key=...`) means something: inside a free-form keyword group (a reward's reward_kwargs, a
+    chat template's or an agent loop's kwargs, an engine's kwargs, ray.init's ray_kwargs.ray_init), never at
+    pipegen's root, in its own groups or in verl's groups, whose code reads only the keys they have."""
+    return any(part.endswith("kwargs") or part == "ray_init" for part in key.split(".")[1:-1])
 
 
 def refuse_new_keys(overrides: list[str]) -> None:
-    """A `+key` under pipegen's root or its own groups would be accepted and ignored: one line instead."""
+    """A `+key` anywhere but a kwargs group would be accepted and ignored (pipegen's keys, verl's, or a group
+    neither has, such as +reward_model.enable): one line instead."""
     for override in overrides:
         parsed = parse(override)
         if parsed is None or parsed.prefix not in ("+", "++"):
@@ -72,12 +73,13 @@ def refuse_new_keys(overrides: list[str]) -> None:
         key = parsed.key
         if new_key_allowed(key):
             continue
-        if "." not in key or key.split(".", 1)[0] in PIPEGEN_GROUPS:
-            close = did_you_mean(key, pipegen_keys())
-            raise ValueError(f"+{key}: pipegen has no such key, and a new one would be ignored; "
-                             + (f"did you mean {close}? " if close else "")
-                             + "(a leading + adds a key only to a kwargs group, as in "
-                             "+custom_reward_function.reward_kwargs.NAME=VALUE)")
+        root = key.split(".", 1)[0]
+        close = did_you_mean(key, pipegen_keys()) if root not in VERL_GROUPS else ""
+        owner = "verl's code pipegen runs reads no such key" if root in VERL_GROUPS else "pipegen has no such key"
+        raise ValueError(f"+{key}: {owner}, and a new one would be ignored; "
+                         + (f"did you mean {close}? " if close else "")
+                         + "(a leading + adds a key only to a kwargs group, as in "
+                         "+custom_reward_function.reward_kwargs.NAME=VALUE)")
 
 
 @functools.cache

@@ -19,7 +19,7 @@ COMMAND_ENV = "PIPEGEN_COMMAND"  # "pipegen", "python -m pipegen" or "python -m"
 # each subcommand as a module, as pipegen/command.py's table runs it
 MODULES = {"run": "pipegen.launch", "status": "pipegen.status", "verify": "pipegen.status --verify",
            "report": "pipegen.report", "export": "pipegen.export", "tasks": "pipegen.tasks",
-           "serve-reward": "pipegen.rewards.serve", "replay": "pipegen.replay"}
+           "serve-reward": "pipegen.rewards.serve", "rescore": "pipegen.rescore", "replay": "pipegen.replay"}
 
 
 def typed() -> str:

@@ -5,15 +5,17 @@ defaults) reads `+key='a=b'`, quoting and `~key` as Hydra's composition will.
 An override Hydra cannot parse reads as None here: the composition that follows refuses it in one line
 (config/compose.py's describe_config_error), so a reader never raises for it first.
 
-Owns: that reading. Must never: compose a config, or change an override's text (what is handed on is the
-user's own text).
+Owns: that reading, and the one rendering of Python values as overrides (`to_overrides`: the Python entry's
+keys, a config file's keys). Must never: compose a config, or change an override's text (what is handed on is
+the user's own text).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+import os
+from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
@@ -61,3 +63,54 @@ def given(overrides: list[str], key: str) -> str | None:
 def keys_set(overrides: list[str]) -> set[str]:
     """The keys an override list sets or deletes."""
     return {p.key for p in map(parse, overrides) if p is not None}
+
+
+GROUPS = ("llm", "cluster", "streams")  # config groups: {"llm": {"kind": "vllm", ...}} chooses llm=vllm
+
+
+def render(value: Any) -> str:
+    """A Python value as Hydra's override grammar reads it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(render(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{render(v)}" for k, v in value.items()) + "}"
+    text = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    plain = text and all(c.isalnum() or c in "/._-:@+~" for c in text) and not text[0].isdigit()
+    return text if plain or _is_number(text) else "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def to_overrides(keys: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """`{"n": 4, "llm": {"kind": "vllm", "tp": 2}, "data.shuffle": True}` -> `["n=4", "llm=vllm", "llm.tp=2",
+    "data.shuffle=true"]`. A dict value is a group of keys, except where verl's key holds a dict itself
+    (e.g. data.apply_chat_template_kwargs): pass those as a dotted name with the dict as its value."""
+    out: list[str] = []
+    for name, value in keys.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, Mapping) and not (prefix or "." in name) and path in GROUPS:
+            value = dict(value)
+            kind = value.pop("kind", None)
+            if kind is not None:
+                out.append(f"{path}={kind}")
+            out += to_overrides(value, f"{path}.")
+        elif isinstance(value, Mapping) and not any(path.endswith(k) for k in DICT_KEYS):
+            out += to_overrides(value, f"{path}.")
+        else:
+            out.append(f"{path}={render(value)}")
+    return out
+
+
+DICT_KEYS = ("apply_chat_template_kwargs", "mm_processor_kwargs", "engine_kwargs", "reward_kwargs", "ray_init")

@@ -264,6 +264,21 @@ class Trainer:
     project_name: str = key("pipegen", "the tracking project", non_empty=True)
     experiment_name: str = key("generate", "the tracking run name", non_empty=True)
     logger: list[str] = key(["console"], "verl Tracking backends", items=TRACKING_BACKENDS)
+    n_gpus_per_node: Optional[int] = key(None, "GPUs each node's servers use, the first ones visible (null = every "
+                                               "visible GPU; 0 = none: actor_rollout_ref.rollout.name=sglang is then "
+                                               "served by pipegen's CPU server, vllm by vLLM's CPU build)", at_least=0)
+    nnodes: int = key(1, "nodes the run uses: more than 1 needs cluster=ray (the first nnodes nodes with "
+                         "cluster.node_resource)", at_least=1)
+
+
+@dataclass
+class RayKwargs:
+    """ray_kwargs.*: verl's Ray settings, applied by cluster=ray's launcher as verl's trainer applies them."""
+
+    ray_init: dict[str, Any] = key({}, "keyword arguments for ray.init with cluster=ray (e.g. "
+                                       "+ray_kwargs.ray_init.runtime_env.env_vars.X=1); a local run starts no Ray")
+    timeline_json_file: Optional[str] = key(None, "cluster=ray: write Ray's timeline (ray.timeline) to this file "
+                                                  "when the run stops; a local run starts no Ray")
 
 
 @dataclass
@@ -538,6 +553,7 @@ class PipegenConfig:
     actors: Actors = field(default_factory=Actors)
     generation: Generation = field(default_factory=Generation)
     trainer: Trainer = field(default_factory=Trainer)
+    ray_kwargs: RayKwargs = field(default_factory=RayKwargs)
     custom_reward_function: CustomRewardFunction = field(default_factory=CustomRewardFunction)
     reward: Reward = field(default_factory=Reward)
     rows: Rows = field(default_factory=Rows)

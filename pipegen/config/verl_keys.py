@@ -20,27 +20,33 @@ that pipegen would then ignore.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Mapping, Union
 
 from pipegen.config.overrides import parse
-from pipegen.config.schema import DEFAULT_LLM
+from pipegen.config.schema import DEFAULT_LLM, schema_keys
 
 ROLLOUT = "actor_rollout_ref.rollout."
 
 
 @dataclass(frozen=True)
 class Same:
-    """pipegen's own short key under verl's name."""
+    """pipegen's own key under verl's (or the seed's) name; `note`: a line for the plan where the two names do not
+    mean quite the same, `values`: a value spelt the other way ("null" -> "[]")."""
 
     key: str
+    note: str = ""
+    values: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class ToLlm:
-    """An engine setting: `llm.<key>` for each llm kind that has one."""
+    """An engine setting: `llm.<key>` for each llm kind that has one. `noop`: values that ask for nothing a kind
+    without the key does not do anyway (one GPU per server)."""
 
     keys: Mapping[str, str]  # llm kind -> key under llm.
+    noop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,8 +94,8 @@ VERL_KEYS: dict[str, Handling] = {
     f"{ROLLOUT}ignore_eos": Refused("pipegen stops at the model's end of sequence; max_response_length bounds a "
                                     "response", accepted=("false",)),
     f"{ROLLOUT}val_kwargs.": VALIDATION,
-    f"{ROLLOUT}tensor_model_parallel_size": ToLlm({"sglang": "tp", "vllm": "tp"}),
-    f"{ROLLOUT}data_parallel_size": ToLlm({"sglang": "dp", "cpu": "num_servers"}),
+    f"{ROLLOUT}tensor_model_parallel_size": ToLlm({"sglang": "tp", "vllm": "tp"}, noop=("1",)),
+    f"{ROLLOUT}data_parallel_size": ToLlm({"sglang": "dp", "cpu": "num_servers"}, noop=("1",)),
     f"{ROLLOUT}gpu_memory_utilization": ToLlm({"sglang": "mem_fraction_static", "vllm": "gpu_memory_utilization"}),
     f"{ROLLOUT}max_num_seqs": ToLlm({"sglang": "max_running_requests", "vllm": "max_running_requests",
                                      "external": "max_running_requests", "cpu": "max_batch"}),
@@ -98,13 +104,18 @@ VERL_KEYS: dict[str, Handling] = {
     f"{ROLLOUT}full_determinism": Same("generation.reproducible"),
     f"{ROLLOUT}nnodes": Refused("several nodes run through a Ray cluster: cluster=ray (README: Several nodes)",
                                 accepted=("0", "1")),
-    f"{ROLLOUT}n_gpus_per_node": Refused("pipegen uses every GPU CUDA_VISIBLE_DEVICES shows, llm.tp per server"),
+    f"{ROLLOUT}n_gpus_per_node": Refused("pipegen's servers use trainer.n_gpus_per_node GPUs per node (every visible "
+                                         "one by default), llm.tp per server"),
+    f"{ROLLOUT}pipeline_model_parallel_size": Refused(
+        "pipegen gives each server tensor_model_parallel_size x data_parallel_size GPUs and starts it without "
+        "pipeline stages (SGLang's --pp-size, vLLM's --pipeline-parallel-size); for a model too large for one "
+        "node's tensor parallelism, start the servers yourself and use llm=external", accepted=("1",)),
     f"{ROLLOUT}load_format": Refused("pipegen's servers load the weights of model_path", accepted=("auto",)),
     f"{ROLLOUT}logprobs_mode": Refused("pipegen asks for log-probs after temperature, as verl recomputes them",
                                        accepted=("processed_logprobs",)),
     f"{ROLLOUT}skip_tokenizer_init": Refused("pipegen's servers take token ids (always true)", accepted=("true",)),
     **{f"{ROLLOUT}{k}": ENGINE_FLAG for k in (
-        "enforce_eager", "cudagraph_capture_sizes", "expert_parallel_size", "pipeline_model_parallel_size",
+        "enforce_eager", "cudagraph_capture_sizes", "expert_parallel_size",
         "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
         "disable_log_stats", "engine_kwargs.", "quantization", "quantization_config_file")},
     **{f"{ROLLOUT}{k}": TRAINING_ONLY for k in (
@@ -178,14 +189,13 @@ VERL_KEYS: dict[str, Handling] = {
     "trainer.project_name": Read("pipegen's tracking (verl's Tracking)"),
     "trainer.experiment_name": Read("pipegen's tracking (verl's Tracking)"),
     "trainer.logger": Read("pipegen's tracking (verl's Tracking)"),
-    "trainer.nnodes": Refused("several nodes run through a Ray cluster: cluster=ray (README: Several nodes)",
-                              accepted=("1",)),
-    "trainer.n_gpus_per_node": Refused("pipegen uses every GPU CUDA_VISIBLE_DEVICES shows, llm.tp per server"),
+    "trainer.nnodes": Read("the placement: more than 1 needs cluster=ray, which uses that many nodes"),
+    "trainer.n_gpus_per_node": Read("the world plan (launch/world.py): that many of each node's GPUs, 0 = none"),
     "trainer.device": Refused("llm=cpu | sglang | vllm chooses where generation runs"),
     "trainer.total_epochs": Refused("each prompt is generated n times: set n", accepted=("1",)),
     "trainer.total_training_steps": Refused("pipegen generates every prompt once, n samples each: set n and "
                                             "max_samples"),
-    "trainer.default_local_dir": Refused("output_dir=DIR holds every file of the run"),
+    "trainer.default_local_dir": Same("output_dir"),
     "trainer.rollout_data_dir": Refused("output_dir=DIR holds every file of the run (streams/ as it runs)"),
     "trainer.validation_data_dir": Refused("output_dir=DIR holds every file of the run"),
     "trainer.resume_mode": Refused("the same command resumes its output_dir; resume_with_changes=true continues a "
@@ -195,7 +205,23 @@ VERL_KEYS: dict[str, Handling] = {
         "balance_batch", "log_val_generations", "save_freq", "esi_redundant_time", "checkpoint_callback_class",
         "val_before_train", "val_only", "test_freq", "critic_warmup", "default_hdfs_dir", "del_local_ckpt_after_load",
         "max_actor_ckpt_to_keep", "max_critic_ckpt_to_keep", "ray_wait_register_center_timeout", "use_v1", "v1.")},
+    # ---- ray_kwargs (pipegen's ray_kwargs group, read by cluster=ray's launcher) ----
+    "ray_kwargs.ray_init": Read("cluster=ray's launcher: its ray.init"),
+    "ray_kwargs.timeline_json_file": Read("cluster=ray's launcher: ray.timeline when the run stops"),
+    # ---- reward_model: verl's reward-model workers; pipegen scores in its actors ----
+    **{f"reward_model.{k}": Refused(
+        "pipegen scores every trajectory in its actors with custom_reward_function.path (verl's way) or "
+        "reward.verifier_url (a reward model served over HTTP); it starts no reward-model workers",
+        accepted=("false", "null")) for k in ("enable", "use_reward_loop", "enable_resource_pool")},
+    # ---- the seed's own keys (seed 000's generation.yaml) ----
+    "generation.pull_timeout": Same("generation.partial_batch_quiet_s", note=(
+        "generation.pull_timeout is pipegen's generation.partial_batch_quiet_s: seconds without a new sample "
+        "before a partial batch file is written")),
+    "tasks": Same("tasks", values={"null": "[]"}),
 }
+
+# Keys that only the Ray launcher reads: a local run accepts them with a note.
+RAY_ONLY = ("ray_kwargs.",)
 
 
 def handling(key: str) -> Handling | None:
@@ -220,26 +246,73 @@ def _plain(value: str) -> str:
     return value.strip().strip("'\"").lower()
 
 
+def _composed(key: str) -> bool:
+    """Whether pipegen's composition holds `key` (its schema's keys, or verl's groups): an accepted value of a key
+    it does not hold is what pipegen does anyway, and is left out rather than composed into nothing."""
+    root = key.split(".", 1)[0]
+    return root in ("actor_rollout_ref", "data", "distillation") or key in _schema_paths() or any(
+        key.startswith(p + ".") for p in _schema_paths())
+
+
+_SCHEMA_PATHS: set[str] = set()
+
+
+def _schema_paths() -> set[str]:
+    if not _SCHEMA_PATHS:
+        _SCHEMA_PATHS.update(info.path for info in schema_keys())
+    return _SCHEMA_PATHS
+
+
+def _folder(value: str) -> str:
+    """A run folder as given, compared the way the launch resolves it (relative to the working directory)."""
+    text = value.strip().strip("'\"")
+    return text if "://" in text else os.path.abspath(os.path.expanduser(text))
+
+
+DEFAULT_OUTPUT_DIR = "outputs/${trainer.project_name}/${trainer.experiment_name}"  # the seed's (verl's layout)
+
+
 def translate(overrides: list[str]) -> list[str]:
     """The overrides with verl's keys turned into pipegen's (see the module's header); ValueError, one line,
     for a verl key pipegen cannot honour or two settings of one key that disagree."""
+    return translate_with_notes(overrides, default_folder=False)[0]
+
+
+def translate_with_notes(overrides: list[str], default_folder: bool = True) -> tuple[list[str], list[str]]:
+    """`translate`, and the lines the plan shows about what was translated (a key accepted with a meaning of
+    its own, the run folder's default). `default_folder`: without output_dir or trainer.default_local_dir, the
+    run's folder is the seed's (verl's) default, outputs/<project_name>/<experiment_name>."""
     parsed = [_split(o) for o in overrides]
     given = {p[1]: p[2] for p in parsed if p is not None}
     llm_kind = given.get("llm", DEFAULT_LLM)
+    cluster = _plain(given.get("cluster", "local"))
     out: list[str] = []
+    notes: list[str] = []
     added: dict[str, tuple[str, str]] = {}  # pipegen key -> (value, the verl key that set it)
     for override, part in zip(overrides, parsed):
         rule = handling(part[1]) if part is not None else None
-        if rule is None or isinstance(rule, Read):
-            out.append(override)
+        if part is not None and cluster != "ray" and any(part[1].startswith(p) for p in RAY_ONLY) \
+                and _plain(part[2]) not in ("null", "{}", ""):
+            notes.append(f"{part[1]} applies with cluster=ray; this local run starts no Ray")
+        if rule is None or isinstance(rule, Read) or part[0] in ("+", "++"):
+            out.append(override)  # a `+key` of verl's: compose.refuse_new_keys says why it would be ignored
             continue
         _, key, value = part
         if isinstance(rule, Refused):
             if _plain(value) in rule.accepted:
-                out.append(override)
+                if _composed(key):
+                    out.append(override)
                 continue
             raise ValueError(f"{key} is not used by pipegen: {rule.fix}")
         if isinstance(rule, ToLlm):
+            if llm_kind not in rule.keys and _plain(value) in rule.noop:
+                out.append(override)
+                continue
+            if llm_kind not in rule.keys and llm_kind == "cpu" and _plain(given.get("trainer.n_gpus_per_node", "")) == "0":
+                notes.append(f"{key}={value}: a GPU setting, unused with trainer.n_gpus_per_node=0 (pipegen's CPU "
+                             f"server)")
+                out.append(override)
+                continue
             if llm_kind not in rule.keys:
                 kinds = ", ".join(f"llm={k} (llm.{v})" for k, v in rule.keys.items())
                 raise ValueError(f"{key} has no meaning for llm={llm_kind}: it sets {kinds}")
@@ -247,10 +320,29 @@ def translate(overrides: list[str]) -> list[str]:
             out.append(override)  # verl's key keeps the user's value too
         else:
             target = rule.key
+            value = rule.values.get(_plain(value), value)
+            if rule.note:
+                notes.append(rule.note)
+            if target == key:  # the same key, only spelt another way
+                out.append(f"{part[0]}{key}={value}")
+                continue
         for other_key, other in ((target, given.get(target)), added.get(target, (None, None))[::-1]):
-            if other is not None and _plain(other) != _plain(value):
+            if other is not None and target == "output_dir" and _folder(other) != _folder(value):
+                raise ValueError(f"{key}={value} and {other_key}={other} name two run folders: give one of them "
+                                 f"(each names the folder that holds every file of the run)")
+            if other is not None and target != "output_dir" and _plain(other) != _plain(value):
                 raise ValueError(f"{key}={value} and {other_key}={other} disagree: set {target} once")
         if target not in given and target not in added:
             out.append(f"{target}={value}")
         added[target] = (value, key)
-    return out
+    folder = given["output_dir"] if "output_dir" in given else added.get("output_dir", (None,))[0]
+    if folder is None and default_folder:
+        out.append(f"output_dir={DEFAULT_OUTPUT_DIR}")
+        notes.append("output_dir: outputs/<trainer.project_name>/<trainer.experiment_name> (no output_dir or "
+                     "trainer.default_local_dir given; the seed's default)")
+    text = folder or DEFAULT_OUTPUT_DIR
+    if "${now:" in text or any(f"${{{k}}}" in text and "${now:" in given.get(k, "")
+                               for k in ("trainer.project_name", "trainer.experiment_name")):
+        notes.append("the run's folder name holds ${now:...}: each launch makes a new folder, so running this "
+                     "command again starts a new run instead of resuming; name the folder to resume it")
+    return out, notes

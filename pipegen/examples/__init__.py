@@ -5,7 +5,7 @@ nothing pipegen-specific but the `(row, base_url, api_key)` signature.
   with feedback (runs on the embedded SmolLM2);
 - `agents_calculator.harness`: the OpenAI Agents SDK (`openai-agents`) with a calculator function tool.
 
-Their SDKs are not pipegen's dependencies: `pip install 'pipegen-rl[examples]'` installs them (the test extra
+Their SDKs are not pipegen's dependencies: `pip install '.[examples]'` in pipegen's checkout installs them (the test extra
 pulls it in); without them a harness here fails its unit in one line naming the extra (gateway/harness.py).
 Must never: be imported by pipegen's own code paths (they are what users write).
 """

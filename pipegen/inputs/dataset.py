@@ -1,8 +1,9 @@
 """The prompt dataset, read through verl's RLHFDataset exactly as verl's trainer reads it.
 
 Owns: building the dataset from the saved config, checking the data files before verl reads them
-(format, readability, rows, the prompt column, an `extra_info.index` in their schema: before any server
-starts), that every row has a unique `index` (the unit manifest's content) and that every prompt fits.
+(format, readability, rows, the prompt column, an `extra_info.index` in their schema and unique in its one
+column, no per-row setting column pipegen does not honour: before any server starts), that every row has a
+unique `index` (the unit manifest's content) and that every prompt fits.
 Must never: modify a data file, or import verl at its top (the launcher imports it for the footer checks;
 verl costs seconds, and is imported only where a dataset or tokenizer is built).
 """
@@ -105,7 +106,44 @@ def check_files(cfg: DictConfig) -> list[str]:
     files = list(cfg.data.train_files) if not isinstance(cfg.data.train_files, str) else [cfg.data.train_files]
     for f in files:
         check_file(Path(f), str(cfg.data.prompt_key))
+    if all(str(f).endswith(".parquet") for f in files):  # one column read: seconds before any server starts
+        seen: dict[int, int] = {}
+        pos = 0
+        for f in files:
+            for i in _file_indices(Path(f)):
+                if i is not None and int(i) in seen:
+                    raise DatasetError(f"train_files: extra_info.index {i} appears at rows {seen[int(i)]} and "
+                                       f"{pos}; indices must be unique")
+                if i is not None:
+                    seen[int(i)] = pos
+                pos += 1
     return files
+
+
+def _file_indices(path: Path) -> list:
+    """The file's extra_info.index column alone (None where a row has none: dataset_indices names those)."""
+    import pyarrow.parquet as pq
+
+    try:
+        column = pq.read_table(path, columns=["extra_info"]).column("extra_info").combine_chunks()
+        return column.field("index").to_pylist()
+    except Exception:  # noqa: BLE001 (a layout this reading does not know: dataset_indices checks every row)
+        return []
+
+
+# verl's per-row settings, columns of the dataset its agent loop worker reads per row: pipegen honours these and
+# refuses any other `__name__` column, which verl's code would read and pipegen would ignore
+PER_ROW_HONOURED = ("__do_sample__",)
+PER_ROW = re.compile(r"^__\w+__$")
+
+
+def per_row_refusal(columns: list[str]) -> str:
+    """One line refusing a per-row setting column pipegen does not honour ('' when none)."""
+    other = [c for c in columns if PER_ROW.match(c) and c not in PER_ROW_HONOURED]
+    if not other:
+        return ""
+    return (f"train_files: column '{other[0]}' is a per-row setting pipegen does not honour (it honours "
+            f"{', '.join(PER_ROW_HONOURED)}: false makes that row greedy); drop the column")
 
 
 def _missing_column(column: str, prompt_key: str, columns: list[str]) -> str:
@@ -141,6 +179,8 @@ def check_file(path: Path, prompt_key: str) -> None:
             row = orjson.loads(first) if first else None
         except orjson.JSONDecodeError:
             row = None  # verl's reader names a line that is not JSON
+        if isinstance(row, dict) and per_row_refusal(list(row)):
+            raise DatasetError(per_row_refusal(list(row)))
         info = row.get("extra_info") if isinstance(row, dict) else None
         if isinstance(row, dict) and not (isinstance(info, dict) and "index" in info):
             raise DatasetError(no_index(path))
@@ -161,6 +201,8 @@ def check_file(path: Path, prompt_key: str) -> None:
         raise DatasetError(f"train_files: {path} has no rows; pass a parquet file with at least one prompt")
     if prompt_key not in columns:
         raise DatasetError(_missing_column(prompt_key, prompt_key, columns))
+    if per_row_refusal(columns):
+        raise DatasetError(per_row_refusal(columns))
     info = schema.field("extra_info").type if "extra_info" in columns else None
     if info is None or (pa.types.is_struct(info) and info.get_field_index("index") < 0):
         raise DatasetError(no_index(path))  # a map or a JSON string column: dataset_indices reads every row's

@@ -1,6 +1,7 @@
 """The launch's refusals that need only the command line, made before the launcher imports anything heavy.
 
-A mistyped key of pipegen's, a missing output_dir, verl's key that pipegen refuses, or `llm=` that disagrees with
+A config file (`--config-path/--config-name`, config/config_file.py) that is missing or does not compose, a
+mistyped key of pipegen's, verl's key that pipegen refuses, or `llm=` that disagrees with
 verl's `rollout.name` is refused here, in about the time Python and OmegaConf take to start; a mistyped key in
 verl's groups after one composition of the defaults (config/compose.py's `unknown_verl_key`), and a model_path
 that is a Hub id neither cached nor on the Hub after huggingface_hub's one look (inputs/models.py's
@@ -8,27 +9,24 @@ that is a Hub id neither cached nor on the Hub after huggingface_hub's one look 
 the run's readers, and later verl) only once these have passed. The same checks run again inside the launch's
 composition and input resolution (launch/job.py), so nothing is refused here that those would accept.
 
-Owns: that first look. Must never: compose the command line's config (job.py does), download a model, write a
+Owns: that first look. Must never: compose the command line's config (job.py does; a config file is composed
+alone, with Hydra), download a model, write a
 file, or import verl, torch or numpy.
 """
 
 from __future__ import annotations
 
 from pipegen.config.compose import refuse_new_keys, unknown_key, unknown_verl_key
-from pipegen.config.overrides import given, parse
+from pipegen.config.config_file import expand as expand_config_file
+from pipegen.config.overrides import given
 from pipegen.config.verl_keys import translate as translate_verl_keys
 from pipegen.inputs.models import unreachable_hub_id
 from pipegen.launch.engine_choice import choose_engine
 
-MISSING_OUTPUT_DIR = "missing output_dir=DIR (where the run's files go); see --help"
-
-
 def first_refusal(argv: list[str]) -> str:
     """One line refusing the command line, or '' (the launch goes on to compose it)."""
-    if not any((p := parse(a)) is not None and p.key == "output_dir" for a in argv):
-        return MISSING_OUTPUT_DIR
     try:
-        overrides = translate_verl_keys(choose_engine(list(argv)).overrides)
+        overrides = translate_verl_keys(choose_engine(expand_config_file(list(argv))).overrides)
         refuse_new_keys(overrides)
     except ValueError as e:
         return str(e)

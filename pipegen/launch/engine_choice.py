@@ -12,6 +12,9 @@ then says how many of them this launch may use, read as world.py's `visible_gpus
 names an interpreter that exists, or launch.sh's `.venv-sglang/bin/python` sits beside the virtualenv running
 this launch (then `llm.python` is set to it).
 
+verl's `trainer.n_gpus_per_node=0` says "no GPU": `rollout.name=sglang` (or none) is then served by pipegen's CPU
+server, which speaks SGLang's protocol, and `rollout.name=vllm` by vLLM's CPU build; the reason says so.
+
 `actor_rollout_ref.rollout.name` is checked here against an explicit `llm=`: `vllm` needs `llm=vllm` or
 `llm=external`; `sglang` goes with every kind but `vllm` (pipegen's CPU server and external servers speak
 SGLang's protocol).
@@ -32,6 +35,7 @@ from pipegen.config.overrides import given
 from pipegen.launch.world import listed_gpus, visible_gpus
 
 ROLLOUT_NAME = "actor_rollout_ref.rollout.name"
+GPUS_KEY = "trainer.n_gpus_per_node"
 ENGINE_NAMES = ("sglang", "vllm")  # verl's rollout.name values pipegen starts
 
 
@@ -71,12 +75,23 @@ def choose_engine(overrides: list[str], env: Mapping[str, str] = os.environ,
     if name is not None and name not in ENGINE_NAMES:
         raise ValueError(f"{ROLLOUT_NAME}={name}: pipegen starts sglang or vllm servers (or llm=cpu, its CPU "
                          f"server; llm=external for your own)")
+    no_gpu = given(overrides, GPUS_KEY) == "0"  # verl's way to say "no GPU"
+    if no_gpu and kind == "sglang":
+        raise ValueError(f"llm=sglang runs on GPUs and {GPUS_KEY}=0 asks for none: drop one (llm=cpu is pipegen's "
+                         f"CPU server, which speaks SGLang's protocol)")
+    if no_gpu and kind is None:
+        if name == "vllm":
+            return EngineChoice([*overrides, "llm=vllm"], "vllm",
+                                f"llm=vllm: vLLM's CPU build, since {GPUS_KEY}=0 ({ROLLOUT_NAME}=vllm)")
+        why = (f"{ROLLOUT_NAME}=sglang is served by pipegen's CPU server, which speaks SGLang's protocol"
+               if name == "sglang" else "pipegen's CPU server")
+        return EngineChoice([*overrides, "llm=cpu"], "cpu", f"llm=cpu: {GPUS_KEY}=0, so {why}")
     if kind is not None:
         if name == "vllm" and kind not in ("vllm", "external"):
             raise ValueError(f"{ROLLOUT_NAME}=vllm and llm={kind} disagree: drop one (llm=vllm starts vLLM)")
         if name == "sglang" and kind == "vllm":
             raise ValueError(f"{ROLLOUT_NAME}=sglang and llm=vllm disagree: drop one (llm=sglang starts SGLang)")
-        gpus = gpus_for_launch(env, listed) if kind == "cpu" else 0
+        gpus = gpus_for_launch(env, listed) if kind == "cpu" and not no_gpu else 0
         if gpus:
             python, _ = sglang_python(env, prefix)
             hint = "leave llm= out for SGLang" if python else "./launch.sh sets SGLang up for them"

@@ -1,6 +1,7 @@
 """A command line turned into the job's one resolved config: what a launch runs and what `--help` lists.
 
-In order: the engine chosen (launch/engine_choice.py: llm= as given, else verl's rollout.name, else what this
+In order: a config file's keys (`--config-path/--config-name`, config/config_file.py) put before the command
+line's; the engine chosen (launch/engine_choice.py: llm= as given, else verl's rollout.name, else what this
 machine has); verl's own keys translated (config/verl_keys.py); pipegen's and verl's keys composed with the
 overrides (config/compose.py), then the named tasks' defaults wherever an override does not set the key
 (`compose_job`, which `--help` lists too); every key's type and rule checked; output_dir=s3://... made storage.url
@@ -23,12 +24,11 @@ from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from pipegen.config.compose import check_types, compose, describe_config_error, resolved
-from pipegen.config.overrides import parse
-from pipegen.config.verl_keys import translate as translate_verl_keys
+from pipegen.config.config_file import expand as expand_config_file
+from pipegen.config.verl_keys import translate_with_notes
 from pipegen.gateway.harness import absolute_target
 from pipegen.inputs.demo import resolve_train_files
 from pipegen.inputs.models import resolve_model_path
-from pipegen.launch.early import MISSING_OUTPUT_DIR
 from pipegen.launch.engine_choice import choose_engine
 from pipegen.run.layout import RunDir
 from pipegen.run.store import StoreRefused, StoreUrl, default_scratch, is_store_url
@@ -49,6 +49,7 @@ class Job:
     run: RunDir
     tasks: list[TaskData]  # [] without tasks=[...]
     engine_reason: str = ""  # why this engine, for the plan line (launch/engine_choice.py)
+    notes: tuple[str, ...] = ()  # what verl's (or the seed's) keys were taken to mean, under the plan line
 
     @property
     def pending(self) -> dict[str, bytes]:
@@ -60,7 +61,7 @@ def compose_job(argv: list[str]) -> DictConfig:
     """The config as the command line composes it: its engine chosen, verl's keys translated, pipegen's and verl's keys with the
     overrides, then the named tasks' defaults (n, lengths) wherever an override does not set the key. Raises
     ValueError (a refused verl key, a task) or Hydra's and OmegaConf's errors."""
-    return with_task_defaults(translate_verl_keys(choose_engine(list(argv)).overrides))
+    return with_task_defaults(translate_with_notes(choose_engine(expand_config_file(list(argv))).overrides)[0])
 
 
 def with_task_defaults(overrides: list[str]) -> DictConfig:
@@ -71,13 +72,13 @@ def with_task_defaults(overrides: list[str]) -> DictConfig:
 
 
 def resolve_job(argv: list[str]) -> Job:
-    """The launch's one resolved config from its command line (`key=value` overrides, output_dir among them).
+    """The launch's one resolved config from its command line (`key=value` overrides; without output_dir or
+    trainer.default_local_dir the run's folder is verl's outputs/<project_name>/<experiment_name>).
     Raises JobRefused with one line naming the fix."""
-    if not any((p := parse(a)) is not None and p.key == "output_dir" for a in argv):
-        raise JobRefused(MISSING_OUTPUT_DIR)
     try:
-        choice = choose_engine(list(argv))  # llm= as given, else verl's rollout.name, else what this machine has
-        overrides = translate_verl_keys(choice.overrides)  # verl's own keys: pipegen's equivalents set, or refused
+        argv = expand_config_file(list(argv))  # --config-path/--config-name: the file's keys, as overrides
+        choice = choose_engine(argv)  # llm= as given, else verl's rollout.name, else what this machine has
+        overrides, notes = translate_with_notes(choice.overrides)  # verl's keys: pipegen's equivalents, or refused
     except ValueError as e:
         raise JobRefused(str(e)) from None
     try:
@@ -95,7 +96,7 @@ def resolve_job(argv: list[str]) -> Job:
         with open_dict(cfg):
             cfg.output_dir = str(run.root)
         tasks = resolve_inputs(cfg)
-        return Job(resolved(cfg), run, tasks, choice.reason)
+        return Job(resolved(cfg), run, tasks, choice.reason, tuple(dict.fromkeys(notes)))
     except (ValueError, RuntimeError) as e:
         raise JobRefused(str(e)) from None
     except OmegaConfBaseException as e:  # an interpolation that cannot resolve, a missing value (llm.urls)

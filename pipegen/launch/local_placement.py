@@ -30,7 +30,8 @@ class LocalPlacement:
         self.processes: NodeProcesses | None = None
 
     def plan(self) -> WorldPlan:
-        self._plan = current_plan(OmegaConf.to_container(self.cfg.llm, resolve=True), self.cfg.actors.num_actors)
+        self._plan = current_plan(OmegaConf.to_container(self.cfg.llm, resolve=True), self.cfg.actors.num_actors,
+                                  self.cfg.trainer.n_gpus_per_node)
         return self._plan
 
     def place(self) -> None:

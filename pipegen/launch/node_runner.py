@@ -198,7 +198,8 @@ class NodeRunner:
             os.environ.pop(var, None)
         cfg = load_run_config(self.run)
         self.n = int(cfg.actor_rollout_ref.rollout.n)
-        plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), cfg.actors.num_actors)
+        plan = current_plan(OmegaConf.to_container(cfg.llm, resolve=True), cfg.actors.num_actors,
+                            cfg.trainer.n_gpus_per_node)
         name = f"{node}-{self.incarnation}"
         extra = shlex.split(os.environ.get(NODE_SERVER_ARGS_ENV, ""))
         if extra:

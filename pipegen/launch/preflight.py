@@ -181,6 +181,7 @@ def preflight(cfg: DictConfig) -> tuple[str, str]:
     from pipegen.rewards.spec import run_reward
 
     spec = run_reward(cfg)
+    warning = ""
     if spec is not None:
         row = first_row(cfg)
         if row is not None:
@@ -188,7 +189,25 @@ def preflight(cfg: DictConfig) -> tuple[str, str]:
             if problem:
                 return problem, ""
             checked.append(f"{spec.describe()} scored the first row")
+    elif cfg.actors.scoring and not cfg.tasks and not uses_external_loop(cfg):
+        warning = unscorable_by_default(first_row(cfg))
     if not checked:
-        return "", ""
+        return "", warning
     return "", (f"preflight: {', '.join(checked)} ({time.perf_counter() - started:.1f} s; "
-                f"generation.preflight=false skips it)")
+                f"generation.preflight=false skips it)") + (f"\n{warning}" if warning else "")
+
+
+def unscorable_by_default(row: dict[str, Any] | None) -> str:
+    """A warning ('' when none) for a first row verl's default_compute_score cannot score: no data_source, or no
+    reward_model.ground_truth. Such rows are generated and kept unscored; the closing summary counts them."""
+    if row is None:
+        return ""
+    reward_model = row.get("reward_model")
+    missing = [name for name, there in (("data_source", row.get("data_source")),
+                                        ("reward_model.ground_truth", isinstance(reward_model, dict)
+                                         and reward_model.get("ground_truth") is not None)) if not there]
+    if not missing:
+        return ""
+    return (f"warning: the first row has no {' and no '.join(missing)}, which verl's default_compute_score scores "
+            f"by: such rows are generated and stay unscored; set custom_reward_function.path=my_reward.py or "
+            f"reward.verifier_url=URL to score them")

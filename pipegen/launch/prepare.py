@@ -35,6 +35,7 @@ from pipegen.launch.placement import Placement, placement_for
 from pipegen.launch.preflight import preflight
 from pipegen.launch.resume import check_run_files, guard_resume
 from pipegen.launch.servers import ServerNotReady, check_reachable
+from pipegen.launch.world import check_gpus_per_node
 from pipegen.observe.console import refuse
 from pipegen.observe.logs import setup_logging
 from pipegen.observe.summary import print_plan
@@ -119,6 +120,11 @@ def prepare(argv: list[str]) -> Prepared | int:
             return refuse(problem)
     try:
         placement = placement_for(cfg, run)  # node variables without cluster=ray
+        if cfg.cluster.kind == "local":  # more GPUs than this machine has (a Ray node checks its own)
+            check_gpus_per_node(cfg.trainer.n_gpus_per_node)
+            if int(cfg.trainer.nnodes) > 1:
+                raise ValueError(f"trainer.nnodes={cfg.trainer.nnodes}: several nodes run through a Ray cluster; "
+                                 f"add cluster=ray (README: Several nodes), or set trainer.nnodes=1")
         resolve_reward_settings(cfg)  # the reward function's file made absolute, and loaded once as a check
         problem, checked = preflight(cfg)  # what would fail every unit, before any unit runs
         if problem:
@@ -126,6 +132,8 @@ def prepare(argv: list[str]) -> Prepared | int:
     except (ValueError, RuntimeError) as e:
         return refuse(str(e))
     print_plan(cfg, run, job.engine_reason)  # the launch's first line: what will run, on which engine and why
+    for note in job.notes:  # what verl's (or the seed's) keys were taken to mean
+        print(f"  note: {note}", flush=True)
     if checked:
         print(checked, flush=True)
     run.root.mkdir(parents=True, exist_ok=True)
@@ -159,6 +167,8 @@ def prepare(argv: list[str]) -> Prepared | int:
         plan = placement.plan()
     except (ServerNotReady, ValueError) as e:  # PlanError is a ValueError
         return refuse(str(e))
+    if plan.gpu_line(cfg.llm):
+        print(f"  {plan.gpu_line(cfg.llm)}", flush=True)
     run.write_launch(LaunchRecord(launch=uuid.uuid4().hex, run_key=run.run_key(), servers=plan.urls,
                                   num_actors=plan.num_actors * plan.node.world_size))
     return Prepared(cfg, run, placement, n, plan.num_actors, False, lock)

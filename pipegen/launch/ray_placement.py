@@ -23,9 +23,10 @@ published them, has them leased again; once a node's leases are all written and 
 asked to `flush` (its writer commits the partial batch), every FLUSH_EVERY_S until they are committed. A unit a
 node thought lost committed late stays committed once: every reader applies the store's tie-break.
 
-Owns: the Ray connection of the launcher, the placement groups, the runners' handles and the lease book.
-(Its settings are `cluster.*`, config/schema.py's RayCluster.)
-Must never: write under the run directory except its stats line, read a node's disk when the run has a store, start processes on the head itself,
+Owns: the Ray connection of the launcher (verl's `ray_kwargs.ray_init` passed to ray.init, Ray's timeline written
+where `ray_kwargs.timeline_json_file` names it, `trainer.nnodes` nodes used), the placement groups, the runners'
+handles and the lease book. (Its settings are `cluster.*`, config/schema.py's RayCluster.)
+Must never: write under the run directory except its stats line (and the timeline file the user names), read a node's disk when the run has a store, start processes on the head itself,
 or pin a runner to a node (a hard-pinned actor never comes back after its node dies, measured on ray 2.60).
 """
 
@@ -39,7 +40,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipegen.launch.leases import LeaseBook, open_units
 from pipegen.launch.world import NodeInfo, WorldPlan
@@ -67,6 +68,16 @@ def infrastructure_errors() -> tuple[type[BaseException], ...]:
     names = ("RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError", "NodeDiedError",
              "WorkerCrashedError", "ObjectLostError", "OwnerDiedError", "GetTimeoutError", "RaySystemError")
     return tuple(getattr(rx, name) for name in names if hasattr(rx, name))
+
+
+def ray_init_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """verl's ray_kwargs.ray_init, as ray.init takes it (keys left null are Ray's defaults, left out)."""
+    def kept(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: kept(v) for k, v in value.items() if v is not None and kept(v) != {}}
+        return value
+
+    return kept(OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True) or {})
 
 
 def answers(address: str, timeout_s: float = 5.0) -> bool:
@@ -172,7 +183,8 @@ class RayPlacement:
             raise ClusterError(f"cluster=ray: nothing answers at cluster.address={address}; start the cluster with "
                                f"`ray start --head` (README: Several nodes) or set cluster.address / RAY_ADDRESS")
         try:
-            ray.init(address=address, namespace="pipegen", logging_level=logging.WARNING, log_to_driver=False)
+            ray.init(**{"address": address, "namespace": "pipegen", "logging_level": logging.WARNING,
+                        "log_to_driver": False, **ray_init_kwargs(self.cfg)})
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ClusterError(f"cluster=ray: cannot join the Ray cluster at cluster.address={address} "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start it with "
@@ -191,6 +203,12 @@ class RayPlacement:
             raise ClusterError(f"cluster=ray: no node of the Ray cluster has the resource "
                                f"cluster.node_resource={self.resource}; start nodes with it (ray start "
                                f"--resources='{{\"{self.resource}\": 1}}') or name one they have")
+        wanted = int(self.cfg.trainer.nnodes)
+        if wanted > 1 and len(nodes) < wanted:
+            raise ClusterError(f"trainer.nnodes={wanted}, but the Ray cluster has {len(nodes)} node(s) with "
+                               f"cluster.node_resource={self.resource}: start more, or set trainer.nnodes={len(nodes)}")
+        if wanted > 1:
+            nodes = nodes[:wanted]
         self._add_runners([float(n["Resources"][self.resource]) for n in nodes])
 
     def _add_runners(self, amounts: list[float]) -> None:
@@ -515,4 +533,11 @@ class RayPlacement:
                 remove_placement_group(pg)
             except Exception as e:  # the cluster may already be gone
                 log.warning("removing a placement group: %s", e)
+        timeline = self.cfg.ray_kwargs.timeline_json_file
+        if timeline:  # verl's ray_kwargs.timeline_json_file: Ray's timeline of the run, as verl's trainer writes it
+            try:
+                ray.timeline(filename=str(timeline))
+                log.info("Ray's timeline written to %s", timeline)
+            except Exception as e:  # the timeline is a by-product: the run's end matters more
+                log.warning("ray_kwargs.timeline_json_file=%s: %s", timeline, e)
         ray.shutdown()

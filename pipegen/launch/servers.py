@@ -99,7 +99,7 @@ def sglang_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed:
         "--model-path", str(model_path),
         "--host", plan.host,
         "--port", str(plan.port),
-        "--tp-size", str(len(plan.gpus) or int(llm["tp"])),
+        "--tp-size", str(len(plan.gpus) // int(llm["dp"]) if plan.gpus else int(llm["tp"])),  # tp x dp GPUs each
         "--mem-fraction-static", str(llm["mem_fraction_static"]),
         "--random-seed", str(seed),
         "--skip-tokenizer-init",

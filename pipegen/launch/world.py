@@ -1,6 +1,8 @@
 """The world plan: which servers and actors this node runs, as a pure function of config + environment.
 
-Owns: splitting visible GPUs into tensor-parallel groups (SGLang, vLLM; vLLM without GPUs: CPU servers), picking ports, deciding how many
+Owns: splitting the GPUs this node uses (the visible ones, the first `trainer.n_gpus_per_node` of them when set)
+into one group per server (vLLM: llm.tp GPUs; SGLang: llm.tp x llm.dp, the server's --tp-size and --dp-size; vLLM
+without GPUs: CPU servers), picking ports, deciding how many
 actors this node runs (`actors.num_actors=auto`: from its servers and cores) and whether it runs the
 writer (rank 0 only), from WORLD_SIZE/RANK/MASTER_ADDR or Slurm's variables.
 Must never: start processes (but `nvidia-smi -L`, which lists the GPUs), import torch, or touch the filesystem;
@@ -55,6 +57,18 @@ class WorldPlan:
     @property
     def urls(self) -> list[str]:
         return [s.url for s in self.servers] + list(self.external_urls)
+
+    def gpu_line(self, llm: Mapping) -> str:
+        """The plan's GPU servers in words ('' without GPUs): how many, each one's GPUs and parallel sizes."""
+        gpus = [len(s.gpus) for s in self.servers if s.gpus]
+        if not gpus:
+            return ""
+        kind = llm["kind"]
+        sizes = f"--tp-size {llm['tp']}" + (f" --dp-size {llm['dp']}" if kind == "sglang" and int(llm["dp"]) > 1
+                                            else "")
+        count = len(gpus)
+        return (f"servers: {count} {kind} server{'s' if count != 1 else ''} of {gpus[0]} GPU{'s' if gpus[0] != 1 else ''}"
+                f" each ({sizes}), {sum(gpus)} GPUs in all")
 
 
 def llm_settings(llm: Mapping, kind: str | None = None) -> dict[str, Any]:
@@ -136,12 +150,35 @@ def plan_world(
     count_devices: Callable[[], int] = lambda: 0,
     pick_port: Callable[[str], int] = free_port,
     cpus: int | None = None,
+    gpus_per_node: int | None = None,
 ) -> WorldPlan:
+    """This node's servers and actors. `gpus_per_node`: verl's trainer.n_gpus_per_node (None: every visible GPU;
+    more than are visible is refused)."""
     llm = llm_settings(llm)
-    plan = _place_servers(llm, env, count_devices, pick_port)
+    plan = _place_servers(llm, env, _counted(count_devices, env, gpus_per_node), pick_port)
     cpus = (os.cpu_count() or 1) if cpus is None else cpus
     plan.num_actors = actor_count(num_actors, llm["kind"], len(plan.urls), cpus)
     return plan
+
+
+def _counted(count_devices: Callable[[], int], env: Mapping[str, str],
+             gpus_per_node: int | None) -> Callable[[], int]:
+    """`count_devices`, bounded by trainer.n_gpus_per_node (PlanError when the node shows fewer)."""
+    if gpus_per_node is None:
+        return count_devices
+    check_gpus_per_node(gpus_per_node, env, count_devices)
+    return lambda: gpus_per_node
+
+
+def check_gpus_per_node(gpus_per_node: int | None, env: Mapping[str, str] = os.environ,
+                        count_devices: Callable[[], int] = listed_gpus) -> None:
+    """PlanError, one line, when trainer.n_gpus_per_node asks for more GPUs than this node shows."""
+    if gpus_per_node is None:
+        return
+    shown = len(visible_gpus(env, count_devices))
+    if gpus_per_node > shown:
+        raise PlanError(f"trainer.n_gpus_per_node={gpus_per_node}, but this node shows {shown} GPU(s) "
+                        f"(nvidia-smi -L, CUDA_VISIBLE_DEVICES): set trainer.n_gpus_per_node={shown} or fewer")
 
 
 def _place_servers(llm: Mapping, env: Mapping[str, str], count_devices: Callable[[], int],
@@ -167,21 +204,24 @@ def _place_servers(llm: Mapping, env: Mapping[str, str], count_devices: Callable
         return plan
     if kind in ("sglang", "vllm"):
         tp = int(llm["tp"])
+        dp = int(llm["dp"]) if kind == "sglang" else 1  # SGLang's --dp-size replicas live inside one server
+        size = tp * dp
         gpus = visible_gpus(env, count_devices)
         if not gpus:
             raise PlanError("llm=sglang needs GPUs, and none are visible; use llm=cpu or llm=vllm (which runs on "
                             "the CPU too), or set CUDA_VISIBLE_DEVICES")
-        if tp < 1 or len(gpus) % tp:
+        if tp < 1 or len(gpus) % size:
+            what = f"llm.tp={tp}" if dp == 1 else f"llm.tp={tp} x llm.dp={dp} = {size} GPUs per server"
             raise PlanError(
-                f"{len(gpus)} visible GPU(s) do not divide into tensor-parallel groups of llm.tp={tp}; "
-                f"use a tp that divides {len(gpus)} or set CUDA_VISIBLE_DEVICES"
+                f"{len(gpus)} GPU(s) do not divide into servers of {what}; "
+                f"use a size that divides {len(gpus)} or set CUDA_VISIBLE_DEVICES"
             )
-        groups = [tuple(gpus[i : i + tp]) for i in range(0, len(gpus), tp)]
+        groups = [tuple(gpus[i : i + size]) for i in range(0, len(gpus), size)]
         plan.servers = [ServerPlan(f"server_{i}", host, pick_port(host), g) for i, g in enumerate(groups)]
         return plan
     raise PlanError(f"llm.kind={kind!r} is unknown; choose llm=cpu, llm=sglang, llm=vllm or llm=external")
 
 
-def current_plan(llm: Mapping, num_actors: int | str) -> WorldPlan:
+def current_plan(llm: Mapping, num_actors: int | str, gpus_per_node: int | None = None) -> WorldPlan:
     """The plan for this process's real environment."""
-    return plan_world(llm, num_actors, os.environ, listed_gpus)
+    return plan_world(llm, num_actors, os.environ, listed_gpus, gpus_per_node=gpus_per_node)

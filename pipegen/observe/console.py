@@ -23,12 +23,12 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipegen.observe.summary import job_lines
-from pipegen.observe.outcomes import unit_outcomes
+from pipegen.observe.outcomes import Outcomes, committed_rewards, unit_outcomes
 from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import across_processes, aggregate, human_rate, latest_stats, stats_history
-from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, LAUNCH_TOKENS_PER_S, LAUNCH_UNITS_PER_S, RunTracker
+from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, RunTracker
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
@@ -119,32 +119,78 @@ class Console:
                 self.tracker.finish(exit_code=0 if exc_type is None else 1)
 
 
-def run_counts(run: RunDir, snap: Snapshot, metrics: dict) -> str:
+def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = True) -> str:
     """The closing line's counts after "N samples": trajectories and output tokens over the whole run (every
-    launch's processes), then what this launch generated and how fast."""
+    launch's processes), then what this launch generated and how fast (`generated=False`: a launch that found the
+    run complete and generated nothing; the stats then are an earlier launch's)."""
     history = stats_history(run.stats)
     whole = aggregate(across_processes(history))
     ckpt = load_checkpoint(run.checkpoint)
     completed, tokens = int(snap.metrics.get("actors/completed", 0)), snap.output_tokens
     run_tokens, counted_by = int(whole.get("actors/output_tokens", 0)), ""
-    tokens_per_s = metrics.get(LAUNCH_TOKENS_PER_S)
     cluster = [line for line in history.get(ClusterStats.ROLE, []) if isinstance(line, ClusterStats)]
     if not whole.get("actors/total") and any(line.final for line in cluster):
         # a cluster with a store: the actors' stats stay on their nodes, and each runner's stop returned its counts
         run_tokens = sum(node_totals(line)[1] for line in cluster if line.final)
         completed, tokens = node_totals(cluster[-1]) if cluster[-1].final else (0, 0)  # this launch's last line
         counted_by = " (as each node's runner counted its actors when it stopped)"
-        tokens_per_s = tokens / metrics[ELAPSED_S] if metrics.get(ELAPSED_S) else None
     text = f" ({ckpt.batches.rows} trajectories), {run_tokens} output tokens{counted_by}"
+    if not generated:
+        return f"{text}; this launch generated nothing (the run was complete)."
     this = f"; this launch: {completed} samples, {tokens} output tokens"
-    if metrics.get(ELAPSED_S) and metrics.get(LAUNCH_UNITS_PER_S) is not None:
-        rates = [human_rate(metrics[LAUNCH_UNITS_PER_S], "samples")]
-        if tokens_per_s:
-            rates.append(human_rate(tokens_per_s, "output tok"))
+    elapsed = metrics.get(ELAPSED_S)
+    if elapsed:
+        # the rates of the counts this line shows, over the time it shows (the tracker's launch averages count
+        # from its first look at the run, which a resumed or fast run had already passed)
+        rates = [human_rate(completed / elapsed, "samples")]
+        if tokens:
+            rates.append(human_rate(tokens / elapsed, "output tok"))
         if metrics.get(GPU_BUSY) is not None:  # idle GPUs show here
             rates.append(f"GPUs {metrics[GPU_BUSY]:.0f}% busy while generating")
         this += f" in {metrics[ELAPSED_S]:.1f}s ({', '.join(rates)})"
     return f"{text}{this}."
+
+
+def failed_what(run: RunDir, failed: dict) -> str:
+    """What failed and what to do, in words: units whose generation failed are retried by the same command, each
+    with a fresh seed; units generated but not scored keep their samples, which a rescore (or the same command,
+    with the reward unchanged) scores without generating. Each told apart by its reason (run/stream.py's NOT_SCORED)."""
+    from pipegen.run.checkpoint import failure_reason
+    from pipegen.run.stream import NOT_SCORED
+
+    unscored = sum(1 for info in failed.values() if failure_reason(info).startswith(NOT_SCORED))
+    generation = len(failed) - unscored
+    parts = []
+    if generation:
+        parts.append(f"{generation} unit(s) failed to generate: rerun the same command to retry only them (each "
+                     f"with a fresh seed)")
+    if unscored:
+        parts.append(f"{unscored} unit(s) generated but not scored (the reward raised or gave no score; their samples "
+                     f"are kept): fix the reward, then {command('rescore')} {run.root} scores them without "
+                     f"generating (the same command does too while the reward is unchanged)")
+    return "; ".join(parts) + f". Listed in {run.failed_units}."
+
+
+def unscored_line(run: RunDir, outcomes: Outcomes | None) -> str:
+    """The closing summary's warning when trajectories have no score ('' when every one has, or when the outcomes
+    could not be read): how many, and how to score them."""
+    if outcomes is None:
+        return ""
+    rows = load_checkpoint(run.checkpoint).batches.rows
+    scored = outcomes.rewards.scored if outcomes.rewards is not None else 0
+    if not rows or scored >= rows:
+        return ""
+    from pipegen.run.config import load_run_config
+
+    cfg = load_run_config(run)
+    if not cfg.actors.scoring:
+        return ""
+    why = ("rows verl's default_compute_score cannot score: no data_source it knows, or no "
+           "reward_model.ground_truth" if not (cfg.reward.verifier_url or cfg.custom_reward_function.path or cfg.tasks)
+           else "the reward gave no score")
+    return (f"  warning:      {rows - scored} of {rows} trajectories have no score ({why}); set "
+            f"custom_reward_function.path=my_reward.py or reward.verifier_url=URL, then {command('rescore')} "
+            f"{run.root} scores them without generating")
 
 
 def node_totals(line: ClusterStats) -> tuple[int, int]:
@@ -192,13 +238,21 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
     launch = snap.roles.get(LaunchStats.ROLE)
     metrics = launch.metrics if isinstance(launch, LaunchStats) else {}
     if snap.complete:
-        print(f"pipegen: done: {snap.committed} samples{run_counts(run, snap, metrics)}")
+        print(f"pipegen: done: {snap.committed} samples{run_counts(run, snap, metrics, not already_complete)}")
         print(f"  reward:       {reward_name(run)}")
         outcomes = unit_outcomes(run)
         scores = outcomes.rewards if outcomes is not None else None
+        if run.role_log("rescore").exists():  # rescored (logs/rescore.log): the batch files hold the rewards, the
+            # streams the rewards at generation
+            scores = committed_rewards(run)
+            if outcomes is not None:
+                outcomes.rewards = scores
         if scores is not None:
             print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
                   f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
+        unscored = unscored_line(run, outcomes)
+        if unscored:
+            print(unscored)
         for line in job_lines(run, outcomes):  # prompts skipped, responses that reached the limit
             print(line)
         if snap.merged:
@@ -210,15 +264,14 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
         lines = f"{run.streams}/" if medium.kind == "files" else f"{run.streams}/ (stats), {medium.where(ROLLOUTS)}"
         print(f"  logs:         {run.logs}/   streams: {lines}")
         return 0
+    what = failed_what(run, snap.failed_units)
     if snap.merged or run.merged_output() is not None:
         where = f"{run.merged_output() or run.trajectories} and {run.artifact}"
-        print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {snap.failed} "
-              f"unit(s) failed, listed in {run.failed_units}. Rerun the same command to retry only them (each with "
-              f"a fresh seed).", file=sys.stderr)
+        print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {what}",
+              file=sys.stderr)
     else:
-        print(f"pipegen: {snap.failed} unit(s) failed, {snap.committed}/{snap.total} committed, no merged output "
-              f"(generation.all_or_nothing=true, or generation.final_merge=false: the batch files). Failed units: "
-              f"{run.failed_units}; rerun the same command to retry only them.", file=sys.stderr)
+        print(f"pipegen: {snap.committed}/{snap.total} committed, no merged output (generation.all_or_nothing=true, "
+              f"or generation.final_merge=false: the batch files); {what}", file=sys.stderr)
     for line in failure_summary(snap.failed_units):
         print(f"  {line}", file=sys.stderr)
     print(f"  logs: {run.logs}/   details: {command('status')} {run.root}", file=sys.stderr)

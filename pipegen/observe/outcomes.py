@@ -74,3 +74,19 @@ def unit_outcomes(run: RunDir) -> Outcomes | None:
         return None
     rewards = RewardSummary(total / scored, scored, len(best), sum(1 for v in best.values() if v > 0)) if scored else None
     return Outcomes(rewards, finishes)
+
+
+def committed_rewards(run: RunDir) -> RewardSummary | None:
+    """The reward figures of the committed rows as the batch files hold them (what trajectories.pkl holds): after
+    `pipegen rescore` rewrote them, the streams still carry the rewards at generation. None when no row has a
+    score."""
+    from pipegen.report.numbers import committed_rows
+
+    rows = [r for r in committed_rows(run).rows if r.reward is not None]
+    if not rows:
+        return None
+    best: dict[int, float] = {}
+    for r in rows:
+        best[r.index] = max(best.get(r.index, float("-inf")), r.reward)
+    return RewardSummary(sum(r.reward for r in rows) / len(rows), len(rows), len(best),
+                         sum(1 for v in best.values() if v > 0))

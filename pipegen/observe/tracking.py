@@ -7,7 +7,8 @@
   node's GPUs, their mean utilisation while generating: observe/gpu_busy.py) and, every `interval_s`, logs them through verl's `Tracking` and appends
   them to DIR/streams/stats/launch.jsonl. One wandb run per launch, named `trainer.experiment_name`
   in project `trainer.project_name`, grouped by the run key so the launches of one run sit together.
-- `upload_artifact(cfg, run)`: DIR/trajectories.zip as a wandb Artifact of type `dataset` (called by
+- `upload_artifact(cfg, run)`: DIR/trajectories.zip as the wandb Artifact seed 000 logged, named `trajectories` of
+  type `trajectories` (a trainer's `use_artifact("trajectories:latest", type="trajectories")` finds it; called by
   the writer after it zips the merged run, when `generation.upload_artifact` and wandb is a logger).
 
 wandb defaults (each only when the variable is unset): WANDB_DIR=DIR (so offline runs land in
@@ -236,13 +237,19 @@ class RunTracker:
             self.tracking = None
 
 
-def artifact_name(cfg: DictConfig) -> str:
-    """wandb artifact names allow letters, digits, '-', '_' and '.'."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"trajectories-{cfg.trainer.experiment_name}").strip("-")
+ARTIFACT_NAME = "trajectories"  # seed 000's `_upload_artifact`: name and type
+ARTIFACT_TYPE = "trajectories"
+
+
+def artifact_aliases(cfg: DictConfig, run: RunDir) -> list[str]:
+    """`latest`, the run's key and the experiment's name (wandb aliases allow letters, digits, '-', '_' and '.')."""
+    experiment = re.sub(r"[^A-Za-z0-9._-]+", "-", str(cfg.trainer.experiment_name)).strip("-")
+    return list(dict.fromkeys(["latest", f"run-{(run.run_key() or 'unknown')}", *([experiment] if experiment else [])]))
 
 
 def upload_artifact(cfg: DictConfig, run: RunDir) -> None:
-    """Log DIR/trajectories.zip as a wandb Artifact (type dataset) in its own short wandb run of the
+    """Log DIR/trajectories.zip as the wandb Artifact `trajectories` (type `trajectories`, as seed 000's; aliases:
+    latest, the run's key, the experiment's name) in its own short wandb run of the
     run's group (job type `upload`). Offline (WANDB_MODE=offline) it is staged for `wandb sync`.
     Never raises: a failed upload is logged as an error; the data on disk is complete either way."""
     if not run.artifact.exists():
@@ -264,14 +271,15 @@ def upload_artifact(cfg: DictConfig, run: RunDir) -> None:
         }
         tracking = make_tracking(cfg, run, ["wandb"], job_type="upload")
         wandb = tracking.logger["wandb"]
-        art = wandb.Artifact(artifact_name(cfg), type="dataset", metadata=metadata,
+        art = wandb.Artifact(name=ARTIFACT_NAME, type=ARTIFACT_TYPE, metadata=metadata,
                              description=f"pipegen trajectories ({ckpt.num_rows} rows) from {run.root}")
         # immutable: referenced in place, not copied into wandb's staging area (it can be many GB)
         art.add_file(str(run.artifact), name=run.artifact.name, policy="immutable")
-        wandb.run.log_artifact(art, aliases=["latest", f"run-{(run.run_key() or 'unknown')}"])
+        wandb.run.log_artifact(art, aliases=artifact_aliases(cfg, run))
         where = wandb_run_dir(tracking)
         tracking.finish(exit_code=0)
-        log.info("artifact %s logged to wandb%s", artifact_name(cfg), f" ({os.path.dirname(where)})" if where else "")
+        log.info("artifact %s:%s (type %s) logged to wandb%s", ARTIFACT_NAME, artifact_aliases(cfg, run)[-1],
+                 ARTIFACT_TYPE, f" ({os.path.dirname(where)})" if where else "")
     except Exception as e:
         log.error("uploading %s to wandb failed (%s: %s); the file on disk is complete, upload it later",
                   run.artifact, type(e).__name__, e)

@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         launch_lock.release()
         return refuse(str(e))
     setup_logging("rescore")
+    import logging
+
+    handler = logging.FileHandler(run.role_log("rescore"))  # the rescore's log lines kept, as every role's are
+    handler.setFormatter(logging.getLogger().handlers[0].formatter)
+    logging.getLogger().addHandler(handler)
     started = time.monotonic()
     try:
         reward_by = current_reward(cfg)
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{outcome.skipped} left as they were; 0 generation requests ({time.monotonic() - started:.1f}s). Old "
           f"scores are in the columns {PREVIOUS_SCORE} and {PREVIOUS_REWARD_BY}, the reward of each row in "
           f"{REWARD_BY}: {run.merged_output() or run.root}")
+    from pipegen.report import end_of_run
+
     if outcome.failed:
         from pipegen.run.checkpoint import failure_summary
 
@@ -144,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
               "score (or stay failed); fix the reward and rerun pipegen rescore:", file=sys.stderr)
         for line in failure_summary({u: {"reason": r} for u, r in outcome.failed.items()}):
             print(f"  {line[:300]}", file=sys.stderr)
-        return 1
-    return 0
+        return end_of_run(cfg, run, 1)  # the report names the new rewards and the units still failed
+    return end_of_run(cfg, run, 0)  # report.html and report.json: the rescored rows, the run's state now
 
 
 async def rescore_run(cfg: DictConfig, run, ckpt, reward_by: str, only_unscored: bool) -> Outcome:

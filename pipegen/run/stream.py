@@ -230,6 +230,11 @@ class RolloutRecord(_Line):
         return kwargs
 
 
+# the reason of a unit that generated but whose reward failed: its samples are kept, and a launch (or a rescore)
+# scores them without generating; every summary tells it from a failed generation by this start
+NOT_SCORED = "not scored (its samples are kept: the next launch scores them without generating)"
+
+
 @dataclass
 class FailureRecord(_Line):
     """One unit that failed after its retries: never a sample, retried by the next launch."""

@@ -1,7 +1,8 @@
 """Batches -> the merged output in verl's layout (`trajectories.pkl`, or sharded parts), and the run's artifact.
 
 Owns: the merge (key alignment across batches, (index, sample, trajectory) order, verl's int64 layout
-restored, verl's timing metrics, `meta_info["temperature"]` that verl's log-prob pass reads), the output
+restored, verl's timing metrics, `meta_info["temperature"]` that verl's log-prob pass reads, and a partial output's
+left-out units counted in its meta_info with failed_units.json named), the output
 modes (one `trajectories.pkl`, or `trajectories/part_NNNNN.pkl` + `index.json` for runs larger than RAM),
 `trajectories.zip` (output + checkpoint + config), uploaded to wandb when it is a tracking backend. The
 optional export runs after it, as its own step (`export`: `python -m pipegen.export`, started here).
@@ -125,9 +126,21 @@ def output_meta(cfg: DictConfig) -> dict[str, Any]:
     return {"temperature": float(cfg.actor_rollout_ref.rollout.temperature)}
 
 
+def partial_meta(run: RunDir) -> dict[str, Any]:
+    """A partial output says so in its meta_info: the units left out (failed, and pending when a writer alone
+    delivered), out of how many, and the file naming each one (failed_units.json, written before the merge). A
+    complete output carries none of these keys."""
+    if not run.failed_units.exists():
+        return {}
+    listing = orjson.loads(run.failed_units.read_bytes())
+    return {"complete": False, "committed_units": int(listing["committed"]), "total_units": int(listing["total"]),
+            "failed_units": int(listing["failed"]), "pending_units": int(listing.get("pending", 0)),
+            "failed_units_file": run.failed_units.name}
+
+
 def plan_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> MergePlan:
     """The merge plan of a run: exactly the batches the checkpoint lists."""
-    return MergePlan.committed(run, ckpt, meta=output_meta(cfg))
+    return MergePlan.committed(run, ckpt, meta={**output_meta(cfg), **partial_meta(run)})
 
 
 def merge_run(cfg: DictConfig, run: RunDir, ckpt: Checkpoint) -> None:
