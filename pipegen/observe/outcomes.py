@@ -80,7 +80,7 @@ def committed_rewards(run: RunDir) -> RewardSummary | None:
     """The reward figures of the committed rows as the batch files hold them (what trajectories.pkl holds): after
     `pipegen rescore` rewrote them, the streams still carry the rewards at generation. None when no row has a
     score."""
-    from pipegen.report.numbers import committed_rows
+    from pipegen.observe.committed import committed_rows
 
     rows = [r for r in committed_rows(run).rows if r.reward is not None]
     if not rows:

@@ -16,7 +16,8 @@ import io
 from collections import defaultdict
 from typing import Any
 
-from pipegen.report.numbers import ALL_SOURCES, RowFacts
+from pipegen.observe.committed import RowFacts
+from pipegen.report.numbers import ALL_SOURCES
 
 SIZE = (5.6, 3.0)
 DPI = 90
