@@ -298,7 +298,10 @@ def engine_settings(cfg: Any, run: RunDir) -> dict[str, Any]:
                      "response_length": int(rollout.response_length), "prompt_length": int(rollout.prompt_length),
                      "seed": cfg.get("seed")},
         "agent_loop": str(rollout.get("agent", {}).get("default_agent_loop", "")),
-        "reproducible": reproducibility(cfg) if "llm" in cfg else "not known",
+        # what the server itself said outranks the config's promise (a vision model on the CPU server is not canonical)
+        "reproducible": (f"not reproducible: {run.engine_facts()['pipegen_not_reproducible']}"
+                         if run.engine_facts().get("pipegen_not_reproducible")
+                         else reproducibility(cfg) if "llm" in cfg else "not known"),
     }
 
 
