@@ -1,30 +1,18 @@
 """Attempts: what verl's agent loops call `server_manager.generate(...)` on (`ServerPool`), and the attempts it makes
 for each generation: retries, the stall watchdog, hedges.
 
-A generation is judged by what its engine says it is doing, never by the clock alone:
-- **looks, not deadlines**: every attempt on a streaming engine streams, so its first token's chunk says the engine
-  started it. An attempt is looked at every look_s; what its engine shows decides (`_judge`), and evidence against
-  it must hold in every reading for suspect_for_s before anything is called stalled (each plus the engine's
-  `load_trails_s`, how long its load reading may trail what it holds: vLLM's gauges are its last recorded step's,
-  SGLang's counts are read live):
-  - chunks come (within `llm.stall_floor_s`): the engine is generating it;
-  - started, then no chunk for `llm.stall_floor_s` while the server's queue (`Engine.load`: SGLang's `/get_load`,
-    vLLM's `/metrics`, the CPU server's counters) is empty: **stalled** (it stopped, and was not put back to wait);
-  - not started: queued, unless the engine does not hold it (`routing.Evidence`): **stalled** when nothing waits
-    there and the server's own count is below this actor's attempts surely counted there (sent lag_s before the
-    reading; on vLLM, whose counts are those of its last recorded step, before a reading two steps ago, and past
-    the clock's deadline when two steps never came, or when nothing waits there: an answer read whole shows no
-    progress of its own), or when an attempt sent after this one started over lag_s ago (the engines schedule in
-    arrival order, so this one is not waiting its turn; measured from the first start that overtook it, since a busy
-    engine starts requests every step) and the server holds fewer than reached it (a reading short only by attempts
-    sent in its last transit_s, which may still be on their way, neither clears nor confirms the suspicion). Past
-    the clock's deadline (admission.py's `stall_deadline`), an overtaken attempt counts as stalled however many the
-    server holds (a server shared with other clients, whose counts hide this actor's). A request lost while the
-    engine works on later ones does not count toward taking the server out of rotation;
-  - the server reports no load (LoadUnavailable): the clock alone judges, at that deadline.
-  Queued is never stalled. A stalled attempt is aborted on its server (SGLang: `POST /abort_request {rid}`; every
-  engine: its connection is closed) and re-sent elsewhere with a new id, and counts as its server's failure.
-  `llm.request_timeout_s` is the outer bound.
+The stall rule: a generation is judged by what its engine says it is doing, never by the clock alone (the numbers
+are actor/supervision.py's). An attempt is looked at every look_s; evidence against it must hold in every reading
+for suspect_for_s (each plus the engine's `load_trails_s`: vLLM's gauges are its last recorded step's, routing.py's
+`note_reading`) before it counts as **stalled**:
+  - started (a chunk came), then no chunk for `llm.stall_floor_s` while the server's queue (`Engine.load`) is empty;
+  - not started and not held by the engine (`routing.Evidence`): nothing waits there and the server counts fewer than
+    this actor's attempts surely there (sent lag_s before the reading), or an attempt sent after it started over lag_s
+    ago (engines schedule in arrival order) and the server holds fewer than reached it (transit_s of slack);
+  - past the clock's deadline (admission.py's `stall_deadline`): an overtaken attempt, however many the server holds;
+    a server that reports no load (LoadUnavailable) is judged by the clock alone, at that deadline.
+  Queued is never stalled. A stalled attempt is aborted on its server and re-sent elsewhere with a new id, and counts
+  as its server's failure unless the engine works on later ones; `llm.request_timeout_s` is the outer bound.
 - **hedges that can win**: a copy with the same seed on the same server reproduces the same tokens at the same
   speed, so it can only lose. In the tail (admission.py: nothing left to admit, capacity idle) an attempt older than
   admission's threshold may be copied only to *another* server in rotation, and only when its own server is

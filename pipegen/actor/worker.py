@@ -41,7 +41,7 @@ from pipegen.run.config import load_run_config
 from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.handshake import ACTOR_IMPORTS, import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
-from pipegen.run.layout import RunDir, actor_role, output_dir_from_args
+from pipegen.run.layout import RunDir, actor_role, arg_value, output_dir_from_args
 from pipegen.run.stats_line import ActorStats
 from pipegen.run.medium import Appender, FAILURES, ROLLOUTS, open_medium
 from pipegen.run.stream import assistant_turns, kept_unscored, RolloutRecord, TrajectoryKeys
@@ -74,13 +74,6 @@ class ActorCounters:
     def count_failure(self, kind: str) -> None:
         self.failed += 1
         self.errors[kind] = self.errors.get(kind, 0) + 1
-
-
-def arg_value(argv: list[str], key: str, default: str | None = None) -> str | None:
-    for a in argv:
-        if a.startswith(f"{key}="):
-            return a.split("=", 1)[1]
-    return default
 
 
 class Actor:

@@ -441,9 +441,17 @@ class NodeRecord(LaunchRecord):
     server_pgids: list[int] = field(default_factory=list)  # swept by the next incarnation on the same host
 
 
+def arg_value(argv: list[str], key: str, default: str | None = None) -> str | None:
+    """The value of a role's `key=VALUE` argument (the first one), else `default`: output_dir=, rank=, writer=, ..."""
+    for arg in argv:
+        if arg.startswith(f"{key}="):
+            return arg.split("=", 1)[1]
+    return default
+
+
 def output_dir_from_args(args: list[str]) -> Path:
     """The output_dir=... override from a child's argv (children get only that and their identity)."""
-    for arg in args:
-        if arg.startswith("output_dir="):
-            return Path(arg.split("=", 1)[1]).expanduser().resolve()
-    raise SystemExit("missing output_dir=DIR (the run directory)")
+    value = arg_value(args, "output_dir")
+    if value is None:
+        raise SystemExit("missing output_dir=DIR (the run directory)")
+    return Path(value).expanduser().resolve()

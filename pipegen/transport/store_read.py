@@ -31,7 +31,7 @@ from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.batchfile import BatchColumns, encode_batch_file, read_batch
 from pipegen.run.checkpoint import Checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
-from pipegen.run.layout import RunDir
+from pipegen.run.layout import RunDir, arg_value
 from pipegen.run.store import (CONF_FILES, Segment, StoreError, StoreRefused, conf_key, is_store_url, output_key,
                                read_cache, resolve, sha256)
 from pipegen.run.stream import parse_unit_label
@@ -155,8 +155,7 @@ class StoreRun:
     None when the read failed, set when the put did."""
 
     def __init__(self, arg: str | os.PathLike, cache: Path | None = None, outputs: bool = False):
-        text = str(arg)
-        text = text.split("=", 1)[1] if text.startswith("output_dir=") else text
+        text = arg_value([str(arg)], "output_dir", str(arg))  # `output_dir=DIR` as a role takes it, or DIR
         self.url = text if is_store_url(text) else None
         self.arg, self.cache, self.outputs = text, cache, outputs
         self.run: RunDir | None = None

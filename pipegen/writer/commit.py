@@ -73,7 +73,7 @@ class Mode(ABC):
     def listen(self) -> None:
         """What a signal means, installed first thing in main(); by default nothing (Ctrl-C: KeyboardInterrupt)."""
 
-    def run(self, cfg: DictConfig, run: RunDir) -> int:
+    def work(self, cfg: DictConfig, run: RunDir) -> int:
         """The process's work: the commit loop, driven by this mode. Returns the writer's exit code."""
         import uvloop
 

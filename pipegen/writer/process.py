@@ -28,9 +28,10 @@ from pipegen.run.diskfull import exit_disk_full, is_disk_full
 from pipegen.run.fingerprint import check_fingerprint
 from pipegen.run.handshake import EXIT_DAMAGED, EXIT_LOCKED, WRITER_IMPORTS, import_then_wait_for_manifest
 from pipegen.run.integrity import DamagedFile
-from pipegen.run.layout import RunDir, output_dir_from_args
+from pipegen.run.layout import RunDir, arg_value, output_dir_from_args
 from pipegen.run.ownership import DirectoryLock, LockHeld
 from pipegen.run.stats_line import WriterStats
+from pipegen.run.store import is_store_url
 from pipegen.writer.modes import LauncherWriter, NodeWriter
 from pipegen.writer.publish import merge_from_store
 from pipegen.writer.store_head import StoreHead
@@ -38,12 +39,12 @@ from pipegen.writer.store_head import StoreHead
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    store_url = next((a.split("=", 1)[1] for a in argv if a.startswith("output_dir=") and "://" in a), None)
-    if store_url:  # a store run's merge, from the store alone
+    store_url = arg_value(argv, "output_dir") or ""
+    if is_store_url(store_url):  # a store run's merge, from the store alone
         setup_logging("writer")
         return merge_from_store(store_url)
     run = RunDir(output_dir_from_args(argv))
-    node_writer, mode = next((a.split("=", 1)[1] for a in argv if a.startswith("writer=")), None), None
+    node_writer, mode = arg_value(argv, "writer"), None
     if node_writer is not None:
         mode = NodeWriter(node_writer)
         mode.listen()  # first thing: a signal's default action would kill the writer
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             import_then_wait_for_manifest(run, WRITER_IMPORTS)  # verl first; the launcher may still read the dataset
             head = bool(cfg.storage.url) and str(cfg.cluster.kind) == "ray"  # its nodes' writers commit the run
             mode = mode or (StoreHead() if head else LauncherWriter())
-            code = mode.run(cfg, run)
+            code = mode.work(cfg, run)
         return code
     except KeyboardInterrupt:  # Ctrl-C on a writer run by hand: one line, no traceback; nothing committed is lost
         print(f"pipegen.writer: stopped (Ctrl-C); {mode.committed() if mode else 0} unit(s) committed are safe; rerun "

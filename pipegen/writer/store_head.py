@@ -48,7 +48,7 @@ class StoreHead(Mode):
     """The head's writer: settled once the store holds every unit committed or failed; at the end, the outputs made
     from the store alone. A signal means nothing of its own (Ctrl-C: main's one line)."""
 
-    def run(self, cfg: DictConfig, run: RunDir) -> int:
+    def work(self, cfg: DictConfig, run: RunDir) -> int:
         """Follow the store until it settles the run, then merge it from the store. Returns the exit code."""
         self.cfg, self.run_dir = cfg, run
         self.url = str(cfg.storage.url)
