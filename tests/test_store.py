@@ -54,6 +54,9 @@ def assert_exact_in_store(seaweed: Seaweed, prefix: str, units: int = UNITS) -> 
     verified = pipegen("pipegen.status", f"s3://{BUCKET}/{prefix}", "--verify", env=seaweed.env())
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "every committed unit exactly once" in verified.stdout
+    # a healthy store run's shards are on its nodes, not "damaged or removed"
+    assert "damaged or removed" not in verified.stdout, verified.stdout
+    assert "the shards stay in each node's scratch folder" in verified.stdout, verified.stdout
 
 
 def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_store_alone(seaweed, tmp_path):
@@ -77,6 +80,8 @@ def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_s
     status = pipegen("pipegen.status", url, env=seaweed.env())
     assert status.returncode == 0, status.stderr
     assert f"{UNITS}/{UNITS} samples committed" in status.stdout, status.stdout
+    # merged in the store: status names it there, never "not merged: generation.final_merge=false"
+    assert "not merged" not in status.stdout and f"trajectories: {url}/trajectories.pkl" in status.stdout, status.stdout
     store.delete("trajectories.pkl")  # the merge again, from the store alone
     merged = pipegen("pipegen.writer", f"output_dir={url}", env=seaweed.env())
     assert merged.returncode == 0, merged.stderr[-2000:]
