@@ -68,6 +68,9 @@ def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_s
     done = pipegen("pipegen.launch", f"output_dir={url}", f"storage.scratch_dir={scratch}", *STORE_RUN, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"committed to {url} (this node's scratch folder: {scratch})" in done.stdout
+    # the closing summary names the output where the run keeps it, the store, beside this node's copy
+    assert f"  trajectories: {url}/trajectories.pkl (this node's copy: {scratch.resolve()}/trajectories.pkl)" in \
+        done.stdout, done.stdout
 
     store = store_of(seaweed, "kills")
     lives = {key.split("/")[2] for key in store.list("writers/node-0/") if "/manifest/" not in key}
