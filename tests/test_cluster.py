@@ -3,7 +3,9 @@ the lease book, and (slow) a real loopback Ray cluster losing a node mid-run and
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -230,8 +232,10 @@ def test_a_ray_runner_whose_engine_does_not_import_ends_the_launch_with_the_reas
     few seconds on a quiet machine), not a bound on it: a duration follows the machine's load."""
     add_generation_node(ray_cluster, NODE_RESOURCE)
     ray_cluster.wait_for_nodes()
+    timeline = tmp_path / "timeline.json"  # verl's ray_kwargs: ray.init's keys, and Ray's timeline when the run stops
     overrides = [*FAST, "llm.engine=no_such_engine_module:Backend", "generation.restart_limit=1",
-                 "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}"]
+                 "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}", f"ray_kwargs.timeline_json_file={timeline}",
+                 "+ray_kwargs.ray_init.include_dashboard=false"]
     env = {**os.environ, **LOOPBACK_ENV, "RAY_ADDRESS": ray_cluster.address}
     launcher = subprocess.Popen([sys.executable, "-m", "pipegen.launch", f"output_dir={tmp_path / 'run'}",
                                  f"model_path={tiny_model}", *overrides], cwd=REPO, stdout=subprocess.PIPE,
@@ -244,3 +248,13 @@ def test_a_ray_runner_whose_engine_does_not_import_ends_the_launch_with_the_reas
         kill_orphans_of(launcher.pid)
     assert launcher.returncode != 0, console[-3000:]
     assert "no_such_engine_module" in console, console[-3000:]
+    assert isinstance(json.loads(timeline.read_text()), list), console[-3000:]  # Ray's chrome-tracing events
+
+    # verl's trainer.nnodes: that many generation nodes, or one line saying how many the cluster has
+    wanted = subprocess.run([sys.executable, "-m", "pipegen.launch", f"output_dir={tmp_path / 'nodes'}",
+                             f"model_path={tiny_model}", *FAST, "cluster=ray", f"cluster.node_resource={NODE_RESOURCE}",
+                             "trainer.nnodes=99"], cwd=REPO, capture_output=True, text=True, env=env, timeout=240)
+    assert wanted.returncode != 0
+    last = wanted.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"pipegen: error: trainer.nnodes=99, but the Ray cluster has (\d+) node\(s\) with "
+                        rf"cluster.node_resource={NODE_RESOURCE}: start more, or set trainer.nnodes=\1", last), last

@@ -178,3 +178,20 @@ def test_check_fingerprint_passes_a_new_run_and_the_override(tmp_path, model_cop
     assert "n: 4 -> 2" in check_fingerprint(cfg, run)
     forced = composed(out, f"model_path={model_copy}", f"{OVERRIDE_KEY}=true")
     assert check_fingerprint(forced, run) is None
+
+
+def test_another_n_on_a_run_with_data_is_refused_even_with_resume_with_changes(tmp_path, tiny_model):
+    """A run numbers its units index x n + sample: n=1 -> 2 with resume_with_changes=true would read every committed
+    unit as another one. It is refused in one line that says why and what to do, and the run is left as it was."""
+    out = tmp_path / "run"
+    first = launch(out, f"model_path={tiny_model}", *[o for o in FAKE if not o.startswith("n=")], "n=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = directory_bytes(out)
+    for extra in ([], [f"{OVERRIDE_KEY}=true"]):
+        more = launch(out, f"model_path={tiny_model}", *[o for o in FAKE if not o.startswith("n=")], "n=2", *extra)
+        assert more.returncode == 2, more.stdout[-2000:]
+        assert more.stderr.strip().splitlines()[-1] == (
+            "pipegen: error: n=2 on a run made with n=1: a run's units are numbered by n, so samples cannot be added "
+            "to it in place (resume_with_changes=true would misread every committed unit); generate n=2 into a new "
+            "output_dir, or keep n=1 here"), more.stderr[-2000:]
+    assert directory_bytes(out) == before

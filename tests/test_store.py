@@ -54,6 +54,9 @@ def assert_exact_in_store(seaweed: Seaweed, prefix: str, units: int = UNITS) -> 
     verified = pipegen("pipegen.status", f"s3://{BUCKET}/{prefix}", "--verify", env=seaweed.env())
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert "every committed unit exactly once" in verified.stdout
+    # a healthy store run's shards are on its nodes, not "damaged or removed"
+    assert "damaged or removed" not in verified.stdout, verified.stdout
+    assert "the shards stay in each node's scratch folder" in verified.stdout, verified.stdout
 
 
 def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_store_alone(seaweed, tmp_path):
@@ -65,6 +68,9 @@ def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_s
     done = pipegen("pipegen.launch", f"output_dir={url}", f"storage.scratch_dir={scratch}", *STORE_RUN, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"committed to {url} (this node's scratch folder: {scratch})" in done.stdout
+    # the closing summary names the output where the run keeps it, the store, beside this node's copy
+    assert f"  trajectories: {url}/trajectories.pkl (this node's copy: {scratch.resolve()}/trajectories.pkl)" in \
+        done.stdout, done.stdout
 
     store = store_of(seaweed, "kills")
     lives = {key.split("/")[2] for key in store.list("writers/node-0/") if "/manifest/" not in key}
@@ -77,6 +83,8 @@ def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_s
     status = pipegen("pipegen.status", url, env=seaweed.env())
     assert status.returncode == 0, status.stderr
     assert f"{UNITS}/{UNITS} samples committed" in status.stdout, status.stdout
+    # merged in the store: status names it there, never "not merged: generation.final_merge=false"
+    assert "not merged" not in status.stdout and f"trajectories: {url}/trajectories.pkl" in status.stdout, status.stdout
     store.delete("trajectories.pkl")  # the merge again, from the store alone
     merged = pipegen("pipegen.writer", f"output_dir={url}", env=seaweed.env())
     assert merged.returncode == 0, merged.stderr[-2000:]

@@ -110,12 +110,12 @@ def expand(argv: list[str]) -> list[str]:
     cli = set().union(*(_targets(k) for k in keys_set(rest))) if rest else set()
     unresolved = OmegaConf.to_container(cfg, resolve=False)
     values: dict[str, Any] = {}
-    for key in [*_leaves({k: v for k, v in written.items() if k not in ("defaults", "hydra")}), *_shape_keys(cfg)]:
-        if key in values:
-            continue
-        if _targets(key) & cli or _at(written, key) == "???" or _missing(cfg, key) \
-                or OmegaConf.select(cfg, key, default=None, throw_on_missing=False) is None and key not in _leaves(written):
-            continue  # the command line sets it; or `???`, which the command line or pipegen's default gives
+    own = _leaves({k: v for k, v in written.items() if k not in ("defaults", "hydra")})
+    for key in [*own, *(k for k in _shape_keys(cfg) if k not in own)]:
+        unset = _at(written, key) == "???" or _missing(cfg, key) or (
+            key not in own and OmegaConf.select(cfg, key, default=None, throw_on_missing=False) is None)
+        if _targets(key) & cli or unset:
+            continue  # the command line sets it; or `???` (or a shape key verl leaves null): pipegen's default
         text = _at(unresolved, key)
         if isinstance(text, str) and "${" in text and "${" not in KEPT_AS_WRITTEN.sub("", text):
             values[key] = text  # resolved by pipegen's own config, as written

@@ -5,15 +5,25 @@ A verl user sets `actor_rollout_ref.rollout.tensor_model_parallel_size=2`, `data
 accepted by Hydra; without this module most would then change nothing (pipegen starts its servers from
 `llm.*`, its actors from `actors.*`). `translate` reads the overrides before Hydra composes them and, per
 key of `VERL_KEYS`:
-- `Same`: the key is one of pipegen's short keys under verl's name (`rollout.n` is `n`): the override is
-  rewritten to pipegen's key, which conf/pipegen.yaml interpolates back into verl's key;
+- `Same`: the key is one of pipegen's keys under verl's (or seed 000's) name (`rollout.n` is `n`,
+  `trainer.default_local_dir` is `output_dir`, `generation.pull_timeout` is `generation.partial_batch_quiet_s`):
+  the override is rewritten to pipegen's key, which conf/pipegen.yaml interpolates back into verl's key; a
+  `note` says so under the plan line where the two names do not mean quite the same;
 - `ToLlm`: an engine setting: pipegen's `llm.*` key of the chosen `llm=` kind is set too (refused for a
-  kind that has no such setting);
-- `Read`: verl's own code that pipegen runs reads it (RLHFDataset, the agent loops, the sampling params);
-- `Refused`: pipegen cannot honour it; one line naming pipegen's key (or that there is nothing to set).
+  kind that has no such setting, except a value that asks nothing of it, and GPU settings with
+  trainer.n_gpus_per_node=0, which are noted as unused);
+- `Read`: code pipegen runs reads it (verl's RLHFDataset and agent loops, the sampling params, the world plan's
+  trainer.n_gpus_per_node, cluster=ray's ray_kwargs and trainer.nnodes);
+- `Refused`: pipegen cannot honour it; one line naming pipegen's key (or that there is nothing to set). A value
+  it `accepted` (what pipegen does anyway) goes on where pipegen's composition holds the key, and is left out
+  where it does not (reward_model.enable=false).
+`translate_with_notes` also gives the run its folder when neither output_dir nor trainer.default_local_dir is
+set (verl's outputs/<project_name>/<experiment_name>) and says what `${now:...}` in it does. A `+key` is left
+to config/compose.py's refuse_new_keys.
 
-Owns: the table of verl keys under `actor_rollout_ref.rollout`, `actor_rollout_ref.model`, `data` and `trainer` and what pipegen does
-with each (docs/configuration.md's "What pipegen does with verl's keys" lists it), and the rewrite of the overrides.
+Owns: the table of verl keys under `actor_rollout_ref.rollout`, `actor_rollout_ref.model`, `data`, `trainer`,
+`ray_kwargs` and `reward_model` and seed 000's own, what pipegen does with each (docs/configuration.md's "What
+pipegen does with verl's keys" lists it), and the rewrite of the overrides.
 Must never: import verl or Hydra (it runs before the config is composed), or let a listed key through
 that pipegen would then ignore.
 """

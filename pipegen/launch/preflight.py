@@ -190,7 +190,10 @@ def preflight(cfg: DictConfig) -> tuple[str, str]:
                 return problem, ""
             checked.append(f"{spec.describe()} scored the first row")
     elif cfg.actors.scoring and not cfg.tasks and not uses_external_loop(cfg):
-        warning = unscorable_by_default(first_row(cfg))
+        try:
+            warning = unscorable_by_default(first_row(cfg))
+        except Exception:  # noqa: BLE001 (a file that cannot be read: the dataset check that follows names it)
+            warning = ""
     if not checked:
         return "", warning
     return "", (f"preflight: {', '.join(checked)} ({time.perf_counter() - started:.1f} s; "

@@ -65,6 +65,8 @@ Common overrides:
   actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent
   actor_rollout_ref.rollout.multi_turn.tool_config_path=conf/tools/calculator.yaml
   'trainer.logger=[console,wandb]'  log metrics (and upload the artifact) with verl's Tracking
+  --config-path DIR --config-name generation   a config file of your own, the Hydra way (seed 000's generation.yaml
+                                   on verl's ppo_trainer); trainer.default_local_dir=DIR names the run's folder too
 
 pipegen's keys, with their current values (overrides given with --help are applied):
 """

@@ -183,8 +183,10 @@ class RayPlacement:
             raise ClusterError(f"cluster=ray: nothing answers at cluster.address={address}; start the cluster with "
                                f"`ray start --head` (README: Several nodes) or set cluster.address / RAY_ADDRESS")
         try:
-            ray.init(**{"address": address, "namespace": "pipegen", "logging_level": logging.WARNING,
-                        "log_to_driver": False, **ray_init_kwargs(self.cfg)})
+            # verl's ray_kwargs.ray_init, then the connection pipegen's runners are found by (cluster.address, its
+            # namespace), which a ray_init key cannot move
+            ray.init(**{"logging_level": logging.WARNING, "log_to_driver": False, **ray_init_kwargs(self.cfg),
+                        "address": address, "namespace": "pipegen"})
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise ClusterError(f"cluster=ray: cannot join the Ray cluster at cluster.address={address} "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); start it with "

@@ -1,7 +1,8 @@
 """The resume guard: a new run's config and fingerprint saved, a resumed run's checked against them, and the
 small files a launch finds checked before any process starts.
 
-A changed setup is refused unless resume_with_changes=true; a change of the reward alone is refused naming
+A changed setup is refused unless resume_with_changes=true; another n is refused even then (a run numbers its
+units by n: samples cannot be added in place); a change of the reward alone is refused naming
 `pipegen rescore DIR`, which scores the rows already generated with the new reward and generates nothing (and
 resume_with_changes=true only where units are still to generate); a damaged fingerprint is restored only when this
 launch reproduces the run key the run recorded. What the launcher can write again (the config, the launch
@@ -50,6 +51,8 @@ def guard_resume(cfg: DictConfig, run: RunDir, pending: Mapping[str, bytes] | No
             return problem
     elif stored is not None:
         problem = reward_only_message(stored, current, run) or mismatch_message(stored, current, run.root)
+        if has_output(run) and samples_message(stored, current, run):
+            return samples_message(stored, current, run)  # not even with resume_with_changes=true
         if problem and not has_output(run):
             # nothing generated yet (an earlier launch was refused or stopped early): the new
             # settings replace the old ones, and the unit manifest is read again from them
@@ -85,6 +88,18 @@ def reward_only_message(stored: dict, current: dict, run: RunDir) -> str | None:
         line += (f"; then generate the {to_generate} unit(s) still missing with the new reward by adding "
                  f"{OVERRIDE_KEY}=true")
     return line
+
+
+def samples_message(stored: dict, current: dict, run: RunDir) -> str | None:
+    """The refusal of another n on a run that holds data: a run numbers its units index x n + sample (the
+    checkpoint's committed ranges, the leases) and derives each prompt's uid from its setup, so samples cannot be
+    added to it in place; resume_with_changes=true would read every committed unit as another one."""
+    old, new = stored.get("n"), current.get("n")
+    if old is None or new is None or old == new:
+        return None
+    return (f"n={new} on a run made with n={old}: a run's units are numbered by n, so samples cannot be added to it "
+            f"in place (resume_with_changes=true would misread every committed unit); generate n={new} into a new "
+            f"output_dir, or keep n={old} here")
 
 
 def recorded_run_keys(run: RunDir) -> set[str]:

@@ -151,6 +151,19 @@ def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = Tru
     return f"{text}{this}."
 
 
+def trajectories_where(run: RunDir) -> str:
+    """Where the merged output is: a store run's in its store (with this node's copy), else the run directory's."""
+    from pipegen.run.config import load_run_config
+
+    local = run.merged_output() or run.trajectories
+    url = load_run_config(run).storage.url
+    if not url:
+        return str(local)
+    from pipegen.run.store_read import store_output
+
+    return f"{store_output(str(url), run)} (this node's copy: {local})"
+
+
 def failed_what(run: RunDir, failed: dict) -> str:
     """What failed and what to do, in words: units whose generation failed are retried by the same command, each
     with a fresh seed; units generated but not scored keep their samples, which a rescore (or the same command,
@@ -256,7 +269,7 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
         for line in job_lines(run, outcomes):  # prompts skipped, responses that reached the limit
             print(line)
         if snap.merged:
-            print(f"  trajectories: {run.merged_output() or run.trajectories}")
+            print(f"  trajectories: {trajectories_where(run)}")
             print(f"  artifact:     {run.artifact}")
         else:
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")

@@ -78,6 +78,16 @@ class NotARun(Exception):
     pass
 
 
+def _storage_url(run: RunDir) -> str:
+    """The run's storage.url ('' for a run without a store, or a config that cannot be read)."""
+    from pipegen.run.config import load_run_config
+
+    try:
+        return str(load_run_config(run).storage.url or "")
+    except Exception:  # noqa: BLE001 (status names a damaged config elsewhere)
+        return ""
+
+
 def _n_from_config(run: RunDir) -> int:
     """n from the saved config, without composing anything (a plain YAML read)."""
     from pipegen.run.config import load_run_config
@@ -144,8 +154,14 @@ def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
         hint = legacy_format_message(run.root, legacy)
     elif snap.complete and committed_all:
         state = "finished"
-        hint = (f"trajectories: {run.merged_output() or run.trajectories}" if snap.merged
-                else f"batches: {run.root / BATCH_GLOB} (not merged: generation.final_merge=false)")
+        url = _storage_url(run)
+        if snap.merged and url and not run.rollouts.exists():  # read back from the store: the output is there
+            from pipegen.run.store_read import store_output
+
+            hint = f"trajectories: {store_output(url, run)}"
+        else:
+            hint = (f"trajectories: {run.merged_output() or run.trajectories}" if snap.merged
+                    else f"batches: {run.root / BATCH_GLOB} (not merged: generation.final_merge=false)")
     elif anything_alive and not any(r.alive is not False for r in roles if r.pid is not None and r.name != WriterStats.ROLE):
         # a writer started by hand, or left after the launcher: it commits what the shards hold, generates nothing
         state = "writer only"

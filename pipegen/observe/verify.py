@@ -200,6 +200,16 @@ def _check_progress(verdict: Verdict, run: RunDir, keys: UnitKeys, committed: se
         verdict.checked.append("no committed unit holds progress in streams/progress/")
 
 
+def _read_from_store(run: RunDir) -> bool:
+    """A store run read back into the read cache (run/store_read.py): its streams are on the nodes, not here."""
+    from pipegen.run.config import load_run_config
+
+    try:
+        return bool(load_run_config(run).storage.url) and not run.rollouts.exists()
+    except Exception:  # noqa: BLE001 (the config's own check names a damaged one)
+        return False
+
+
 def _check_shards(verdict: Verdict, run: RunDir, keys: UnitKeys, ckpt: Checkpoint) -> None:
     """The stream is the raw material: what is wrong there is a note when the batch files hold the units."""
     committed = set(ckpt.committed)
@@ -219,7 +229,10 @@ def _check_shards(verdict: Verdict, run: RunDir, keys: UnitKeys, ckpt: Checkpoin
                                  "committed from elsewhere or generated again)")
         if tailer.stats.torn_lines:
             verdict.notes.append(f"{topic}: {tailer.stats.torn_lines} torn last line(s) from a crash (skipped)")
-        if topic == ROLLOUTS and committed - seen:
+        if topic == ROLLOUTS and not seen and _read_from_store(run):
+            verdict.notes.append("the shards stay in each node's scratch folder (the store holds the committed "
+                                 "segments, checked above): verify a node's folder to check its shards")
+        elif topic == ROLLOUTS and committed - seen:
             verdict.notes.append(f"{len(committed - seen)} committed unit(s) have no line in {medium.where(ROLLOUTS)} "
                                  "(a shard or the stream was damaged or removed; the batch files hold them)")
     sizes = {f"{actor}/{path.name}": path.stat().st_size

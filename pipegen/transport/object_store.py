@@ -104,6 +104,19 @@ class Store:
         except FileNotFoundError:
             return None
 
+    def exists(self, key: str) -> bool:
+        """Whether the key exists (a HEAD: nothing is downloaded)."""
+        import obstore
+
+        def attempt() -> bool:
+            try:
+                obstore.head(self._store, key)
+                return True
+            except FileNotFoundError:
+                return False
+
+        return self._retry(attempt)
+
     def list(self, prefix: str, after: str | None = None) -> list[str]:
         return self._retry(lambda: self.list_now(prefix, after))
 

@@ -9,7 +9,8 @@ files the body named (`put_back`) go into the store beside the run.
 segments is kept from the one first by (writer, seq)), downloads each batch object a kept segment names and checks
 its size and sha256 (a cached copy with the right digest is not fetched again), numbers them batch_00000.arrow ...
 in that order, and writes checkpoint.json from the segments alone (committed ranges, the ledger, the store's
-failed_units.json). The run's conf files come from the store; its merged output too when asked. `upload` puts the
+failed_units.json). The run's conf files come from the store; its merged output too when asked (else only whether the store
+holds it, which status names). `upload` puts the
 files a reader wrote (an export, a report) back into the store. The scratch folders of the nodes are never read.
 
 Owns: the read cache (~/.cache/pipegen/store/<bucket>/<prefix>/, rewritten on every read) and what a reader writes
@@ -73,8 +74,8 @@ def materialize(url: str, cache: Path | None = None, outputs: bool = False) -> R
     else:
         run.failed_units.unlink(missing_ok=True)
     ckpt.complete = ckpt.num_committed == run.total_units(n) and not ckpt.failed
-    if outputs:
-        ckpt.merged = _fetch_outputs(store, run)
+    # merged: the store holds the merged output (fetched with `outputs`, else only looked up: status names it)
+    ckpt.merged = _fetch_outputs(store, run) if outputs else _has_outputs(store, run)
     save_checkpoint(run.checkpoint, ckpt)
     return run
 
@@ -109,6 +110,21 @@ def _without_units(data: bytes, dropped: set[int], n: int) -> tuple[bytes, int]:
     chunks = encode_batch_file({k: v[keep] for k, v in batch.tensors.items()},
                                {k: v[keep] for k, v in batch.non_tensor.items()}, batch.meta_info, int32)
     return b"".join(memoryview(c).cast("B").tobytes() for c in chunks if len(c)), int(keep.sum())
+
+
+def _has_outputs(store: Store, run: RunDir) -> bool:
+    """Whether the store holds the merged output (trajectories.pkl, or the sharded parts' index), without fetching."""
+    single = output_key(run.trajectories.relative_to(run.root))
+    index = output_key(run.output_index.relative_to(run.root))
+    return store.exists(single) or store.exists(index)
+
+
+def store_output(url: str, run: RunDir) -> str:
+    """The merged output's address in the store (what status names for a store run): trajectories.pkl, or the
+    sharded parts' index with generation.merge_output=sharded."""
+    sharded = str(load_run_config(run).generation.merge_output) == "sharded"
+    target = run.output_index if sharded else run.trajectories
+    return f"{url.rstrip('/')}/{output_key(target.relative_to(run.root))}"
 
 
 def _fetch_outputs(store: Store, run: RunDir) -> bool:
