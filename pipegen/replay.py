@@ -55,34 +55,17 @@ class Comparison:
                 f"log-prob difference where the ids agree: {self.largest_lp_gap:.3g})")
 
 
-def _leaves(cfg: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(cfg, dict):
-        for k, v in cfg.items():
-            path = f"{prefix}{k}"
-            if isinstance(v, dict) and v:
-                out.update(_leaves(v, f"{path}."))
-            else:
-                out[path] = v
-    return out
-
-
 def replay_overrides(saved: DictConfig) -> list[str]:
-    """The overrides that compose `saved` again: its llm kind, then every key whose value differs from the default."""
-    from pipegen.api import _value
-    from pipegen.config.compose import compose
+    """The overrides that compose `saved` again (config/config_file.py's `overrides_of`, as `run_generation` takes a
+    run's own config), less the keys the replay sets itself, with the job's size keys always given: their defaults
+    follow train_files (the demo's are small), and the replay's train_files differ."""
+    from pipegen.config.config_file import overrides_of
+    from pipegen.config.overrides import render
 
-    kind = str(saved.llm.kind)
-    default = _leaves(OmegaConf.to_container(compose(["output_dir=DIR", f"llm={kind}"]), resolve=True))
-    mine = _leaves(OmegaConf.to_container(saved, resolve=True))
-    # the job's size keys always: their defaults follow train_files (the demo's are small), and the replay's differ
-    out = [f"llm={kind}", *(f"{k}={_value(mine[k])}" for k in ALWAYS if k in mine)]
-    for path, value in mine.items():
-        if path in ALWAYS:
-            continue
-        if path in default and default[path] != value and not path.startswith(OWN_KEYS) and path != "llm.kind":
-            out.append(f"{path}={_value(value)}")
-    return out
+    mine = OmegaConf.to_container(saved, resolve=True)
+    key = lambda o: o.split("=", 1)[0].lstrip("+")  # noqa: E731
+    out = [o for o in overrides_of(saved) if not key(o).startswith(OWN_KEYS) and key(o) not in ALWAYS]
+    return out + [f"{k}={render(mine[k])}" for k in ALWAYS if k in mine]
 
 
 def _rows_file(saved: DictConfig, indices: set[int], folder: Path) -> Path:

@@ -112,6 +112,8 @@ def good_value(info: KeyInfo, default=None) -> str:
     special = {"llm.urls": "[http://127.0.0.1:9]", "reward.verifier_url": "http://127.0.0.1:9/score",
                "external.harness": "mine:harness", "llm.python": "/usr/bin/python3", "llm.engine": "mine:Backend",
                "trainer.logger": "[console,file]",
+               # true refuses the per_unit_seed=false this test sets beside it (a seed on every request)
+               "generation.reproducible": "false",
                "llm.extra_args": "[--mine]", "llm.engine_args": "[--mine]", "llm.server_args": "[[--mine]]"}
     if info.path in special:
         return special[info.path]
