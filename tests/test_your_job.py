@@ -42,7 +42,8 @@ def test_a_users_parquet_with_no_other_settings_gets_every_row_and_the_full_resp
              else " in float32")
     assert lines[0] == ("pipegen: 100 prompts of gsm8k.parquet (all its 100 rows) x 1 sample = 100 units; "
                         "responses up to 4096 tokens, prompts up to 1024; llm=cpu: no NVIDIA GPU visible, so "
-                        f"pipegen's CPU server{dtype}"), result.stdout
+                        f"pipegen's CPU server{dtype}; not reproducible (generation.reproducible=false): a unit's "
+                        "numerics follow what shares its batch"), result.stdout
     assert "pipegen: done: 100 samples" in result.stdout
     assert ("  prompts:      100 of the 100 rows of gsm8k.parquet; skipped: 0 by max_samples, 0 as too long "
             "(data.filter_overlong_prompts)") in lines, result.stdout

@@ -159,7 +159,7 @@ def trajectories_where(run: RunDir) -> str:
     url = load_run_config(run).storage.url
     if not url:
         return str(local)
-    from pipegen.run.store_read import store_output
+    from pipegen.transport.store_read import store_output
 
     return f"{store_output(str(url), run)} (this node's copy: {local})"
 

@@ -156,7 +156,7 @@ def gather(run: RunDir, ignore_pid: int | None = None) -> RunStatus:
         state = "finished"
         url = _storage_url(run)
         if snap.merged and url and not run.rollouts.exists():  # read back from the store: the output is there
-            from pipegen.run.store_read import store_output
+            from pipegen.transport.store_read import store_output
 
             hint = f"trajectories: {store_output(url, run)}"
         else:
