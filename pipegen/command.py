@@ -32,7 +32,7 @@ COMMANDS: dict[str, Subcommand] = {
                          "python -m pipegen.status"),
     "verify": Subcommand("pipegen.observe.run_status", "check a run directory: every unit exactly once (exit 1 if not)",
                          "python -m pipegen.status DIR --verify", ("--verify",)),
-    "rescore": Subcommand("pipegen.rescore.command", "score a run's rows again with the current reward, generating "
+    "rescore": Subcommand("pipegen.rescore.rescore_run", "score a run's rows again with the current reward, generating "
                           "nothing (old scores kept beside the new)", "python -m pipegen.rescore"),
     "replay": Subcommand("pipegen.replay", "generate some of a finished run's units again and compare them bit for "
                          "bit (exit 0 only when identical)", "python -m pipegen.replay"),

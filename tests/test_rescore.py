@@ -91,7 +91,7 @@ def test_rescore_after_a_reward_fix_scores_every_row_keeps_the_old_scores_and_ge
     assert "this launch generated nothing (the run was complete)." in again.stdout
 
     # the report says which reward scored the rows, with the extra key's statistics and the best and worst answers
-    from pipegen.report.command import write_report
+    from pipegen.report.write import write_report
     from pipegen.run.layout import RunDir
 
     write_report(RunDir(out))
@@ -125,7 +125,7 @@ def only_unscored_rescores_a_batch_without_scores_and_skips_one_with(out: Path, 
 
     from pipegen.actor.scoring import Scorer
     from pipegen.inputs.dataset import load_tokenizer
-    from pipegen.rescore.batches import rescore_batch
+    from pipegen.rescore.batch_file import rescore_batch
     from pipegen.run.atomic import atomic_write
     from pipegen.run.batchfile import encode_batch_file, read_batch
     from pipegen.run.config import load_run_config
@@ -162,7 +162,7 @@ def only_unscored_rescores_a_batch_without_scores_and_skips_one_with(out: Path, 
 def test_rescore_takes_the_rewards_own_keys_only_each_checked_as_a_launch_checks_it(tmp_path):
     from omegaconf import OmegaConf
 
-    from pipegen.rescore.command import with_reward_overrides
+    from pipegen.rescore.rescore_run import with_reward_overrides
 
     cfg = OmegaConf.create({"reward": {"verifier_url": None},
                             "custom_reward_function": {"path": None, "name": "compute_score", "reward_kwargs": {}}})

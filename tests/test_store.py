@@ -181,7 +181,7 @@ def test_the_store_bench_writer_pass_commits_its_shard_once_in_objects_of_the_de
     under one prefix as writers w0 and w1: every record is in the store exactly once, each object holds the default
     64 records, and the gateway's own request count (what the scenario reports per record) saw each object and
     segment PUT. No timing is judged."""
-    from pipegen.bench import store as bench
+    from pipegen.bench import store_writers as bench
     from pipegen.inputs.dataset import load_tokenizer
     from pipegen.writer.batches import BatchBuilder
 

@@ -24,7 +24,7 @@ SCENARIOS = {
     "resume": "pipegen.bench.partial_progress",
     "longtail": "pipegen.bench.longtail",
     "grouping_default": "pipegen.bench.grouping_default",
-    "demo": "pipegen.bench.demo",
-    "store": "pipegen.bench.store",
+    "demo": "pipegen.bench.demo_run",
+    "store": "pipegen.bench.store_writers",
     "reproducible": "pipegen.bench.reproducible",
 }

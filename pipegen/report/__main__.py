@@ -1,5 +1,5 @@
 import sys
 
-from pipegen.report.command import main
+from pipegen.report.write import main
 
 sys.exit(main())

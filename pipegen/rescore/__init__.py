@@ -9,7 +9,7 @@ the failures stream keeps, are scored and committed. Each rescored row keeps its
 and every row names the reward that scored it (run/provenance.py's columns: the reward's description and
 fingerprint, which the report and the dataset card read too).
 
-`command.py` (the CLI: its checks, the locks, the order below), `batches.py` (one batch file rescored and
+`rescore_run.py` (the CLI: its checks, the locks, the order below), `batch_file.py` (one batch file rescored and
 replaced whole).
 The order: every batch file the checkpoint lists is rewritten as a new file renamed over the old (each file
 whole, old or new, after any crash; a rerun skips rows the current reward already scored), the failed units'

@@ -2,7 +2,7 @@
 
 import sys
 
-from pipegen.rescore.command import main
+from pipegen.rescore.rescore_run import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -316,7 +316,7 @@ def _makespan(res: c.ScenarioResult, store, folder: Path, size: dict) -> None:
 
 
 def _check_in_subprocess(url: str, units: int, env: dict[str, str]) -> None:
-    code = f"from pipegen.bench.store import check; print(check({url!r}, {units}))"
+    code = f"from pipegen.bench.store_writers import check; print(check({url!r}, {units}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=c.REPO, timeout=300,
                           env={**os.environ, **env})
     if done.returncode != 0:

@@ -159,7 +159,7 @@ async def rescore_run(cfg: DictConfig, run, ckpt, reward_by: str, only_unscored:
     """Every committed batch file rescored, then the failed units' kept samples scored into a shard of their own."""
     from pipegen.actor.scoring import Scorer
     from pipegen.inputs.dataset import load_tokenizer
-    from pipegen.rescore.batches import rescore_batch
+    from pipegen.rescore.batch_file import rescore_batch
     from pipegen.run.fingerprint import load_fingerprint
 
     generated_by = generation_reward(load_fingerprint(run))
@@ -183,7 +183,7 @@ async def score_kept(cfg: DictConfig, run, ckpt, scorer, reward_by: str, outcome
     """The units of this launch that generated but whose reward failed (their samples kept in the failures
     stream): scored now as an actor's relaunch scores them, and appended as rollout lines to a shard of
     their own, which the writer commits. A unit whose reward fails again stays failed."""
-    from pipegen.rescore.batches import RowOutput
+    from pipegen.rescore.batch_file import RowOutput
     from pipegen.rewards.protocol import RewardFailure
     from pipegen.run.medium import FAILURES, ROLLOUTS, open_medium
     from pipegen.run.stream import RolloutRecord, TrajectoryKeys, UnitKeys, kept_unscored, unit_label
