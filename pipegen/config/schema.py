@@ -443,7 +443,8 @@ STREAM_KINDS = ("files", "redis")
 @dataclass
 class Streams:
     """streams=files (the default: each actor's shards under DIR/streams/) or streams=redis (a Redis stream per
-    run, as PipelineRL's `streams=redis`): the same lines either way; run/medium.py holds both."""
+    run, as PipelineRL's `streams=redis`): the same lines either way. run/medium.py chooses the medium;
+    transport/redis_medium.py is the Redis one."""
 
     kind: str = key("files", "files = each actor's shard files under DIR/streams/ | redis = one Redis stream per "
                              "run and topic (XADD, read by the writer as a consumer group)", choices=STREAM_KINDS)
