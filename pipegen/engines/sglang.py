@@ -212,10 +212,11 @@ class StreamedAnswer:
 
 # How often a streamed answer's tokens come back is chosen by time, not by a fraction of its budget (the client's
 # sending.py asks for a chunk about every `keep_every_s` of actor/supervision.py, in the server's observed
-# generation time, `stream_interval` tokens): a crash then loses about the same time of generation whatever the budget. Never a chunk per fewer than
-# STREAM_MIN_TOKENS tokens: each chunk costs its parsing and a line in the unit's progress file. pipegen starts
-# SGLang with --incremental-streaming-output, so a chunk holds only its new ids and log-probs (StreamedAnswer reads
-# either shape); pipegen's CPU server streams on a timer and ignores the interval.
+# generation time, `stream_interval` tokens): a crash then loses about the same time of generation whatever the
+# budget. Never a chunk per fewer than STREAM_MIN_TOKENS tokens: each chunk costs its parsing and a line in the
+# unit's progress file. pipegen starts SGLang with --incremental-streaming-output, so a chunk holds only its new
+# ids and log-probs (StreamedAnswer reads either shape); pipegen's CPU server streams on a timer and ignores the
+# interval.
 STREAM_MIN_TOKENS = 32
 
 
