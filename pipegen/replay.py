@@ -1,9 +1,10 @@
-"""`pipegen replay DIR [--units N | --all] [key=value ...]`: generate some of a finished run's units again with the
+"""`pipegen replay DIR|URL [--units N | --all] [key=value ...]`: generate some of a finished run's units again with the
 run's recorded config and compare them with what the run holds, token ids and log-probs apart, bit for bit.
 
     pipegen replay runs/demo                  8 units picked at random; exit 0 only when every one is identical
     pipegen replay runs/demo --all            every unit
     pipegen replay runs/demo llm.dtype=bfloat16   the same units with one setting changed: what that changes
+    pipegen replay s3://bucket/run            a store run, read back from the store alone (transport/store_read.py)
 
 How: the units' dataset rows (by `extra_info.index`, so each unit keeps its seed) go into a parquet file of their
 own, and `python -m pipegen.launch` runs the recorded config on it into a scratch folder (the keys the run set, read
@@ -37,7 +38,7 @@ DEFAULT_UNITS = 8
 OWN_KEYS = ("output_dir", "train_files", "max_samples", "data.train_files", "data.train_max_samples",
             "generation.report", "generation.upload_artifact", "generation.show_progress", "trainer.logger",
             "generation.keep_streams", "generation.export_format", "actor_rollout_ref.model.path",
-            "actor_rollout_ref.rollout.prometheus.")
+            "actor_rollout_ref.rollout.prometheus.", "storage.")  # a store run replays into a local scratch folder
 ALWAYS = ("n", "max_prompt_length", "max_response_length", "temperature", "seed", "model_path")
 
 
@@ -162,7 +163,7 @@ def differences(recorded: dict[str, Any], replay: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=command("replay"), description=__doc__.split("\n\n")[0])
-    parser.add_argument("run", help="a finished run's directory (with trajectories.pkl)")
+    parser.add_argument("run", help="a finished run's directory (with trajectories.pkl), or its storage url")
     parser.add_argument("--units", type=int, default=DEFAULT_UNITS, help=f"units picked at random (default "
                                                                           f"{DEFAULT_UNITS})")
     parser.add_argument("--all", action="store_true", help="replay every unit of the run")
@@ -170,10 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", default=None, metavar="DIR", help="run the replay into DIR and keep it")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="replay with these settings changed")
     args = parser.parse_intermixed_args(argv)
-    run = Path(args.run).expanduser().resolve()
+    from pipegen.run.store import StoreError
+    from pipegen.transport.store_read import StoreRun
+
+    try:
+        with StoreRun(args.run, outputs=True) as read:  # a store url: the run read back from the store alone
+            return _replay(args, read.root, args.run)
+    except StoreError as e:
+        print(f"pipegen replay: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _replay(args: argparse.Namespace, run: Path, named: str) -> int:
     merged = run / "trajectories.pkl"
     if not (run / "conf" / "config.yaml").is_file() or not merged.is_file():
-        print(f"pipegen replay: error: {run} holds no finished run with a merged trajectories.pkl (run it to the "
+        print(f"pipegen replay: error: {named} holds no finished run with a merged trajectories.pkl (run it to the "
               f"end with generation.final_merge=true)", file=sys.stderr)
         return 2
     from verl import DataProto
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [f"output_dir={out}", f"train_files=[{rows}]", "max_samples=-1", "generation.report=false",
                      "generation.upload_artifact=false", "generation.show_progress=false", "trainer.logger=[]",
                      *replay_overrides(saved), *args.overrides]
-        print(f"pipegen replay: {len(chosen)} of {len(units)} units of {run}, with its recorded config"
+        print(f"pipegen replay: {len(chosen)} of {len(units)} units of {named}, with its recorded config"
               + (f" and {' '.join(args.overrides)}" if args.overrides else ""), flush=True)
         done = subprocess.run([sys.executable, "-m", "pipegen.launch", *overrides], capture_output=True, text=True,
                               stdin=subprocess.DEVNULL)

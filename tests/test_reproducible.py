@@ -149,3 +149,18 @@ def test_no_two_units_of_a_run_share_a_seed() -> None:
     assert all(0 <= s < 2**63 for s in seeds)
     assert all(unit_seed(0, i, 0, 1) != unit_seed(0, i, 0) for i in range(1000))
     assert unit_seed(1, 0, 0) != unit_seed(0, 0, 0)
+
+
+def test_a_tool_loops_turns_draw_their_own_seeds_where_the_engine_keys_a_request_not_a_position() -> None:
+    """A unit's first model call takes its seed; on an engine with a per-request random stream (vLLM) each later
+    turn of a tool loop gets its own seed (never the first turn's draws again), the same on every rerun; where the
+    engine keys draws on (seed, position) (SGLang, the CPU server) every turn keeps the unit's seed."""
+    from pipegen.engines.request import turn_seed
+    from pipegen.run.stream import unit_seed
+
+    seed = unit_seed(0, 7, 1)
+    per_request = [turn_seed(seed, t) for t in range(6)]
+    assert per_request[0] == seed and len(set(per_request)) == 6
+    assert per_request == [turn_seed(seed, t) for t in range(6)]
+    assert all(0 <= s < 2**63 for s in per_request)
+    assert [turn_seed(seed, t, draws_by_position=True) for t in range(6)] == [seed] * 6

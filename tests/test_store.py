@@ -88,6 +88,11 @@ def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_s
     store.delete("trajectories.pkl")  # the merge again, from the store alone
     merged = pipegen("pipegen.writer", f"output_dir={url}", env=seaweed.env())
     assert merged.returncode == 0, merged.stderr[-2000:]
+    # `pipegen replay` on the store url: the run read back from the store alone, replayed into a local folder
+    objects = store.list("")
+    replayed = pipegen("pipegen.replay", url, "--units", "3", env=seaweed.env())
+    assert replayed.returncode == 0 and "3 of 3 units identical" in replayed.stdout, replayed.stdout + replayed.stderr
+    assert store.list("") == objects, "the replay wrote into the run's store"
 
     # a node thought lost that came back: its late segment commits units node-0 committed first; every reader keeps
     # node-0's copy ("node-0" sorts before "node-1"), so the run stays exact, and a filtered copy is a readable batch

@@ -38,6 +38,7 @@ from pipegen.config.compose import CONF_DIR
 from pipegen.run.layout import LaunchRecord, RunDir
 from pipegen.run.pictures import encode_multi_modal_data, has_media, load_pictures, strip_media
 from pipegen.verl_private import agent_loop_registry
+from pipegen.engines.request import turn_seed
 from pipegen.run.medium import Appender
 from pipegen.run.stream import (NOT_SCORED, FailureRecord, RolloutRecord, TrajectoryKeys, UnitKeys, prompt_uid,
                                  unit_seed)
@@ -208,13 +209,14 @@ class UnitServerManager:
         self.progress = progress  # the unit's record: long answers' kept tokens, calls a rerun answers from it
         self.sticky_key = sticky_key
         self.sampling_seed = sampling_seed
+        self.turns = 0  # the model calls verl's loop made so far: each turn's seed is the unit's `turn_seed`
         self.slot = slot
         self.gateway = gateway  # the actor's gateway (pipegen/gateway/), for the `external` loop
 
     async def generate(self, request_id: str, *, prompt_ids: list[int], sampling_params: dict[str, Any],
                        image_data: list | None = None, video_data: list | None = None,
                        audio_data: list | None = None, **_verl_only: Any) -> TokenOutput:
-        """verl's generate call, with the unit's seed. image_data (PIL images) travels to the engine (attempts.py);
+        """verl's generate call, with the unit's seed for this turn (`turn_seed`). image_data (PIL images) travels to the engine (attempts.py);
         videos and audio, which no engine pipegen speaks takes, fail the unit in one line (refused at launch
         already). Not sent: `priority` (admission.py orders the units) and `mm_processor_kwargs`/
         `mm_processor_output` (the pictures are already at the processor's size; verl's SGLang server sends
@@ -222,7 +224,9 @@ class UnitServerManager:
         if video_data or audio_data:
             raise ValueError("this prompt holds videos or audio, which no engine pipegen speaks takes; drop the "
                              "dataset's video/audio column")
-        return await self.generate_seeded(request_id, prompt_ids, sampling_params, self.sampling_seed, image_data)
+        seed = turn_seed(self.sampling_seed, self.turns, self.pool.limits.draws_by_position)
+        self.turns += 1
+        return await self.generate_seeded(request_id, prompt_ids, sampling_params, seed, image_data)
 
     async def generate_seeded(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any],
                               seed: int | None, image_data: list | None = None) -> TokenOutput:

@@ -96,6 +96,17 @@ def continuation_seed(seed: int | None, offset: int, draws_by_position: bool = F
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
 
 
+def turn_seed(seed: int | None, turn: int, draws_by_position: bool = False) -> int | None:
+    """The seed of a unit's model call number `turn` (0: its first; a tool loop's later turns count on): the
+    unit's own for the first, and for every turn where the engine keys each draw on (seed, position) (a later
+    turn's positions lie past the earlier turns', so its draws are its own); elsewhere one derived from the
+    unit's and the turn, so a turn does not replay the first turn's draws of a per-request stream."""
+    if seed is None or turn == 0 or draws_by_position:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:turn:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFFFFFFFFFF
+
+
 def new_rid() -> str:
     """A fresh request id: 128 random bits as 32 hex digits, like `uuid4().hex` at a fifth of its cost."""
     return os.urandom(16).hex()

@@ -45,6 +45,8 @@ SCHEMES = ("s3",)
 WRITERS = "writers"
 MANIFEST = "manifest"
 CONF_FILES = ("config.yaml", "fingerprint.json", "units.json", "launch.json")
+# conf files the launch writes while it runs (what its servers reported of themselves), put beside the outputs
+LATE_CONF_FILES = ("engines.json",)
 FAILED = "failed.json"
 # cluster=ray with a store: the folder under which each node runner makes its scratch folder (set where that node's
 # `ray start` runs); unset: ~/.cache/pipegen/nodes/<bucket>/<prefix>

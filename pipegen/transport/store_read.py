@@ -33,8 +33,8 @@ from pipegen.run.batchfile import BatchColumns, encode_batch_file, read_batch
 from pipegen.run.checkpoint import Checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config
 from pipegen.run.layout import RunDir, arg_value
-from pipegen.run.store import (CONF_FILES, Segment, StoreError, StoreRefused, conf_key, is_store_url, output_key,
-                               read_cache, resolve, sha256)
+from pipegen.run.store import (CONF_FILES, LATE_CONF_FILES, Segment, StoreError, StoreRefused, conf_key, is_store_url,
+                               output_key, read_cache, resolve, sha256)
 from pipegen.run.stream import parse_unit_label
 from pipegen.transport.object_store import Store
 
@@ -45,7 +45,7 @@ def materialize(url: str, cache: Path | None = None, outputs: bool = False) -> R
     store = Store(url)
     run = RunDir(Path(cache or read_cache(url)))
     run.conf.mkdir(parents=True, exist_ok=True)
-    for name in CONF_FILES:
+    for name in CONF_FILES + LATE_CONF_FILES:
         data = store.get(conf_key(name))
         if data is None and name in ("config.yaml", "units.json"):
             raise StoreRefused(f"{url} holds no pipegen run (no {conf_key(name)}): pass the storage url of a run")

@@ -42,8 +42,8 @@ from pipegen.run.atomic import replace_unsynced
 from pipegen.run.checkpoint import load_checkpoint
 from pipegen.run.layout import RunDir
 from pipegen.run.rows import batch_rows
-from pipegen.run.store import (CONF_FILES, PublishState, Segment, SegmentTaken, batch_key, conf_key, failed_key,
-                               key_ranges, output_key, segment_key, sha256)
+from pipegen.run.store import (CONF_FILES, LATE_CONF_FILES, PublishState, Segment, SegmentTaken, batch_key, conf_key,
+                               failed_key, key_ranges, output_key, segment_key, sha256)
 from pipegen.run.stream import UnitKeys
 from pipegen.transport.object_store import Store
 from pipegen.writer.committer import FAULT_ENV, FaultInjector
@@ -138,6 +138,9 @@ class Publisher:
                     self._save()
                 if outputs is not None and not todo:
                     self._put_failed()
+                    for name in LATE_CONF_FILES if self.node_writer is None else ():
+                        if (path := self.run.conf / name).exists():
+                            self.store.put(conf_key(name), path.read_bytes())
                     self._upload_outputs(outputs)
                     return
                 if not todo:  # after work, look again at once: more may have committed meanwhile, or the end come
