@@ -256,6 +256,8 @@ class Actor:
                 server_load=({s.url: {"running": s.running, "waiting": s.waiting} for s in control.servers}
                              if control and control.auto else {}),
                 requests_by_server={s.url: s.requests for s in pool.servers},
+                tail=control.tail_by_server() if control else {},
+                longest_request_s=round(pool.longest_request_s, 3),
                 cpu_busy=busy,
                 startup=self.clock.as_stats(),
             )
