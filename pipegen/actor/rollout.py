@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Hashable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import orjson
@@ -313,6 +313,9 @@ class UnitRunner:
         # read once: a DictConfig lookup costs tens of microseconds, and these are read per unit
         self.run_dir = run
         self.chunk_tokens = int(cfg.actors.progress_chunk_tokens)
+        self.divide_tokens = int(cfg.actors.chunk_tokens)
+        # where a unit's answer lengths go as they grow (the actor's admission order: units.py's LengthEvidence)
+        self.lengths: Callable[[int, int, bool], None] | None = None
         self._base_seed = int(cfg.seed)
         self._per_unit_seed = bool(cfg.actors.per_unit_seed)
 
@@ -355,10 +358,13 @@ class UnitRunner:
             uid = self._uids[index] = prompt_uid(self.launch.run_key, index)
         return uid
 
-    def unit_progress(self, pool, index: int, sample: int) -> UnitProgress:
+    def unit_progress(self, pool, index: int, sample: int, pos: int | None = None) -> UnitProgress:
         """The unit's record of its calls (actor/continuation.py), read back when a crash left one."""
+        lengths = self.lengths
         return UnitProgress(self.run_dir.progress_file(index, sample), self.chunk_tokens, pool.limits,
-                            streams=pool.engine.streams)
+                            streams=pool.engine.streams, divide_tokens=self.divide_tokens,
+                            lengths=None if lengths is None or pos is None else
+                            (lambda tokens, finished: lengths(pos, tokens, finished)))
 
     async def run(self, pool, pos: int, sample: int, slot, progress: UnitProgress, attempt: int = 0) -> RolloutRecord:
         """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot; `progress`:
@@ -430,7 +436,7 @@ class UnitRunner:
         A unit whose reward fails keeps its record in its FailureRecord (`unscored`). Returns the record, or
         the unit's exception. A failed append (the disk) raises: that is the actor's failure, not the unit's."""
         index = self.indices[pos]
-        progress = self.unit_progress(pool, index, sample)
+        progress = self.unit_progress(pool, index, sample, pos)
         try:
             record = await (self.rescore(pos, kept, slot) if kept is not None
                             else self.run(pool, pos, sample, slot, progress, attempt))

@@ -103,6 +103,21 @@ class Actors:
               "tokens, each continued from the prompt plus the tokens so far (smaller chunks lose less to a crash and "
               "cost one request more each); an answer within it is one request, as before; 0: off (a multi-turn "
               "unit's finished model calls are kept either way)", at_least=0)
+    chunk_tokens: int = key(
+        0, "divided answers: each request asks for at most this many new tokens, and the rest of a longer answer "
+           "goes as a continuation (the prompt plus its tokens so far, the same seed where the engine keys its draws "
+           "on position), so no answer holds a slot unseen for its whole length and each chunk tells admission how "
+           "far it ran; identical tokens under generation.reproducible=true; answers with stop strings or penalties "
+           "go whole; 0: off", at_least=0)
+    admit_longest_first: bool = key(
+        True, "admit the pending unit expected longest first: a prompt's finished samples (the first to finish "
+              "predicts its siblings), how far its samples in flight have run, and actors.lengths_from; a prompt "
+              "without evidence starts at the median of the lengths known (one sample of each prompt first), so it "
+              "is never starved; false: manifest order (prompt-major)", choices=(True, False))
+    lengths_from: Optional[str] = key(
+        None, "an earlier run's answer lengths for the same dataset, to admit long answers first from the start: "
+              "its run directory (its rollout shards are read) or a JSON file {\"<dataset index>\": tokens}; "
+              "null: none")
 
 
 @dataclass
