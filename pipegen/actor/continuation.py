@@ -88,8 +88,12 @@ class UnitProgress:
     """One unit's calls against its record (run/unit_progress.py's file at `path`)."""
 
     def __init__(self, path: Path, chunk_tokens: int, limits: TokenBudget, streams: bool = False,
-                 divide_tokens: int = 0, lengths: Callable[[int, bool], None] | None = None):
+                 divide_tokens: int = 0, lengths: Callable[[int, bool], None] | None = None,
+                 stop_ids: frozenset[int] = frozenset()):
         data = read_progress(path)
+        # the model's EOS ids: an engine checks the length before them (SGLang's order), so a chunk whose last token
+        # is one says `length`, where the whole answer would have stopped there
+        self.stop_ids = stop_ids
         self.divide_tokens = int(divide_tokens)  # divided answers: at most this many new tokens a request (0: off)
         self.lengths = lengths  # told (tokens so far, finished) as an answer grows: the admission's evidence
         self.recorded = parse_calls(data or b"")
@@ -194,6 +198,9 @@ class UnitProgress:
             stop_reason = out.stop_reason
             if stop_reason != "length" or len(got) < want or len(ids) >= budget:
                 break
+            if got and self._stops(got[-1], call_gen.params):  # the chunk ended on EOS: so does the answer
+                stop_reason = "stop"
+                break
             self._tell(len(ids), False)
             # the answer goes on: this chunk is durable before the next one is asked (kept answers only)
             if keeps:
@@ -207,6 +214,12 @@ class UnitProgress:
         self.pending = (call, RecordedCall(digest, ids[durable:], None if logprobs is None else logprobs[durable:],
                                            stop_reason, at=durable), name)
         return token_output(ids, logprobs, stop_reason, None if out is None else out.extra_fields)
+
+    def _stops(self, token: int, params: dict[str, Any]) -> bool:
+        """Whether an answer ends at `token` (EOS or one of the request's stop ids, unless it ignores EOS)."""
+        if params.get("ignore_eos"):
+            return False
+        return token in self.stop_ids or token in (params.get("stop_token_ids") or ())
 
     def _tell(self, tokens: int, finished: bool) -> None:
         if self.lengths is not None:

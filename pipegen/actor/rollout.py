@@ -240,6 +240,15 @@ class UnitServerManager:
         return output
 
 
+def model_stop_ids(cfg: Any, tokenizer: Any) -> frozenset[int]:
+    """The model's EOS ids as the engines read them (config.json and generation_config.json), and the tokenizer's."""
+    from pipegen.cpu_server.model_backend import read_model_facts
+
+    eos = tokenizer.eos_token_id
+    facts = read_model_facts(str(cfg.actor_rollout_ref.model.path), default_eos=int(eos) if eos is not None else 2)
+    return facts.eos_token_ids | ({int(eos)} if eos is not None else set())
+
+
 class UnitRunner:
     """Everything one actor needs to turn (position, sample) into a RolloutRecord."""
 
@@ -314,6 +323,7 @@ class UnitRunner:
         self.run_dir = run
         self.chunk_tokens = int(cfg.actors.progress_chunk_tokens)
         self.divide_tokens = int(cfg.actors.chunk_tokens)
+        self.stop_ids = model_stop_ids(cfg, self.tokenizer)
         # where a unit's answer lengths go as they grow (the actor's admission order: units.py's LengthEvidence)
         self.lengths: Callable[[int, int, bool], None] | None = None
         self._base_seed = int(cfg.seed)
@@ -362,7 +372,7 @@ class UnitRunner:
         """The unit's record of its calls (actor/continuation.py), read back when a crash left one."""
         lengths = self.lengths
         return UnitProgress(self.run_dir.progress_file(index, sample), self.chunk_tokens, pool.limits,
-                            streams=pool.engine.streams, divide_tokens=self.divide_tokens,
+                            streams=pool.engine.streams, divide_tokens=self.divide_tokens, stop_ids=self.stop_ids,
                             lengths=None if lengths is None or pos is None else
                             (lambda tokens, finished: lengths(pos, tokens, finished)))
 
