@@ -64,3 +64,26 @@ def test_divided_answers_are_the_undivided_ones_bit_for_bit_on_the_cpu_server(tm
     assert requests[divided] > requests[whole] == 12  # the answers were divided: more requests, one per chunk
     assert_same_trajectories(load_trajectories(whole / "trajectories.pkl"),
                              load_trajectories(divided / "trajectories.pkl"))
+
+
+def test_admission_probes_every_prompt_once_then_starts_the_longest_expected_and_starves_none():
+    import asyncio
+
+    from pipegen.actor.units import FixedUnits
+
+    units = FixedUnits([(p, s) for p in range(4) for s in range(3)], longest_first=True)
+
+    async def take(k: int) -> list:
+        return [await units.next(1) for _ in range(k)]
+
+    async def story() -> None:
+        assert await take(4) == [(0, 0), (1, 0), (2, 0), (3, 0)]  # one sample of each prompt first: its probe
+        units.observe(0, 10, True)  # prompt 0's first sample ended short
+        units.observe(1, 500, False)  # prompt 1's is still running, 500 tokens in
+        units.observe(2, 300, True)
+        rest = await take(8)
+        assert rest[:2] == [(1, 1), (1, 2)]  # the prompt whose sample runs longest goes first
+        assert rest[-2:] == [(0, 1), (0, 2)]  # the short prompt last, and not starved
+        assert await units.next(1) is None
+
+    asyncio.run(story())
