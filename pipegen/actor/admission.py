@@ -305,7 +305,7 @@ class Admission:
         control = self.control
         assert control is not None, "Admission.run needs a ConcurrencyControl"
         slots, running, wake = self.slots, self.running, control.changed
-        follower = asyncio.create_task(control.follow(session, engine, self.waiting_on_servers))
+        follower = asyncio.create_task(control.follow(session, engine, self.waiting_on_servers, lambda: self.draining))
         lost_writes: list[BaseException] = []
 
         def finished(task: asyncio.Task) -> None:
@@ -352,6 +352,7 @@ class Admission:
             self._start_draining()  # the tail: nothing left to start, hedging may use idle capacity
             while running:
                 await asyncio.gather(*list(running))
+            control.end_tail(loop.time())  # the last answer is in: each server's tail ends here
             if lost_writes:
                 raise lost_writes[0]
         finally:

@@ -127,6 +127,7 @@ class ServerPool:
     chunks = property(lambda self: self.sender.chunks)
     output_tokens = property(lambda self: self.sender.output_tokens)
     latencies = property(lambda self: self.sender.latencies)
+    longest_request_s = property(lambda self: self.sender.longest_s)
     finish_reasons = property(lambda self: self.sender.finish_reasons)
 
     def hold_out(self, server: ServerState, interval_s: float) -> None:

@@ -87,8 +87,15 @@ def token_output(ids: list[int], logprobs: list[float] | None, stop_reason: str 
 class UnitProgress:
     """One unit's calls against its record (run/unit_progress.py's file at `path`)."""
 
-    def __init__(self, path: Path, chunk_tokens: int, limits: TokenBudget, streams: bool = False):
+    def __init__(self, path: Path, chunk_tokens: int, limits: TokenBudget, streams: bool = False,
+                 divide_tokens: int = 0, lengths: Callable[[int, bool], None] | None = None,
+                 stop_ids: frozenset[int] = frozenset()):
         data = read_progress(path)
+        # the model's EOS ids: an engine checks the length before them (SGLang's order), so a chunk whose last token
+        # is one says `length`, where the whole answer would have stopped there
+        self.stop_ids = stop_ids
+        self.divide_tokens = int(divide_tokens)  # divided answers: at most this many new tokens a request (0: off)
+        self.lengths = lengths  # told (tokens so far, finished) as an answer grows: the admission's evidence
         self.recorded = parse_calls(data or b"")
         self.file = ProgressFile(path, exists=data is not None)
         self.chunk_tokens = int(chunk_tokens)
@@ -150,9 +157,12 @@ class UnitProgress:
         # the whole answer's request, its budget computed once (verl's rule); a chunk or a continuation is its rest
         call_gen = Generation.of(prompt_ids, sampling_params, self.limits, seed, pictures)
         budget = call_gen.max_new_tokens
-        if not ids and (self.chunk_tokens <= 0 or budget <= self.chunk_tokens or not continuable(call_gen.params)):
+        keeps = 0 < self.chunk_tokens < budget  # a long answer: its tokens are kept as they come
+        divided = 0 < self.divide_tokens < budget
+        if not ids and (not (keeps or divided) or not continuable(call_gen.params)):
             out = await send(call_gen)  # today's request, unchanged
             self.tokens_generated += len(out.token_ids)
+            self._tell(len(out.token_ids), True)
             # copies: a loop may extend the lists it was given before the next call writes this one
             self.pending = (call, RecordedCall(digest, list(out.token_ids),
                                                None if out.log_probs is None else list(out.log_probs),
@@ -163,15 +173,19 @@ class UnitProgress:
         durable = len(ids)
         out = None
         while True:
-            # streamed, chunking off (0), or a recorded unfinished call: the rest of the answer in one request
-            whole = self.streams or self.chunk_tokens <= 0
-            want = budget - len(ids) if whole else min(self.chunk_tokens, budget - len(ids))
+            # streamed, chunking off (0), or a recorded unfinished call: the rest of the answer in one request;
+            # divided answers: at most divide_tokens of it
+            want = budget - len(ids)
+            if not self.streams and self.chunk_tokens > 0:
+                want = min(want, self.chunk_tokens)
+            if self.divide_tokens > 0:
+                want = min(want, self.divide_tokens)
             if want <= 0:  # resumed exactly at the end of the budget
                 stop_reason = "length"
                 break
             if self.streams:
                 digest = digest or name()
-            keep = self._keeper(call, digest, len(ids)) if self.streams else None
+            keep = self._keeper(call, digest, len(ids), durable=keeps) if self.streams else None
             rest = call_gen.continued(ids)
             out = await send(dataclasses.replace(rest, max_new_tokens=want, on_tokens=keep))
             got = out.token_ids
@@ -184,20 +198,38 @@ class UnitProgress:
             stop_reason = out.stop_reason
             if stop_reason != "length" or len(got) < want or len(ids) >= budget:
                 break
-            # the answer goes on: this chunk is durable before the next one is asked
-            digest = digest or name()
-            self.file.append(call, RecordedCall(digest, ids[durable:],
-                                                None if logprobs is None else logprobs[durable:], None, at=durable))
-            durable = len(ids)
+            if got and self._stops(got[-1], call_gen.params):  # the chunk ended on EOS: so does the answer
+                stop_reason = "stop"
+                break
+            self._tell(len(ids), False)
+            # the answer goes on: this chunk is durable before the next one is asked (kept answers only)
+            if keeps:
+                digest = digest or name()
+                self.file.append(call, RecordedCall(digest, ids[durable:],
+                                                    None if logprobs is None else logprobs[durable:], None,
+                                                    at=durable))
+                durable = len(ids)
+        self._tell(len(ids), True)
         # (a streamed request's lines are superseded from where it started: its last attempt may not be the one kept)
         self.pending = (call, RecordedCall(digest, ids[durable:], None if logprobs is None else logprobs[durable:],
                                            stop_reason, at=durable), name)
         return token_output(ids, logprobs, stop_reason, None if out is None else out.extra_fields)
 
-    def _keeper(self, call: int, digest: str, start: int) -> Keep:
+    def _stops(self, token: int, params: dict[str, Any]) -> bool:
+        """Whether an answer ends at `token` (EOS or one of the request's stop ids, unless it ignores EOS)."""
+        if params.get("ignore_eos"):
+            return False
+        return token in self.stop_ids or token in (params.get("stop_token_ids") or ())
+
+    def _tell(self, tokens: int, finished: bool) -> None:
+        if self.lengths is not None:
+            self.lengths(tokens, finished)
+
+    def _keeper(self, call: int, digest: str, start: int, durable: bool = True) -> Keep:
         """Where a streamed request's tokens so far go: each new piece one line, at its place in the answer (the
-        request starts at answer token `start`). A re-sent attempt starts from `start` again, superseding what an
-        earlier attempt of the request wrote."""
+        request starts at answer token `start`), and their count to the admission's evidence. A re-sent attempt
+        starts from `start` again, superseding what an earlier attempt of the request wrote. `durable` False (a
+        divided answer within the keeping threshold): the count only."""
         attempt, written = "", 0
 
         def keep(rid: str, got: list[int], logprobs: list[float] | None) -> None:
@@ -206,10 +238,12 @@ class UnitProgress:
                 attempt, written = rid, 0
             if len(got) <= written:
                 return
-            self.file.append(call, RecordedCall(digest, got[written:],
-                                                None if logprobs is None else logprobs[written:], None,
-                                                at=start + written))
+            if durable:
+                self.file.append(call, RecordedCall(digest, got[written:],
+                                                    None if logprobs is None else logprobs[written:], None,
+                                                    at=start + written))
             written = len(got)
+            self._tell(start + written, False)
 
         return keep
 

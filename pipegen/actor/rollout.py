@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Hashable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import orjson
@@ -244,6 +244,15 @@ class UnitServerManager:
         return output
 
 
+def model_stop_ids(cfg: Any, tokenizer: Any) -> frozenset[int]:
+    """The model's EOS ids as the engines read them (config.json and generation_config.json), and the tokenizer's."""
+    from pipegen.cpu_server.model_backend import read_model_facts
+
+    eos = tokenizer.eos_token_id
+    facts = read_model_facts(str(cfg.actor_rollout_ref.model.path), default_eos=int(eos) if eos is not None else 2)
+    return facts.eos_token_ids | ({int(eos)} if eos is not None else set())
+
+
 class UnitRunner:
     """Everything one actor needs to turn (position, sample) into a RolloutRecord."""
 
@@ -317,6 +326,10 @@ class UnitRunner:
         # read once: a DictConfig lookup costs tens of microseconds, and these are read per unit
         self.run_dir = run
         self.chunk_tokens = int(cfg.actors.progress_chunk_tokens)
+        self.divide_tokens = int(cfg.actors.chunk_tokens)
+        self.stop_ids = model_stop_ids(cfg, self.tokenizer)
+        # where a unit's answer lengths go as they grow (the actor's admission order: units.py's LengthEvidence)
+        self.lengths: Callable[[int, int, bool], None] | None = None
         self._base_seed = int(cfg.seed)
         self._per_unit_seed = bool(cfg.actors.per_unit_seed)
 
@@ -359,10 +372,13 @@ class UnitRunner:
             uid = self._uids[index] = prompt_uid(self.launch.run_key, index)
         return uid
 
-    def unit_progress(self, pool, index: int, sample: int) -> UnitProgress:
+    def unit_progress(self, pool, index: int, sample: int, pos: int | None = None) -> UnitProgress:
         """The unit's record of its calls (actor/continuation.py), read back when a crash left one."""
+        lengths = self.lengths
         return UnitProgress(self.run_dir.progress_file(index, sample), self.chunk_tokens, pool.limits,
-                            streams=pool.engine.streams)
+                            streams=pool.engine.streams, divide_tokens=self.divide_tokens, stop_ids=self.stop_ids,
+                            lengths=None if lengths is None or pos is None else
+                            (lambda tokens, finished: lengths(pos, tokens, finished)))
 
     async def run(self, pool, pos: int, sample: int, slot, progress: UnitProgress, attempt: int = 0) -> RolloutRecord:
         """Run the unit's agent loop against the server pool (`slot`: the unit's admission.UnitSlot; `progress`:
@@ -434,7 +450,7 @@ class UnitRunner:
         A unit whose reward fails keeps its record in its FailureRecord (`unscored`). Returns the record, or
         the unit's exception. A failed append (the disk) raises: that is the actor's failure, not the unit's."""
         index = self.indices[pos]
-        progress = self.unit_progress(pool, index, sample)
+        progress = self.unit_progress(pool, index, sample, pos)
         try:
             record = await (self.rescore(pos, kept, slot) if kept is not None
                             else self.run(pool, pos, sample, slot, progress, attempt))

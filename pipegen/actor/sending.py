@@ -129,6 +129,7 @@ class Sender:
         self.chunks = 0  # streamed chunks read before the last one (tokens handed on as they came)
         self.output_tokens = 0
         self.latencies: deque[float] = deque(maxlen=4096)
+        self.longest_s = 0.0  # the longest request, sent to answered (the tail's bound: no batch ends before it)
         self.finish_reasons: dict[str, int] = {}
         routing.on_admit.append(self._forget_group_limit)
 
@@ -414,6 +415,7 @@ class Sender:
         server.mark_started(started, time.monotonic())
         latency = time.monotonic() - started
         self.latencies.append(latency)
+        self.longest_s = max(self.longest_s, latency)
         server.clock.observe(latency, len(out.token_ids))
         self.admission.answered(latency, len(out.token_ids))
         self.output_tokens += len(out.token_ids)

@@ -1,5 +1,6 @@
 """Where an actor's units come from: a fixed share of the run (one node), or leases pulled from its node
-runner (cluster=ray), so that the actors of a node, and the nodes of a cluster, share work as they free up.
+runner (cluster=ray), so that the actors of a node, and the nodes of a cluster, share work as they free up; and, on
+one node, in which order (`LengthEvidence`: longest expected first; `earlier_lengths` reads an earlier run's).
 
 The lease protocol (its routes and messages) is run/lease_protocol.py's; the runner's side is
 launch/node_runner.py.
@@ -12,7 +13,10 @@ before its line is written.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import logging
+import math
 from collections import deque
 from typing import Callable
 
@@ -51,20 +55,117 @@ def pending_units(keys: UnitKeys, indices: list[int], run: RunDir, medium: Strea
 
 
 class FixedUnits:
-    """One node: the (position, sample) pairs pending_units computed at start."""
+    """One node: the (position, sample) pairs pending_units computed at start, admitted in manifest order, or, with
+    `longest_first`, longest-expected first (`LengthEvidence`)."""
 
-    def __init__(self, todo: list[tuple[int, int]]):
+    def __init__(self, todo: list[tuple[int, int]], longest_first: bool = False,
+                 earlier: dict[int, int] | None = None):
         self._todo = deque(todo)
         self.total = len(todo)
+        self.evidence = LengthEvidence(todo, earlier or {}) if longest_first else None
 
     async def next(self, free: int) -> tuple[int, int] | None:
+        if self.evidence is not None:
+            return self.evidence.take()
         return self._todo.popleft() if self._todo else None
+
+    def observe(self, pos: int, tokens: int, finished: bool) -> None:
+        """A unit of prompt `pos` has generated `tokens` of its answer so far (`finished`: that is its length)."""
+        if self.evidence is not None:
+            self.evidence.observe(pos, tokens, finished)
 
     def done(self, index: int, sample: int) -> None:
         pass
 
     async def close(self) -> None:
         pass
+
+
+class LengthEvidence:
+    """Which pending unit to admit next: the one whose answer is expected longest, so that long answers never start
+    last. The evidence, per prompt: its samples already finished (the first to finish predicts the rest: their mean),
+    how far its samples in flight have run (a lower bound), and an earlier run's length for the same prompt
+    (`earlier`, by position). A prompt with none of them is expected at the median of every length known so far
+    (the longest possible before any is known), so a unit without evidence is never starved; among equals, the
+    prompt with fewer samples started goes first (one sample of each prompt probes its length), then manifest order.
+    Only the prompts already started and the next WINDOW unstarted ones are compared: a choice costs O(WINDOW)."""
+
+    WINDOW = 256
+
+    def __init__(self, todo: list[tuple[int, int]], earlier: dict[int, int]):
+        self.pending: dict[int, deque[int]] = {}
+        for pos, sample in todo:
+            self.pending.setdefault(pos, deque()).append(sample)
+        self.unstarted: deque[int] = deque(self.pending)  # prompts in manifest order, none of their samples started
+        self.active: dict[int, None] = {}  # prompts with a sample started and samples still pending (ordered set)
+        self.started: dict[int, int] = {}
+        self.finished: dict[int, list[int]] = {}
+        self.running: dict[int, int] = {}  # the most tokens a sample in flight has shown
+        self.earlier = earlier
+        self.known = sorted(earlier.values())  # every length known: the prior of a prompt without evidence
+
+    def observe(self, pos: int, tokens: int, finished: bool) -> None:
+        if finished:
+            self.finished.setdefault(pos, []).append(tokens)
+            self.known.insert(bisect.bisect(self.known, tokens), tokens)
+        else:
+            self.running[pos] = max(self.running.get(pos, 0), tokens)
+
+    def expected(self, pos: int, prior: float) -> float:
+        done = self.finished.get(pos)
+        base = sum(done) / len(done) if done else self.earlier.get(pos, prior)
+        return max(base, self.running.get(pos, 0))
+
+    def take(self) -> tuple[int, int] | None:
+        window = list(self.active) + list(itertools.islice(self.unstarted, self.WINDOW))
+        if not window:
+            return None
+        prior = self.known[len(self.known) // 2] if self.known else math.inf
+        rank = {p: i for i, p in enumerate(window)}
+        pos = max(window, key=lambda p: (self.expected(p, prior), -self.started.get(p, 0),
+                                         p in self.earlier, -rank[p]))
+        samples = self.pending[pos]
+        sample = samples.popleft()
+        if pos not in self.started:
+            self.unstarted.remove(pos)  # within the window's first WINDOW entries
+        self.started[pos] = self.started.get(pos, 0) + 1
+        if samples:
+            self.active[pos] = None
+        else:
+            self.active.pop(pos, None)
+            del self.pending[pos]
+        return pos, sample
+
+
+def earlier_lengths(spec: str, indices: list[int]) -> dict[int, int]:
+    """An earlier run's answer lengths by position in this run's manifest (`actors.lengths_from`): a run directory
+    (the mean response length of each dataset index's samples in its rollout lines) or a JSON file
+    {"<dataset index>": tokens}. Raises ValueError naming what it could not read."""
+    import json
+    from pathlib import Path
+
+    path = Path(spec)
+    by_index: dict[int, int] = {}
+    if path.is_dir():
+        from pipegen.run.medium import open_medium
+
+        run = RunDir(path)
+        if not run.config_file.exists():
+            raise ValueError(f"actors.lengths_from={spec}: not a pipegen run directory (no conf/config.yaml)")
+        sums: dict[int, list[int]] = {}
+        for line in open_medium(run).lines(ROLLOUTS):
+            record = orjson.loads(line)
+            trajectories = record.get("trajectories") or []
+            if trajectories:
+                sums.setdefault(int(record["index"]), []).append(len(trajectories[-1].get("response_ids") or []))
+        by_index = {i: round(sum(v) / len(v)) for i, v in sums.items()}
+    else:
+        try:
+            by_index = {int(k): int(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            raise ValueError(f"actors.lengths_from={spec}: expected a run directory or a JSON file "
+                             f"{{\"<dataset index>\": tokens}} ({e})") from e
+    return {pos: by_index[index] for pos, index in enumerate(indices) if index in by_index}
 
 
 class LeasedUnits:

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from pipegen.config.schema import draws_by_position
 from pipegen.actor.rollout import UnitRunner
 from pipegen.actor.readiness import StartupClock, wait_for_first_server
-from pipegen.actor.units import FixedUnits, LeasedUnits, pending_units
+from pipegen.actor.units import FixedUnits, LeasedUnits, earlier_lengths, pending_units
 from pipegen.actor.supervision import SUPERVISION
 from pipegen.observe.logs import OncePerMessageFilter, setup_logging, watch_parent
 from pipegen.observe.stats import CPU_BOUND, StatsAppender, percentile
@@ -165,7 +165,10 @@ class Actor:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             if self.leases_url is None:
-                self.units = FixedUnits(todo)
+                spec = actors_cfg.get("lengths_from")
+                self.units = FixedUnits(todo, longest_first=bool(actors_cfg.admit_longest_first),
+                                        earlier=earlier_lengths(str(spec), self.runner.indices) if spec else None)
+                self.runner.lengths = self.units.observe  # answers' lengths as they grow: the admission's evidence
             else:
                 self.units = LeasedUnits(self.leases_url, actor_role(self.rank), session, self.runner.keys,
                                          self.runner.indices, lambda: (rollouts.sync(), failures.sync()))
@@ -256,6 +259,8 @@ class Actor:
                 server_load=({s.url: {"running": s.running, "waiting": s.waiting} for s in control.servers}
                              if control and control.auto else {}),
                 requests_by_server={s.url: s.requests for s in pool.servers},
+                tail=control.tail_by_server() if control else {},
+                longest_request_s=round(pool.longest_request_s, 3),
                 cpu_busy=busy,
                 startup=self.clock.as_stats(),
             )

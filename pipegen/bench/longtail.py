@@ -22,6 +22,11 @@ Figures (each a ratio within one run):
   batch it shared; the issue's "longest answer's own generation time"). The row also states L x (STEP_MS +
   PER_RUNNING_MS), the longest answer alone in the batch, which no run with other work beside it reaches. Target
   ≤ 1.05;
+- idle GPU-seconds in the tail: the run's own measure (the closing line's `tail:`, actor/concurrency.py's
+  TailMeter), slots idle while fewer answers than a full batch remained;
+- the group-correlated cases (`grouped`: the fake's per-prompt lognormal median, σ 1.0, samples σ 0.3 around it; 16
+  slots at 5 ms a token; 64 prompts), n = 4 and n = 1, one and two fakes, 4k and 16k budgets; the last n = 1 case
+  reads the case before it as its earlier run (`actors.lengths_from`);
 - beside them: /generate HTTP requests, members aborted and /abort_request calls (the fakes'), and the actors'
   stalled, hedges and hedge tokens (their stats lines).
 
@@ -56,6 +61,14 @@ class Engine:
     max_running: int
     median: float
     sigma: float
+    sample_sigma: float = 0.0  # > 0: group-correlated lengths (a median per prompt, each sample around it)
+
+    @property
+    def lengths(self) -> str:
+        """The fake's --lengths."""
+        if self.sample_sigma > 0:
+            return f"grouped:{self.median:g}:{self.sigma:g}:{self.sample_sigma:g}"
+        return f"lognormal:{self.median:g}:{self.sigma:g}"
 
     @property
     def tokens_per_ms(self) -> float:
@@ -67,8 +80,10 @@ class Engine:
         return tokens * (self.step_ms + self.per_running_ms) / 1000.0
 
     def describe(self) -> str:
-        return (f"steps of {self.step_ms:g} ms + {self.per_running_ms:g} ms × running (≤ {self.max_running}), "
-                f"lengths lognormal (median {self.median:g}, σ {self.sigma:g})")
+        lengths = (f"lengths lognormal (median {self.median:g}, σ {self.sigma:g})" if self.sample_sigma <= 0 else
+                   f"group-correlated lengths (per-prompt lognormal median around {self.median:g}, σ {self.sigma:g}; "
+                   f"samples σ {self.sample_sigma:g} around it)")
+        return f"steps of {self.step_ms:g} ms + {self.per_running_ms:g} ms × running (≤ {self.max_running}), {lengths}"
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,8 @@ class Case:
     budget: int  # max_response_length
     servers: int
     engine: Engine
+    overrides: tuple[str, ...] = ()  # launcher overrides of this case (the shipped defaults otherwise)
+    earlier: bool = False  # n=1 with the lengths of the case before it (same prompts): actors.lengths_from=<its run>
 
 
 @dataclass
@@ -98,6 +115,7 @@ class Figures:
     actors: dict[str, int]  # summed over actors: stalled, aborts_sent, hedges, hedge_wins, hedge_tokens
     wall_s: float
     longest_own_s: float  # the longest answer's own generation time, as a fake ran it
+    tail: dict[str, float]  # the run's own tail measure (observe/stats.py's tail_metrics: tail/idle_gpu_s, ...)
 
     @property
     def ideal_s(self) -> float:
@@ -115,11 +133,20 @@ class Figures:
 
 QUICK_ENGINE = Engine(step_ms=2.0, per_running_ms=0.05, max_running=32, median=300, sigma=1.0)
 FULL_ENGINE = Engine(step_ms=4.0, per_running_ms=0.03, max_running=128, median=300, sigma=1.2)
+# the issue's group-correlated fake: 16 slots at 5 ms a token (no batch cost), per-prompt medians σ 1.0, samples σ 0.3
+GROUPED_ENGINE = Engine(step_ms=5.0, per_running_ms=0.0, max_running=16, median=300, sigma=1.0, sample_sigma=0.3)
+GROUPED = [Case("grouped n=4 4k", 64, 4, 4096, 1, GROUPED_ENGINE),
+           Case("grouped n=4 16k", 64, 4, 16384, 1, GROUPED_ENGINE),
+           Case("grouped n=4 4k, two fakes", 64, 4, 4096, 2, GROUPED_ENGINE),
+           Case("grouped n=1 4k", 64, 1, 4096, 1, GROUPED_ENGINE),
+           Case("grouped n=1 4k, earlier lengths", 64, 1, 4096, 1, GROUPED_ENGINE, earlier=True)]
 CASES = {
-    "quick": [Case("4k", 96, 4, 4096, 1, QUICK_ENGINE), Case("4k, two fakes", 96, 4, 4096, 2, QUICK_ENGINE)],
+    "quick": [Case("4k", 96, 4, 4096, 1, QUICK_ENGINE), Case("4k, two fakes", 96, 4, 4096, 2, QUICK_ENGINE),
+              *GROUPED],
     "full": [Case("4k", 96, 32, 4096, 1, FULL_ENGINE), Case("16k", 96, 32, 16384, 1, FULL_ENGINE),
-             Case("4k, two fakes", 96, 32, 4096, 2, FULL_ENGINE)],
+             Case("4k, two fakes", 96, 32, 4096, 2, FULL_ENGINE), *GROUPED],
 }
+EXTRA: list[str] = []  # launcher overrides for every case (`python -m pipegen.bench.longtail KEY=VALUE ...`)
 ACTOR_KEYS = ("stalled", "aborts_sent", "hedges", "hedge_wins", "hedge_tokens")
 
 
@@ -130,7 +157,7 @@ def fake_sglang(folder: Path, name: str, engine: Engine, vocab: int, context_len
     argv = [sys.executable, "-m", "pipegen.bench.doubles.fake_sglang", "--port", "0", "--port-file", str(port_file),
             "--front-ms", str(FRONT_MS), "--item-ms", str(ITEM_MS), "--step-ms", str(engine.step_ms),
             "--step-ms-per-running", str(engine.per_running_ms), "--max-running", str(engine.max_running),
-            "--lengths", f"lognormal:{engine.median:g}:{engine.sigma:g}", "--incremental-streaming-output",
+            "--lengths", engine.lengths, "--incremental-streaming-output",
             "--vocab", str(vocab), "--context-length", str(context_length), *extra]
     return ServerProcess(argv, folder / f"{name}.log", port_file=port_file, cwd=c.REPO).start().wait_ready(60)
 
@@ -153,6 +180,10 @@ def long_context_model(folder: Path, context: int) -> str:
     return str(copy)
 
 
+def slug_of(case: Case) -> str:
+    return case.name.replace(" ", "_").replace(",", "").replace("=", "")
+
+
 def run_case(folder: Path, case: Case, *overrides: str) -> Figures:
     """One launch of `case` against fresh fakes; the figures from the fakes' counters, the output and the actors'
     stats lines."""
@@ -160,7 +191,7 @@ def run_case(folder: Path, case: Case, *overrides: str) -> Figures:
 
     prompt_room = 512
     context = prompt_room + case.budget + 8
-    slug = case.name.replace(" ", "_").replace(",", "")
+    slug = slug_of(case)
     servers = [fake_sglang(folder, f"{slug}_{k}", case.engine, MODEL_VOCAB_SIZE, context)
                for k in range(case.servers)]
     out = folder / f"run_{slug}"
@@ -169,7 +200,8 @@ def run_case(folder: Path, case: Case, *overrides: str) -> Figures:
         cmd = c.launcher_command(out, urls, "train_files=demo", f"max_samples={case.prompts}",
                                  f"n={case.n}", f"max_response_length={case.budget}",
                                  f"max_prompt_length={prompt_room}",
-                                 "llm.protocol=sglang", "generation.show_progress=false", *overrides,
+                                 "llm.protocol=sglang", "generation.show_progress=false", *case.overrides,
+                                 *overrides,
                                  model=long_context_model(folder, context))
         t0 = time.perf_counter()
         result = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, cwd=c.REPO)
@@ -181,6 +213,10 @@ def run_case(folder: Path, case: Case, *overrides: str) -> Figures:
         for s in servers:
             s.stop()
     units, kept, longest = c.kept_response_tokens(out)
+    from pipegen.observe.stats import actor_lines, latest_stats, tail_metrics
+    from pipegen.run.layout import RunDir
+
+    tail = tail_metrics(list(actor_lines(latest_stats(RunDir(out).stats)).values()))
     actors = {k: sum(int(getattr(a, k, 0) or 0) for a in c.actor_stats(out)) for k in ACTOR_KEYS}
     return Figures(case, units, sum(s["output_tokens"] for s in stats), kept, longest,
                    max(s["last_answer_t"] or 0.0 for s in stats)  # a fake that got nothing has no times
@@ -188,7 +224,7 @@ def run_case(folder: Path, case: Case, *overrides: str) -> Figures:
                    sum(s["http_requests"] for s in stats), sum(s["aborted"] for s in stats),
                    sum(s["abort_requests"] for s in stats), sum(s["chunks"] for s in stats),
                    sum(s["member_seconds"] for s in stats), max(s["max_running_seen"] for s in stats), actors, wall,
-                   max(s["longest_own_s"] for s in stats))
+                   max(s["longest_own_s"] for s in stats), tail)
 
 
 def add_rows(res: c.ScenarioResult, f: Figures) -> None:
@@ -212,13 +248,20 @@ def add_rows(res: c.ScenarioResult, f: Figures) -> None:
                        f"mean batch {batch:.1f} of {case.engine.max_running} a fake (most {f.max_running_seen}); "
                        f"{f.chunks:,} streamed chunks; "
                        f"launcher wall {f.wall_s:.0f} s")))
+    res.add(c.Row(f"{case.name}: idle GPU-seconds in the tail", f.tail.get("tail/idle_gpu_s", float("nan")),
+                  "the run's own measure: slots idle while fewer answers than a full batch remained",
+                  "as low as the longest answer allows",
+                  raw=(f"over {f.tail.get('tail/seconds', 0):.1f} s of tail; the run's own makespan ÷ ideal "
+                       f"{f.tail.get('tail/makespan_over_ideal', float('nan')):.2f}")))
 
 
 def run(quick: bool) -> c.ScenarioResult:
     res = c.ScenarioResult(KEY, TITLE)
-    for case in CASES["quick" if quick else "full"]:
-        with c.scratch(f"longtail-{case.name.replace(' ', '_').replace(',', '')}") as folder:
-            add_rows(res, run_case(folder, case))
+    cases = CASES["quick" if quick else "full"]
+    with c.scratch("longtail") as folder:
+        for before, case in zip([None, *cases], cases):
+            extra = [f"actors.lengths_from={folder / f'run_{slug_of(before)}'}"] if case.earlier and before else []
+            add_rows(res, run_case(folder, case, *extra, *EXTRA))
     res.notes.append("longtail: ideal = max(kept tokens ÷ (fakes × a fake's full-batch tokens per second), the "
                      "longest answer's own generation time as the fake ran it); the makespan is the fakes' own clock (first member "
                      "received → last answer sent), so start-up and the merge are outside it.")

@@ -103,6 +103,22 @@ class Actors:
               "tokens, each continued from the prompt plus the tokens so far (smaller chunks lose less to a crash and "
               "cost one request more each); an answer within it is one request, as before; 0: off (a multi-turn "
               "unit's finished model calls are kept either way)", at_least=0)
+    chunk_tokens: int = key(
+        0, "divided answers: each request asks for at most this many new tokens, and the rest of a longer answer "
+           "goes as a continuation (the prompt plus its tokens so far, the same seed where the engine keys its draws "
+           "on position), so no answer holds a slot unseen for its whole length and each chunk tells admission how "
+           "far it ran; identical tokens under generation.reproducible=true; answers with stop strings or penalties "
+           "go whole; 0: off", at_least=0)
+    admit_longest_first: bool = key(
+        True, "admit the pending unit expected longest first: a prompt's finished samples (the first to finish "
+              "predicts its siblings), how far its samples in flight have run, and actors.lengths_from; a prompt "
+              "without evidence starts at the median of the lengths known (one sample of each prompt first), so it "
+              "is never starved; false: manifest order (prompt-major). One node only: cluster=ray's leased units keep the "
+              "runner's order", choices=(True, False))
+    lengths_from: Optional[str] = key(
+        None, "an earlier run's answer lengths for the same dataset, to admit long answers first from the start: "
+              "its run directory (its rollout shards are read) or a JSON file {\"<dataset index>\": tokens}; "
+              "null: none")
 
 
 @dataclass
@@ -702,6 +718,12 @@ def check_values(cfg: DictConfig) -> None:
     if OmegaConf.select(cfg, "generation.reproducible") is True and OmegaConf.select(cfg, "actors.per_unit_seed") is False:
         raise ConfigValueError("generation.reproducible=true needs a seed on every request: drop "
                                "actors.per_unit_seed=false (or set generation.reproducible=false)")
+    lengths_from = OmegaConf.select(cfg, "actors.lengths_from")
+    if lengths_from and str(OmegaConf.select(cfg, "cluster.kind", default="")) == "ray":
+        raise ConfigValueError("actors.lengths_from is not honoured under cluster=ray (leased units come in the "
+                               "runner's order): drop it")
+    if lengths_from and not Path(str(lengths_from)).exists():
+        raise ConfigValueError(f"actors.lengths_from={lengths_from}: no such run directory or file")
     harness, command = OmegaConf.select(cfg, "external.harness"), OmegaConf.select(cfg, "external.command")
     if harness and command:
         raise ConfigValueError("external.harness and external.command are both set: the external agent loop runs "

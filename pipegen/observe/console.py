@@ -27,7 +27,8 @@ from pipegen.observe.outcomes import Outcomes, committed_rewards, unit_outcomes
 from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
-from pipegen.observe.stats import across_processes, aggregate, human_rate, latest_stats, stats_history
+from pipegen.observe.stats import (across_processes, actor_lines, aggregate, human_rate, latest_stats, stats_history,
+                                   tail_metrics, tail_text)
 from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, RunTracker
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
 from pipegen.run.handshake import EXIT_DAMAGED
@@ -268,6 +269,9 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
             print(unscored)
         for line in job_lines(run, outcomes):  # prompts skipped, responses that reached the limit
             print(line)
+        tail = tail_text(tail_metrics(list(actor_lines(snap.roles).values())))
+        if tail:  # the servers' idle slots once fewer answers than a full batch were left
+            print(f"  tail:         {tail}")
         if snap.merged:
             print(f"  trajectories: {trajectories_where(run)}")
             print(f"  artifact:     {run.artifact}")

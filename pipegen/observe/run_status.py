@@ -38,7 +38,7 @@ from pipegen.observe.progress import snapshot
 from pipegen.run.unit_progress import progress_summary
 from pipegen.observe.startup import startup_phases
 from pipegen.observe.stats import (CPU_BOUND, aggregate, across_processes, history_rates, human_rate, line_alive,
-                                   stats_history)
+                                   stats_history, tail_text)
 from pipegen.run.stats_line import ActorStats, ClusterStats, WriterStats
 
 
@@ -307,6 +307,9 @@ def render(st: RunStatus) -> str:
         out.append(f"  watchdog   stalled {m.get('requests/stalled', 0)} | aborted on servers "
                    f"{m.get('requests/aborts_sent', 0)} | hedged {m.get('requests/hedges', 0)} "
                    f"(won {m.get('requests/hedge_wins', 0)}, {m.get('requests/hedge_tokens', 0)} extra tokens)")
+    tail = tail_text(m)
+    if tail:
+        out.append("  tail       " + tail)
     if any(k.startswith("writer/") for k in m):
         out.append(f"  writer     duplicates dropped {m.get('writer/duplicates', 0)} | torn lines skipped "
                    f"{m.get('writer/torn_lines', 0)} | buffered {m.get('writer/buffered', 0)} | "

@@ -233,6 +233,7 @@ def aggregate(roles: dict[str, StatsLine], live_only_in_flight: bool = True) -> 
     # latest line: a finished run shows what it ran at)
     for url, limit in _summed([a.concurrency_by_server for a in actors]).items():
         out[f"concurrency/{url}"] = limit
+    out.update(tail_metrics(actors))
     writer = roles.get(WriterStats.ROLE)
     if isinstance(writer, WriterStats):
         for name, value in (("duplicates", writer.duplicates), ("torn_lines", writer.torn_lines),
@@ -241,6 +242,45 @@ def aggregate(roles: dict[str, StatsLine], live_only_in_flight: bool = True) -> 
             if value is not None:
                 out[f"writer/{name}"] = int(value)
     return out
+
+
+def tail_metrics(actors: list[ActorStats]) -> dict[str, float]:
+    """The tail (actor/concurrency.py's TailMeter) over a run's actors: `tail/idle_gpu_s` the GPU-seconds left idle
+    while fewer answers than a full batch remained, summed over servers (the actors of a node watch the same
+    servers: per server the actor that watched longest counts); `tail/seconds` the longest tail of a server;
+    `tail/span_s` the actors' first request to their last line; `tail/makespan_over_ideal` that span over the ideal:
+    the span less the idle time per server (what a full batch to the end would have taken), or the longest request
+    (sent to answered: its queue wait included, so the ratio errs low), whichever is longer. {} where no server
+    reported its running limit, or no tail was seen."""
+    by_url: dict[str, dict[str, float]] = {}
+    for a in actors:
+        for url, t in (a.tail or {}).items():
+            if float(t.get("idle_s") or 0.0) >= by_url.get(url, {}).get("idle_s", -1.0):
+                by_url[url] = {k: float(v or 0.0) for k, v in t.items()}
+    if not by_url:
+        return {}
+    idle = sum(t["idle_s"] for t in by_url.values())
+    out = {"tail/idle_gpu_s": round(idle, 2), "tail/seconds": round(max(t["seconds"] for t in by_url.values()), 2)}
+    starts = [a.startup.first_request for a in actors if a.startup.first_request]
+    ends = [float(a.time) for a in actors if a.time]
+    servers = len(set(by_url) | {u for a in actors for u in (a.concurrency_by_server or {})})
+    if starts and ends and max(ends) > min(starts):
+        span = max(ends) - min(starts)
+        out["tail/span_s"] = round(span, 2)
+        ideal = max(span - idle / max(1, servers), max(a.longest_request_s or 0.0 for a in actors))
+        out["tail/makespan_over_ideal"] = round(span / max(1e-9, ideal), 3)
+    return out
+
+
+def tail_text(m: dict[str, Any]) -> str | None:
+    """The tail in words, from `aggregate`'s metrics (None where it was not measured)."""
+    if "tail/idle_gpu_s" not in m:
+        return None
+    text = (f"{m['tail/idle_gpu_s']:.1f} GPU-seconds idle while fewer than a full batch of answers remained "
+            f"(over {m['tail/seconds']:.1f} s; a server counted as one GPU)")
+    if "tail/makespan_over_ideal" in m:
+        text += f"; makespan ÷ ideal {m['tail/makespan_over_ideal']:.2f}"
+    return text
 
 
 def across_processes(history: dict[str, list[StatsLine]]) -> dict[str, StatsLine]:

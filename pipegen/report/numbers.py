@@ -349,6 +349,8 @@ def report_numbers(run: RunDir) -> tuple[dict[str, Any], list[RowFacts], list[di
         "examples": examples(run, cfg, dict(sorted(by_source.items()))),
         "scored_by": scored_by(found.rows, generation_reward(stored), loop_reward(cfg)),
         "throughput": throughput(line),
+        # the servers' idle slots once fewer answers than a full batch were left (observe/stats.py's tail_metrics)
+        "tail": {k.split("/", 1)[1]: v for k, v in st.metrics.items() if k.startswith("tail/")},
         "failures": failure_groups(st.failed_units),
         "engine": engine_settings(cfg, run),
     }

@@ -115,6 +115,14 @@ def render(numbers: dict[str, Any], plots: dict[str, str]) -> str:
                         [[t["units_per_s"], t["output_tokens_per_s"], t["span_s"], t["peak_in_flight"]]]))
     parts.append("<p class='note'>From the actors' stats stream (streams/stats/actor_*.jsonl): every actor "
                  "process, counted from its start.</p>")
+    tail = numbers.get("tail") or {}
+    if tail:
+        parts.append(_table(["tail: idle GPU-seconds", "tail (s)", "makespan ÷ ideal"],
+                            [[tail.get("idle_gpu_s"), tail.get("seconds"), tail.get("makespan_over_ideal")]]))
+        parts.append("<p class='note'>The tail: once an actor had nothing left to admit, the seconds a server "
+                     "reported fewer answers than its running limit, and the slots it left idle over them (from the "
+                     "engine's own running counts; a server counted as one GPU). Makespan ÷ ideal: the actors' first "
+                     "request to their last line, over that span less the idle time per server.</p>")
     parts.append("<h2>Failures</h2>")
     if numbers["failures"]:
         parts.append(_table(["units", "reason", "units (index:sample)"],

@@ -138,6 +138,10 @@ class ActorStats(StatsLine):
     concurrency_by_server: dict[str, int] = field(default_factory=dict)  # concurrency=auto only
     server_load: dict[str, dict[str, int]] = field(default_factory=dict)  # url -> {"running", "waiting"}
     requests_by_server: dict[str, int] = field(default_factory=dict)
+    # url -> {"seconds", "idle_s", "max_running"}: once the actor had nothing left to admit, the seconds the server
+    # reported fewer answers than its running limit, and the idle slots over them as GPU-seconds (actor/concurrency.py)
+    tail: dict[str, dict[str, float]] = field(default_factory=dict)
+    longest_request_s: float = 0.0  # the longest request, sent to answered: no run ends sooner than it
     cpu_busy: float | None = None  # CPU time / wall time over the last interval (near 1.0: the actor limits)
     startup: ActorStartup = field(default_factory=ActorStartup)
 

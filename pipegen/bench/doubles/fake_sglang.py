@@ -4,7 +4,7 @@ without a GPU.
 
     python -m pipegen.bench.doubles.fake_sglang --port 0 --port-file F [--front-ms 1.25] [--item-ms 0.02]
         [--step-ms 10] [--step-ms-per-running 0] [--max-running 160] [--answer-tokens N]
-        [--lengths lognormal:MEDIAN:SIGMA | pareto:XM:ALPHA] [--incremental-streaming-output] [--eos-id ID]
+        [--lengths lognormal:MEDIAN:SIGMA | pareto:XM:ALPHA | grouped:MEDIAN:SIGMA:SAMPLE_SIGMA] [--incremental-streaming-output] [--eos-id ID]
         [--crash-on-request K] [--crash-delay-s S]
 
 The protocol, as SGLang's `http_server.py` and `TokenizerManager` serve it: `input_ids` one list (single) or a
@@ -39,8 +39,8 @@ front end to be free, as SGLang's do). Two scheduler models:
   `max_running / (step_ms + B x max_running)` tokens per ms.
 
 Answers are `min(max_new_tokens, --answer-tokens)` tokens long (finish `length`), or, with `--lengths`, drawn from
-a long-tailed distribution (lognormal with that median and sigma, or Pareto with that minimum and shape), at
-least 1, as a pure function of the prompt ids and `sampling_seed`, and cut at `max_new_tokens`. With `--lengths`
+a long-tailed distribution (lognormal with that median and sigma, Pareto with that minimum and shape, or grouped:
+a lognormal median per prompt, each sample lognormal around it), at least 1, as a pure function of the prompt ids and `sampling_seed`, and cut at `max_new_tokens`. With `--lengths`
 a request whose ids are an earlier answer's prompt (at least PREFIX_IDS ids long) plus the start of that answer
 (a continuation, whatever its seed) continues that answer: same total length, same ids. Ids (in
 `[100, --vocab - 100)`, the last one `--eos-id` when given and the answer stops) and log-probs are a pure function
@@ -87,27 +87,35 @@ def logprob_of(tok: int) -> float:
 
 @dataclass(frozen=True)
 class LengthModel:
-    """A long-tailed answer length: `lognormal` (a = median, b = sigma) or `pareto` (a = minimum, b = shape)."""
+    """A long-tailed answer length: `lognormal` (a = median, b = sigma), `pareto` (a = minimum, b = shape), or
+    `grouped` (lengths that correlate within a prompt's samples, as real models' do: the prompt's own median drawn
+    lognormal around a with sigma b, each sample lognormal around that median with sigma c)."""
 
     kind: str
     a: float
     b: float
+    c: float = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> LengthModel:
         kind, _, rest = spec.partition(":")
-        a, _, b = rest.partition(":")
-        if kind not in ("lognormal", "pareto") or not a or not b:
-            raise ValueError(f"--lengths {spec!r}: expected lognormal:MEDIAN:SIGMA or pareto:XM:ALPHA")
-        return cls(kind, float(a), float(b))
+        parts = rest.split(":")
+        wanted = 3 if kind == "grouped" else 2
+        if kind not in ("lognormal", "pareto", "grouped") or len(parts) != wanted or not all(parts):
+            raise ValueError(f"--lengths {spec!r}: expected lognormal:MEDIAN:SIGMA, pareto:XM:ALPHA or "
+                             f"grouped:MEDIAN:SIGMA:SAMPLE_SIGMA")
+        return cls(kind, *map(float, parts))
 
     def draw(self, prompt: list[int], seed: int) -> int:
         """The answer's length for this prompt and seed: the same for every copy of the request."""
-        digest = hashlib.blake2b(array("q", prompt).tobytes() + seed.to_bytes(8, "little", signed=True),
-                                 digest_size=8).digest()
+        ids = array("q", prompt).tobytes()
+        digest = hashlib.blake2b(ids + seed.to_bytes(8, "little", signed=True), digest_size=8).digest()
         rng = random.Random(int.from_bytes(digest, "little"))
         if self.kind == "lognormal":
             x = self.a * math.exp(self.b * rng.gauss(0.0, 1.0))
+        elif self.kind == "grouped":  # the prompt's median from the prompt alone, the sample's spread from its seed
+            of_prompt = random.Random(int.from_bytes(hashlib.blake2b(ids, digest_size=8).digest(), "little"))
+            x = self.a * math.exp(self.b * of_prompt.gauss(0.0, 1.0)) * math.exp(self.c * rng.gauss(0.0, 1.0))
         else:
             x = self.a * (1.0 - rng.random()) ** (-1.0 / self.b)
         return max(1, min(1 << 30, round(x)))
@@ -662,7 +670,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running", type=int, default=160, help="members running at once")
     p.add_argument("--answer-tokens", type=int, default=0, help="answer length cap (0: max_new_tokens)")
     p.add_argument("--lengths", default="",
-                   help="long-tailed answer lengths: lognormal:MEDIAN:SIGMA or pareto:XM:ALPHA (cut at max_new_tokens)")
+                   help="long-tailed answer lengths: lognormal:MEDIAN:SIGMA, pareto:XM:ALPHA or grouped:MEDIAN:SIGMA:"
+                        "SAMPLE_SIGMA (a prompt's samples correlate; cut at max_new_tokens)")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="each stream chunk holds only the ids and log-probs since the member's previous one")
     p.add_argument("--eos-id", type=int, default=-1, help="the last id of an answer that stops (-1: an ordinary id)")
