@@ -18,6 +18,7 @@ NO_BAD_VALUE = {
     "reward.verifier_url": "any string; the launcher refuses one that is not an http(s) URL (tests/test_rewards.py)",
     "ray_kwargs.ray_init": "any mapping of ray.init's keyword arguments; Ray refuses one it does not take",
     "ray_kwargs.timeline_json_file": "any path (or null); Ray writes its timeline there",
+    "actors.lengths_from": "any path; one that does not exist is refused at launch (below)",
 }
 
 
@@ -77,6 +78,14 @@ def test_a_bad_value_fails_in_one_line_before_anything_starts(kind: str, info: K
     assert not out.exists()  # nothing written, so no process could have started
 
 
+def test_an_earlier_runs_lengths_that_are_not_there_are_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert launch_main([f"output_dir={out}", f"actors.lengths_from={tmp_path / 'gone'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "actors.lengths_from=" in err[0] and "no such run directory or file" in err[0], err
+    assert not out.exists()
+
+
 def test_help_lists_every_key_with_its_rule(capsys) -> None:
     assert launch_main(["--help"]) == 0
     text = capsys.readouterr().out
@@ -102,6 +111,8 @@ RESOLVED_ELSEWHERE = {
                                             "tests/test_rewards.py)",
     "ray_kwargs.ray_init": "its entries are new keys (+ray_kwargs.ray_init.NAME=..., tests/test_seed_config.py)",
     "external.command": "tests/test_gateway.py (set instead of external.harness: the two exclude each other)",
+    "actors.lengths_from": "an existing run directory or lengths file: the longtail bench's earlier-lengths case; a "
+                           "missing one is refused (test_an_earlier_runs_lengths_that_are_not_there_...)",
 }
 
 

@@ -113,8 +113,8 @@ class Actors:
         True, "admit the pending unit expected longest first: a prompt's finished samples (the first to finish "
               "predicts its siblings), how far its samples in flight have run, and actors.lengths_from; a prompt "
               "without evidence starts at the median of the lengths known (one sample of each prompt first), so it "
-              "is never starved; false: manifest order (prompt-major). One node only: cluster=ray's leased units keep the "
-              "runner's order", choices=(True, False))
+              "is never starved; false: manifest order (prompt-major). One node only: cluster=ray's leased units "
+              "keep the runner's order", choices=(True, False))
     lengths_from: Optional[str] = key(
         None, "an earlier run's answer lengths for the same dataset, to admit long answers first from the start: "
               "its run directory (its rollout shards are read) or a JSON file {\"<dataset index>\": tokens}; "
@@ -723,7 +723,8 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigValueError("actors.lengths_from is not honoured under cluster=ray (leased units come in the "
                                "runner's order): drop it")
     if lengths_from and not Path(str(lengths_from)).exists():
-        raise ConfigValueError(f"actors.lengths_from={lengths_from}: no such run directory or file")
+        raise ConfigValueError(f"actors.lengths_from={lengths_from}: no such run directory or file: name an earlier "
+                               "run's directory or a JSON file of lengths, or drop it")
     harness, command = OmegaConf.select(cfg, "external.harness"), OmegaConf.select(cfg, "external.command")
     if harness and command:
         raise ConfigValueError("external.harness and external.command are both set: the external agent loop runs "
