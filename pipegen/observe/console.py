@@ -166,12 +166,13 @@ def trajectories_where(run: RunDir) -> str:
 
 def failed_what(run: RunDir, failed: dict) -> str:
     """What failed and what to do, in words: units whose generation failed are retried by the same command, each
-    with a fresh seed; units generated but not scored keep their samples, which a rescore (or the same command,
-    with the reward unchanged) scores without generating. Each told apart by its reason (run/stream.py's NOT_SCORED)."""
+    with a fresh seed; units generated but not scored keep their samples, which a rescore scores without generating
+    (rerunning is no fix for them: it generates nothing, and a changed reward is refused pointing to the rescore).
+    Each told apart by its reason (run/stream.py's NOT_SCORED)."""
     from pipegen.run.checkpoint import failure_reason
-    from pipegen.run.stream import NOT_SCORED
+    from pipegen.run.stream import is_not_scored
 
-    unscored = sum(1 for info in failed.values() if failure_reason(info).startswith(NOT_SCORED))
+    unscored = sum(1 for info in failed.values() if is_not_scored(failure_reason(info)))
     generation = len(failed) - unscored
     parts = []
     if generation:
@@ -180,7 +181,7 @@ def failed_what(run: RunDir, failed: dict) -> str:
     if unscored:
         parts.append(f"{unscored} unit(s) generated but not scored (the reward raised or gave no score; their samples "
                      f"are kept): fix the reward, then {command('rescore')} {run.root} scores them without "
-                     f"generating (the same command does too while the reward is unchanged)")
+                     f"generating")
     return "; ".join(parts) + f". Listed in {run.failed_units}."
 
 

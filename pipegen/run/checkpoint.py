@@ -269,9 +269,18 @@ PENDING_LISTED = 10000  # pending units named one by one in failed_units.json (t
 def failed_listing(committed: int, total: int, failed: dict[str, str], pending: list[str]) -> bytes:
     """failed_units.json: each failed unit (index:sample) with its reason, and the units still pending when a writer
     alone delivers a partial output."""
+    from pipegen.run.stream import is_not_scored
+
+    unscored = sum(1 for reason in failed.values() if is_not_scored(str(reason)))
+    retry = []
+    if len(failed) > unscored:
+        retry.append("rerun the same command: it retries only the units that failed to generate, each with a fresh "
+                     "seed")
+    if unscored:
+        retry.append("the units not scored keep their samples: fix the reward, then pipegen rescore DIR scores them "
+                     "without generating")
     listing: dict[str, Any] = {"committed": committed, "total": total, "failed": len(failed),
-                               "retry": "rerun the same command: it retries only these units, each with a fresh seed",
-                               "units": failed}
+                               "retry": "; ".join(retry) or "nothing to retry", "units": failed}
     if pending:
         listing["pending"] = len(pending)
         listing["pending_why"] = ("not generated: no launcher or actor was alive when the writer ran alone; "
