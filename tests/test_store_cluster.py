@@ -263,6 +263,9 @@ def test_a_node_lost_after_committing_has_its_uncommitted_units_run_elsewhere_an
     finally:
         console = finish(launcher, 400)
     assert launcher.returncode == 0, console[-4000:]
+    # "this launch" counts what this launch committed, the lost node's commits included (its runner's counts are gone)
+    assert re.search(rf"done: {units} samples .*; this launch: {units} samples, \d+ output tokens \(a lost node's "
+                     rf"output tokens are not counted\)", console), console[-3000:]
     assert [seg.batch for seg in store.segments(lost_writer)][:len(kept)] == kept  # its commits stay
     assert_exact_in_store(seaweed, prefix, units)
     from pipegen.observe.run_status import gather
@@ -302,3 +305,24 @@ def test_the_head_counts_what_every_writer_commits_and_the_failures_of_this_laun
     commit("node0-aaaaaa", 2, [[8, 9]])  # 4:0 succeeded after all on another node: committed, no longer failed
     follower.refresh()
     assert failed_uncommitted(follower, UnitKeys(2)) == {"4:1": "spent"}
+
+
+def test_this_launch_counts_what_the_store_got_from_it_when_a_node_was_lost(tmp_path):
+    """The closing line's "this launch" on a cluster with a store: what the store holds that it did not at this
+    launch's start, the lost node's commits included; its tokens are the runners' that stopped, and it says so."""
+    from types import SimpleNamespace
+
+    from pipegen.observe.console import run_counts
+    from pipegen.observe.stats import StatsAppender
+    from pipegen.run.stats_line import ClusterStats, NodeStats, WriterStats
+
+    run = RunDir(tmp_path / "run")
+    cluster = StatsAppender(run.stats, ClusterStats.ROLE)
+    cluster.append(ClusterStats(final=True, nodes={"a": NodeStats(state="alive", completed=12, output_tokens=300),
+                                                   "b": NodeStats(state="dead")}))
+    head = StatsAppender(run.stats, WriterStats.ROLE)
+    head.append(WriterStats(committed=8, committed_before=8, units_total=40))
+    head.append(WriterStats(final=True, committed=40, committed_before=8, units_total=40))
+    snap = SimpleNamespace(metrics={}, output_tokens=0)
+    assert run_counts(run, snap, {}).endswith(
+        "; this launch: 32 samples, 300 output tokens (a lost node's output tokens are not counted).")

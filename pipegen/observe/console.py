@@ -127,17 +127,25 @@ def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = Tru
     whole = aggregate(across_processes(history))
     ckpt = load_checkpoint(run.checkpoint)
     completed, tokens = int(snap.metrics.get("actors/completed", 0)), snap.output_tokens
-    run_tokens, counted_by = int(whole.get("actors/output_tokens", 0)), ""
+    run_tokens, counted_by, tokens_of = int(whole.get("actors/output_tokens", 0)), "", ""
     cluster = [line for line in history.get(ClusterStats.ROLE, []) if isinstance(line, ClusterStats)]
     if not whole.get("actors/total") and any(line.final for line in cluster):
         # a cluster with a store: the actors' stats stay on their nodes, and each runner's stop returned its counts
         run_tokens = sum(node_totals(line)[1] for line in cluster if line.final)
         completed, tokens = node_totals(cluster[-1]) if cluster[-1].final else (0, 0)  # this launch's last line
         counted_by = " (as each node's runner counted its actors when it stopped)"
+        head = [line for line in history.get(WriterStats.ROLE, []) if isinstance(line, WriterStats)]
+        if head and head[-1].committed is not None and head[-1].committed_before is not None:
+            # what the store holds now that it did not at this launch's start: a lost node's commits are there,
+            # though its runner's counts went with it
+            committed = head[-1].committed - head[-1].committed_before
+            if committed > completed:
+                tokens_of = " (a lost node's output tokens are not counted)"
+            completed = committed
     text = f" ({ckpt.batches.rows} trajectories), {run_tokens} output tokens{counted_by}"
     if not generated:
         return f"{text}; this launch generated nothing (the run was complete)."
-    this = f"; this launch: {completed} samples, {tokens} output tokens"
+    this = f"; this launch: {completed} samples, {tokens} output tokens{tokens_of}"
     elapsed = metrics.get(ELAPSED_S)
     if elapsed:
         # the rates of the counts this line shows, over the time it shows (the tracker's launch averages count
