@@ -159,6 +159,12 @@ def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(sea
                        r"its actors when it stopped\); this launch: (\d+) samples, (\d+) output tokens", console)
     kept = int(data.batch["response_mask"].sum())
     assert counts and int(counts[1]) == int(counts[3]) == kept and int(counts[2]) == 12, (kept, console[-3000:])
+    # the summary names the store's objects and keeps the rewards and responses lines (the lines stay on the nodes:
+    # the committed rows say them)
+    assert f"  trajectories: s3://{BUCKET}/{prefix}/trajectories.pkl (this node's copy: " in console, console[-3000:]
+    assert re.search(r"^  rewards:      mean -?[0-9.]+ over 12 samples; pass@2 ", console, re.M), console[-3000:]
+    assert re.search(r"^  responses:    \d+ of 12 reached the response limit \(24 tokens\)", console, re.M), \
+        console[-3000:]
     from pipegen.observe.run_status import gather, render
 
     shown = render(gather(RunDir(head_scratch)))  # `pipegen status` in the head's folder: each node's own counts
@@ -222,6 +228,10 @@ def test_redis_streams_on_two_nodes_give_the_files_output_through_a_writer_kille
     finally:
         console = finish(launcher, 400)
     assert launcher.returncode == 0, console[-4000:]
+    # the summary names no stream of the head's own (it holds nothing): each node's, and that they are gone
+    assert (f"/streams/ (stats); each node's own Redis stream at "
+            f"{redis_server.url}, each deleted by its writer once its commits were in the store "
+            f"(generation.keep_streams=false)") in console, console[-3000:]
     assert_each_role_kept_to_its_own_folders(nodes, prefix, head_scratch, shards=False)
     assert_exact_in_store(seaweed, prefix)  # (its verify makes the read cache under HOME: after the check above)
     streams = node_streams(added, prefix)

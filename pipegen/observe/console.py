@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipegen.observe.summary import job_lines
-from pipegen.observe.outcomes import Outcomes, committed_rewards, unit_outcomes
+from pipegen.observe.outcomes import Outcomes, committed_outcomes, committed_rewards, unit_outcomes
 from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
@@ -119,6 +119,12 @@ class Console:
                 self.tracker.finish(exit_code=0 if exc_type is None else 1)
 
 
+def is_store_run(run: RunDir) -> bool:
+    from pipegen.run.config import load_run_config
+
+    return bool(load_run_config(run).storage.url)
+
+
 def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = True) -> str:
     """The closing line's counts after "N samples": trajectories and output tokens over the whole run (every
     launch's processes), then what this launch generated and how fast (`generated=False`: a launch that found the
@@ -172,6 +178,34 @@ def trajectories_where(run: RunDir) -> str:
     return f"{store_output(str(url), run)} (this node's copy: {local})"
 
 
+def in_store(run: RunDir, path) -> str:
+    """A run file as the user finds it: its object in the store on a store run (storage.url), else its path."""
+    from pipegen.run.config import load_run_config
+
+    url = load_run_config(run).storage.url
+    if not url:
+        return str(path)
+    from pipegen.run.store import output_key
+
+    return f"{str(url).rstrip('/')}/{output_key(path.relative_to(run.root))}"
+
+
+def streams_where(run: RunDir) -> str:
+    """The logs line's streams: the folder, or the Redis stream; with a cluster and a store each node's own stream,
+    which the head's folder does not name (each node's scratch folder names its own in conf/streams.json)."""
+    from pipegen.run.config import load_run_config
+
+    medium = open_medium(run)
+    if medium.kind == "files":
+        return f"{run.streams}/"
+    cfg = load_run_config(run)
+    if cfg.cluster.kind == "ray" and cfg.storage.url:
+        kept = ("named in that node's scratch folder's conf/streams.json" if cfg.generation.keep_streams else
+                "each deleted by its writer once its commits were in the store (generation.keep_streams=false)")
+        return f"{run.streams}/ (stats); each node's own Redis stream at {cfg.streams.redis_url}, {kept}"
+    return f"{run.streams}/ (stats), {medium.where(ROLLOUTS)}"
+
+
 def failed_what(run: RunDir, failed: dict) -> str:
     """What failed and what to do, in words: units whose generation failed are retried by the same command, each
     with a fresh seed; units generated but not scored keep their samples, which a rescore scores without generating
@@ -190,7 +224,7 @@ def failed_what(run: RunDir, failed: dict) -> str:
         parts.append(f"{unscored} unit(s) generated but not scored (the reward raised or gave no score; their samples "
                      f"are kept): fix the reward, then {command('rescore')} {run.root} scores them without "
                      f"generating")
-    return "; ".join(parts) + f". Listed in {run.failed_units}."
+    return "; ".join(parts) + f". Listed in {in_store(run, run.failed_units)}."
 
 
 def unscored_line(run: RunDir, outcomes: Outcomes | None) -> str:
@@ -262,7 +296,8 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
     if snap.complete:
         print(f"pipegen: done: {snap.committed} samples{run_counts(run, snap, metrics, not already_complete)}")
         print(f"  reward:       {reward_name(run)}")
-        outcomes = unit_outcomes(run)
+        # a store run's lines stay on its nodes: its rows, as the store committed them, say what they scored
+        outcomes = committed_outcomes(run) if is_store_run(run) else unit_outcomes(run)
         scores = outcomes.rewards if outcomes is not None else None
         if run.role_log("rescore").exists():  # rescored (logs/rescore.log): the batch files hold the rewards, the
             # streams the rewards at generation
@@ -279,16 +314,15 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
             print(line)
         if snap.merged:
             print(f"  trajectories: {trajectories_where(run)}")
-            print(f"  artifact:     {run.artifact}")
+            print(f"  artifact:     {run.artifact}" + (" (made on this node; the store holds trajectories.pkl)"
+                                                       if is_store_run(run) else ""))
         else:
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
-        medium = open_medium(run)
-        lines = f"{run.streams}/" if medium.kind == "files" else f"{run.streams}/ (stats), {medium.where(ROLLOUTS)}"
-        print(f"  logs:         {run.logs}/   streams: {lines}")
+        print(f"  logs:         {run.logs}/   streams: {streams_where(run)}")
         return 0
     what = failed_what(run, snap.failed_units)
     if snap.merged or run.merged_output() is not None:
-        where = f"{run.merged_output() or run.trajectories} and {run.artifact}"
+        where = f"{trajectories_where(run)} and {run.artifact}"
         print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {what}",
               file=sys.stderr)
     else:
