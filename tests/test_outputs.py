@@ -134,6 +134,8 @@ def test_the_dataset_card_names_no_local_path_and_a_license(tmp_path):
     assert "license: mit\n" in card.partition("\n---\n")[0] and "- license: `mit`" in card
     assert "- model: `Org/Model-1B`; revision: `abc123`" in card and "- prompts from: `my_prompts.parquet`" in card
     assert "upload USER/NAME . . --repo-type dataset --include README.md --include trajectories.parquet" in card
+    # how pipegen is installed today (no package index serves it): no link to an index page that does not exist
+    assert "pypi.org" not in card and "installed from a checkout of pipegen with `pip install .`" in card, card
     cfg.export.license = "cc-by-4.0"
     assert "license: cc-by-4.0\n" in card_text(cfg, run, run.root / "trajectories.parquet", numbers)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import FAKE_ENGINE, FAST, REPO, directory_bytes, launch
+from conftest import FAKE_ENGINE, FAST, REPO, directory_bytes, launch, load_trajectories
 
 from pipegen.run.fingerprint import OVERRIDE_KEY, check_fingerprint, compute_fingerprint, mismatch_message, sampled_digest
 
@@ -180,18 +180,57 @@ def test_check_fingerprint_passes_a_new_run_and_the_override(tmp_path, model_cop
     assert check_fingerprint(forced, run) is None
 
 
-def test_another_n_on_a_run_with_data_is_refused_even_with_resume_with_changes(tmp_path, tiny_model):
-    """A run numbers its units index x n + sample: n=1 -> 2 with resume_with_changes=true would read every committed
-    unit as another one. It is refused in one line that says why and what to do, and the run is left as it was."""
+def test_a_larger_n_alone_adds_only_the_new_samples_and_any_other_n_change_is_refused(tmp_path, tiny_model):
+    """n=1 -> 2 on a finished run generates sample 1 of each prompt and nothing else: the batch files it committed
+    stay byte for byte, its rows are the same in the new output, and a prompt's two samples share its uid; the
+    launch says so in one line. A smaller n, or a larger one beside another change, is refused even with
+    resume_with_changes=true, and the run is left as it was."""
     out = tmp_path / "run"
-    first = launch(out, f"model_path={tiny_model}", *[o for o in FAKE if not o.startswith("n=")], "n=1")
+    base = [f"model_path={tiny_model}", *[o for o in FAKE if not o.startswith("n=")]]
+    first = launch(out, *base, "n=1")
     assert first.returncode == 0, first.stderr[-3000:]
     before = directory_bytes(out)
-    for extra in ([], [f"{OVERRIDE_KEY}=true"]):
-        more = launch(out, f"model_path={tiny_model}", *[o for o in FAKE if not o.startswith("n=")], "n=2", *extra)
-        assert more.returncode == 2, more.stdout[-2000:]
-        assert more.stderr.strip().splitlines()[-1] == (
-            "pipegen: error: n=2 on a run made with n=1: a run's units are numbered by n, so samples cannot be added "
-            "to it in place (resume_with_changes=true would misread every committed unit); generate n=2 into a new "
-            "output_dir, or keep n=1 here"), more.stderr[-2000:]
+    refusals = {
+        ("n=2", "temperature=0.5"): "pipegen: error: n=2 on a run made with n=1 adds samples only when nothing else "
+                                    "changes, and this launch also changes sampling.temperature: 1.0 -> 0.5: keep the "
+                                    "rest as the run has it to add samples here, or generate into a new output_dir",
+    }
+    for extra, line in refusals.items():
+        for override in ([], [f"{OVERRIDE_KEY}=true"]):
+            more = launch(out, *base, *extra, *override)
+            assert more.returncode == 2, more.stdout[-2000:]
+            assert more.stderr.strip().splitlines()[-1] == line, more.stderr[-2000:]
     assert directory_bytes(out) == before
+    old = load_trajectories(out / "trajectories.pkl")
+    old_batches = {name: digest for name, digest in before.items() if name.startswith("batch_")}
+
+    grown = launch(out, *base, "n=2")
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    assert ("pipegen: n=2 on a run made with n=1: generating only the new samples (sample 1 of each of its 6 "
+            "prompts: 6 units); the units it committed, their seeds and their prompts' uids stay as they are"
+            in grown.stdout.splitlines()), grown.stdout[-3000:]
+    assert "pipegen: done: 12 samples" in grown.stdout and "this launch: 6 samples" in grown.stdout, grown.stdout
+    after = directory_bytes(out)
+    assert old_batches and all(after.get(name) == digest for name, digest in old_batches.items())
+    new = load_trajectories(out / "trajectories.pkl")
+    nt = new.non_tensor_batch
+    units = sorted(zip(nt["index"].tolist(), nt["sample"].tolist()))
+    assert units == sorted((int(i), s) for i in old.non_tensor_batch["index"] for s in (0, 1))
+    first_rows = [r for r in range(len(new)) if nt["sample"][r] == 0]
+    assert [int(nt["index"][r]) for r in first_rows] == old.non_tensor_batch["index"].tolist()
+    assert new.batch["responses"][first_rows].equal(old.batch["responses"])
+    assert [nt["uid"][r] for r in first_rows] == old.non_tensor_batch["uid"].tolist()
+    uids = {}
+    for index, uid in zip(nt["index"].tolist(), nt["uid"].tolist()):
+        uids.setdefault(index, set()).add(uid)
+    assert all(len(u) == 1 for u in uids.values()), uids
+
+    # the run holds two samples per prompt now: fewer is refused, even with resume_with_changes=true
+    settled = directory_bytes(out)
+    for override in ([], [f"{OVERRIDE_KEY}=true"]):
+        fewer = launch(out, *base, "n=1", *override)
+        assert fewer.returncode == 2, fewer.stdout[-2000:]
+        assert fewer.stderr.strip().splitlines()[-1] == (
+            "pipegen: error: n=1 on a run made with n=2: a run keeps every sample it committed, so n cannot shrink; "
+            "keep n=2 here, or generate n=1 into a new output_dir"), fewer.stderr[-2000:]
+    assert directory_bytes(out) == settled

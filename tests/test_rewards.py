@@ -204,8 +204,15 @@ def test_http_verifier_scores_as_the_file_and_a_failing_one_is_recorded_not_fake
         assert "fresh seed" not in closing and "failed to generate" not in closing, closing
         assert (f"{len(failed)} unit(s) generated but not scored (the reward raised or gave no score; their samples "
                 f"are kept): fix the reward, then ") in closing and (
-            f"rescore {out.resolve()} scores them without generating (the same command does too while the reward is "
-            f"unchanged). Listed in {out.resolve() / 'failed_units.json'}.") in closing, closing
+            f"rescore {out.resolve()} scores them without generating. Listed in "
+            f"{out.resolve() / 'failed_units.json'}.") in closing, closing
+        assert "rerun" not in closing and "same command" not in closing, closing
+        # failed_units.json and the reasons printed under the closing line say the same: a rescore, no fresh seed
+        listing = orjson.loads((out / "failed_units.json").read_bytes())
+        assert listing["retry"] == ("the units not scored keep their samples: fix the reward, then pipegen rescore "
+                                    "DIR scores them without generating"), listing
+        assert all("next launch" not in line and "fresh seed" not in line for line in first.stderr.splitlines()
+                   if "not scored" in line), first.stderr[-3000:]
 
         # the verifier recovers: the same command scores exactly the kept samples, generating nothing
         flag.write_text("ok")

@@ -7,6 +7,7 @@ before anything generates."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,9 @@ def test_a_store_run_whose_writer_is_killed_while_publishing_is_exact_from_the_s
     # the closing summary names the output where the run keeps it, the store, beside this node's copy
     assert f"  trajectories: {url}/trajectories.pkl (this node's copy: {scratch.resolve()}/trajectories.pkl)" in \
         done.stdout, done.stdout
+    # ... and keeps the rewards and responses lines (the committed rows say them)
+    assert re.search(r"^  rewards:      mean -?[0-9.]+ over \d+ samples; pass@", done.stdout, re.M), done.stdout
+    assert re.search(r"^  responses:    \d+ of \d+ reached the response limit", done.stdout, re.M), done.stdout
 
     store = store_of(seaweed, "kills")
     lives = {key.split("/")[2] for key in store.list("writers/node-0/") if "/manifest/" not in key}

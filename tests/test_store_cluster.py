@@ -159,6 +159,12 @@ def test_two_nodes_with_no_shared_folder_commit_every_unit_once_to_the_store(sea
                        r"its actors when it stopped\); this launch: (\d+) samples, (\d+) output tokens", console)
     kept = int(data.batch["response_mask"].sum())
     assert counts and int(counts[1]) == int(counts[3]) == kept and int(counts[2]) == 12, (kept, console[-3000:])
+    # the summary names the store's objects and keeps the rewards and responses lines (the lines stay on the nodes:
+    # the committed rows say them)
+    assert f"  trajectories: s3://{BUCKET}/{prefix}/trajectories.pkl (this node's copy: " in console, console[-3000:]
+    assert re.search(r"^  rewards:      mean -?[0-9.]+ over 12 samples; pass@2 ", console, re.M), console[-3000:]
+    assert re.search(r"^  responses:    \d+ of 12 reached the response limit \(24 tokens\)", console, re.M), \
+        console[-3000:]
     from pipegen.observe.run_status import gather, render
 
     shown = render(gather(RunDir(head_scratch)))  # `pipegen status` in the head's folder: each node's own counts
@@ -222,6 +228,10 @@ def test_redis_streams_on_two_nodes_give_the_files_output_through_a_writer_kille
     finally:
         console = finish(launcher, 400)
     assert launcher.returncode == 0, console[-4000:]
+    # the summary names no stream of the head's own (it holds nothing): each node's, and that they are gone
+    assert (f"/streams/ (stats); each node's own Redis stream at "
+            f"{redis_server.url}, each deleted by its writer once its commits were in the store "
+            f"(generation.keep_streams=false)") in console, console[-3000:]
     assert_each_role_kept_to_its_own_folders(nodes, prefix, head_scratch, shards=False)
     assert_exact_in_store(seaweed, prefix)  # (its verify makes the read cache under HOME: after the check above)
     streams = node_streams(added, prefix)
@@ -263,6 +273,9 @@ def test_a_node_lost_after_committing_has_its_uncommitted_units_run_elsewhere_an
     finally:
         console = finish(launcher, 400)
     assert launcher.returncode == 0, console[-4000:]
+    # "this launch" counts what this launch committed, the lost node's commits included (its runner's counts are gone)
+    assert re.search(rf"done: {units} samples .*; this launch: {units} samples, \d+ output tokens \(a lost node's "
+                     rf"output tokens are not counted\)", console), console[-3000:]
     assert [seg.batch for seg in store.segments(lost_writer)][:len(kept)] == kept  # its commits stay
     assert_exact_in_store(seaweed, prefix, units)
     from pipegen.observe.run_status import gather
@@ -302,3 +315,24 @@ def test_the_head_counts_what_every_writer_commits_and_the_failures_of_this_laun
     commit("node0-aaaaaa", 2, [[8, 9]])  # 4:0 succeeded after all on another node: committed, no longer failed
     follower.refresh()
     assert failed_uncommitted(follower, UnitKeys(2)) == {"4:1": "spent"}
+
+
+def test_this_launch_counts_what_the_store_got_from_it_when_a_node_was_lost(tmp_path):
+    """The closing line's "this launch" on a cluster with a store: what the store holds that it did not at this
+    launch's start, the lost node's commits included; its tokens are the runners' that stopped, and it says so."""
+    from types import SimpleNamespace
+
+    from pipegen.observe.console import run_counts
+    from pipegen.observe.stats import StatsAppender
+    from pipegen.run.stats_line import ClusterStats, NodeStats, WriterStats
+
+    run = RunDir(tmp_path / "run")
+    cluster = StatsAppender(run.stats, ClusterStats.ROLE)
+    cluster.append(ClusterStats(final=True, nodes={"a": NodeStats(state="alive", completed=12, output_tokens=300),
+                                                   "b": NodeStats(state="dead")}))
+    head = StatsAppender(run.stats, WriterStats.ROLE)
+    head.append(WriterStats(committed=8, committed_before=8, units_total=40))
+    head.append(WriterStats(final=True, committed=40, committed_before=8, units_total=40))
+    snap = SimpleNamespace(metrics={}, output_tokens=0)
+    assert run_counts(run, snap, {}).endswith(
+        "; this launch: 32 samples, 300 output tokens (a lost node's output tokens are not counted).")

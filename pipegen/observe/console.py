@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from pipegen.observe.summary import job_lines
-from pipegen.observe.outcomes import Outcomes, committed_rewards, unit_outcomes
+from pipegen.observe.outcomes import Outcomes, committed_outcomes, committed_rewards, unit_outcomes
 from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.observe.progress import DurableShards, LogWatcher, ProgressBar, Snapshot, snapshot
 from pipegen.observe.startup import startup_phases
@@ -120,6 +120,12 @@ class Console:
                 self.tracker.finish(exit_code=0 if exc_type is None else 1)
 
 
+def is_store_run(run: RunDir) -> bool:
+    from pipegen.run.config import load_run_config
+
+    return bool(load_run_config(run).storage.url)
+
+
 def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = True) -> str:
     """The closing line's counts after "N samples": trajectories and output tokens over the whole run (every
     launch's processes), then what this launch generated and how fast (`generated=False`: a launch that found the
@@ -128,17 +134,25 @@ def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = Tru
     whole = aggregate(across_processes(history))
     ckpt = load_checkpoint(run.checkpoint)
     completed, tokens = int(snap.metrics.get("actors/completed", 0)), snap.output_tokens
-    run_tokens, counted_by = int(whole.get("actors/output_tokens", 0)), ""
+    run_tokens, counted_by, tokens_of = int(whole.get("actors/output_tokens", 0)), "", ""
     cluster = [line for line in history.get(ClusterStats.ROLE, []) if isinstance(line, ClusterStats)]
     if not whole.get("actors/total") and any(line.final for line in cluster):
         # a cluster with a store: the actors' stats stay on their nodes, and each runner's stop returned its counts
         run_tokens = sum(node_totals(line)[1] for line in cluster if line.final)
         completed, tokens = node_totals(cluster[-1]) if cluster[-1].final else (0, 0)  # this launch's last line
         counted_by = " (as each node's runner counted its actors when it stopped)"
+        head = [line for line in history.get(WriterStats.ROLE, []) if isinstance(line, WriterStats)]
+        if head and head[-1].committed is not None and head[-1].committed_before is not None:
+            # what the store holds now that it did not at this launch's start: a lost node's commits are there,
+            # though its runner's counts went with it
+            committed = head[-1].committed - head[-1].committed_before
+            if committed > completed:
+                tokens_of = " (a lost node's output tokens are not counted)"
+            completed = committed
     text = f" ({ckpt.batches.rows} trajectories), {run_tokens} output tokens{counted_by}"
     if not generated:
         return f"{text}; this launch generated nothing (the run was complete)."
-    this = f"; this launch: {completed} samples, {tokens} output tokens"
+    this = f"; this launch: {completed} samples, {tokens} output tokens{tokens_of}"
     elapsed = metrics.get(ELAPSED_S)
     if elapsed:
         # the rates of the counts this line shows, over the time it shows (the tracker's launch averages count
@@ -165,14 +179,43 @@ def trajectories_where(run: RunDir) -> str:
     return f"{store_output(str(url), run)} (this node's copy: {local})"
 
 
+def in_store(run: RunDir, path) -> str:
+    """A run file as the user finds it: its object in the store on a store run (storage.url), else its path."""
+    from pipegen.run.config import load_run_config
+
+    url = load_run_config(run).storage.url
+    if not url:
+        return str(path)
+    from pipegen.run.store import output_key
+
+    return f"{str(url).rstrip('/')}/{output_key(path.relative_to(run.root))}"
+
+
+def streams_where(run: RunDir) -> str:
+    """The logs line's streams: the folder, or the Redis stream; with a cluster and a store each node's own stream,
+    which the head's folder does not name (each node's scratch folder names its own in conf/streams.json)."""
+    from pipegen.run.config import load_run_config
+
+    medium = open_medium(run)
+    if medium.kind == "files":
+        return f"{run.streams}/"
+    cfg = load_run_config(run)
+    if cfg.cluster.kind == "ray" and cfg.storage.url:
+        kept = ("named in that node's scratch folder's conf/streams.json" if cfg.generation.keep_streams else
+                "each deleted by its writer once its commits were in the store (generation.keep_streams=false)")
+        return f"{run.streams}/ (stats); each node's own Redis stream at {cfg.streams.redis_url}, {kept}"
+    return f"{run.streams}/ (stats), {medium.where(ROLLOUTS)}"
+
+
 def failed_what(run: RunDir, failed: dict) -> str:
     """What failed and what to do, in words: units whose generation failed are retried by the same command, each
-    with a fresh seed; units generated but not scored keep their samples, which a rescore (or the same command,
-    with the reward unchanged) scores without generating. Each told apart by its reason (run/stream.py's NOT_SCORED)."""
+    with a fresh seed; units generated but not scored keep their samples, which a rescore scores without generating
+    (rerunning is no fix for them: it generates nothing, and a changed reward is refused pointing to the rescore).
+    Each told apart by its reason (run/stream.py's NOT_SCORED)."""
     from pipegen.run.checkpoint import failure_reason
-    from pipegen.run.stream import NOT_SCORED
+    from pipegen.run.stream import is_not_scored
 
-    unscored = sum(1 for info in failed.values() if failure_reason(info).startswith(NOT_SCORED))
+    unscored = sum(1 for info in failed.values() if is_not_scored(failure_reason(info)))
     generation = len(failed) - unscored
     parts = []
     if generation:
@@ -181,8 +224,8 @@ def failed_what(run: RunDir, failed: dict) -> str:
     if unscored:
         parts.append(f"{unscored} unit(s) generated but not scored (the reward raised or gave no score; their samples "
                      f"are kept): fix the reward, then {command('rescore')} {run.root} scores them without "
-                     f"generating (the same command does too while the reward is unchanged)")
-    return "; ".join(parts) + f". Listed in {run.failed_units}."
+                     f"generating")
+    return "; ".join(parts) + f". Listed in {in_store(run, run.failed_units)}."
 
 
 def unscored_line(run: RunDir, outcomes: Outcomes | None) -> str:
@@ -254,7 +297,8 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
     if snap.complete:
         print(f"pipegen: done: {snap.committed} samples{run_counts(run, snap, metrics, not already_complete)}")
         print(f"  reward:       {reward_name(run)}")
-        outcomes = unit_outcomes(run)
+        # a store run's lines stay on its nodes: its rows, as the store committed them, say what they scored
+        outcomes = committed_outcomes(run) if is_store_run(run) else unit_outcomes(run)
         scores = outcomes.rewards if outcomes is not None else None
         if run.role_log("rescore").exists():  # rescored (logs/rescore.log): the batch files hold the rewards, the
             # streams the rewards at generation
@@ -274,16 +318,15 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
             print(f"  tail:         {tail}")
         if snap.merged:
             print(f"  trajectories: {trajectories_where(run)}")
-            print(f"  artifact:     {run.artifact}")
+            print(f"  artifact:     {run.artifact}" + (" (made on this node; the store holds trajectories.pkl)"
+                                                       if is_store_run(run) else ""))
         else:
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
-        medium = open_medium(run)
-        lines = f"{run.streams}/" if medium.kind == "files" else f"{run.streams}/ (stats), {medium.where(ROLLOUTS)}"
-        print(f"  logs:         {run.logs}/   streams: {lines}")
+        print(f"  logs:         {run.logs}/   streams: {streams_where(run)}")
         return 0
     what = failed_what(run, snap.failed_units)
     if snap.merged or run.merged_output() is not None:
-        where = f"{run.merged_output() or run.trajectories} and {run.artifact}"
+        where = f"{trajectories_where(run)} and {run.artifact}"
         print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {what}",
               file=sys.stderr)
     else:

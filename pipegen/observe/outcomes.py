@@ -7,6 +7,8 @@ samples scoring above 0, and each unit's `finish` (run/stream.py). Only the `ind
 the `reward_score` fields of a line are looked at (a regex over the bytes, no JSON parse), so a summary of a
 100k-unit run costs about a second.
 
+A store run's lines stay on its nodes: `committed_outcomes` reads the same figures from the committed rows.
+
 Owns: the reward and finish summary. Must never: write anything, or read more than MAX_BYTES of the stream (a
 huge run gets no pass@n line rather than a long wait at its end).
 """
@@ -74,6 +76,26 @@ def unit_outcomes(run: RunDir) -> Outcomes | None:
         return None
     rewards = RewardSummary(total / scored, scored, len(best), sum(1 for v in best.values() if v > 0)) if scored else None
     return Outcomes(rewards, finishes)
+
+
+def committed_outcomes(run: RunDir) -> Outcomes | None:
+    """The outcomes of the committed rows as the batch files hold them (a store run, whose lines stay on its nodes):
+    the rewards, and each sample's last piece as "length" when its response reached the response limit, else "stop".
+    None when there is no row."""
+    from pipegen.observe.committed import committed_rows
+    from pipegen.run.config import load_run_config
+
+    rows = committed_rows(run).rows
+    if not rows:
+        return None
+    limit = int(load_run_config(run).actor_rollout_ref.rollout.response_length)
+    ends: dict[tuple[int, int], tuple[int, int]] = {}
+    for r in rows:
+        unit = (r.index, r.sample)
+        if unit not in ends or r.trajectory > ends[unit][0]:
+            ends[unit] = (r.trajectory, r.response_length)
+    cut = sum(1 for _, length in ends.values() if length >= limit)
+    return Outcomes(committed_rewards(run), {"length": cut, "stop": len(ends) - cut})
 
 
 def committed_rewards(run: RunDir) -> RewardSummary | None:

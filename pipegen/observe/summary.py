@@ -19,7 +19,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from pipegen.inputs.dataset import file_rows, selected_rows, string_prompts
-from pipegen.observe.outcomes import Outcomes, unit_outcomes
+from pipegen.observe.outcomes import Outcomes, committed_outcomes, unit_outcomes
 from pipegen.run.checkpoint import failure_reason
 from pipegen.run.integrity import DamagedFile
 from pipegen.run.precision import resolve_dtype_name
@@ -146,7 +146,7 @@ def run_summary(run: RunDir) -> RunSummary:
     cfg = load_run_config(run)
     n = int(cfg.actor_rollout_ref.rollout.n)
     snap = snapshot(run, n)
-    outcomes = unit_outcomes(run)
+    outcomes = committed_outcomes(run) if cfg.storage.url else unit_outcomes(run)  # a store run's lines: on its nodes
     rewards = outcomes.rewards if outcomes is not None else None
     facts = run.read_dataset_facts()
     finishes = outcomes.finishes if outcomes is not None else {}

@@ -227,7 +227,8 @@ def settle_setup(cfg: DictConfig, run) -> None:
     """The run's saved config and fingerprint name the reward that scored it now, so the same launch command
     resumes the run (as resume_with_changes=true would save them) and the writer accepts it."""
     from pipegen.run.config import save_run_config
-    from pipegen.run.fingerprint import compute_fingerprint, save_fingerprint
+    from pipegen.run.fingerprint import compute_fingerprint, load_fingerprint, save_fingerprint, with_kept_run_key
 
+    current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
     save_run_config(run, cfg)
-    save_fingerprint(run.fingerprint_file, orjson.loads(orjson.dumps(compute_fingerprint(cfg))))
+    save_fingerprint(run.fingerprint_file, with_kept_run_key(load_fingerprint(run), current))  # its uids stay

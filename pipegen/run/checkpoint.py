@@ -3,9 +3,10 @@
 Holds: committed units as compact ranges of unit keys, the batch files (numbered 0..count-1, their
 row counts run-length encoded), per actor the watermark below which every shard is sealed and fully
 consumed plus byte offsets of the shards above it (streams=redis: the last stream entry ID it covers, per
-topic), units that failed in the current launch, the config fingerprint, and whether the merge finished.
-Every part is O(ranges + actors), not O(units) or O(batches), so a commit costs the same at 1k and at 1M
-committed units.
+topic), units that failed in the current launch, the config fingerprint, the n its unit keys are numbered by, and
+whether the merge finished. Every part is O(ranges + actors), not O(units) or O(batches), so a commit costs the same
+at 1k and at 1M committed units. Samples added to a finished run (n 1 -> 2, `renumber`) leave one range per prompt
+until the new samples are committed beside the old ones, which joins the ranges again.
 
 Owns: the checkpoint's schema, its validation on load (a damaged one is a DamagedFile naming the
 rebuild command, never an empty checkpoint), its atomic replacement, and what failed_units.json holds
@@ -137,6 +138,23 @@ class Checkpoint:
     launch: str = ""
     complete: bool = False
     merged: bool = False
+    n: int = 0  # the n its unit keys are numbered by (stream.UnitKeys); 0: written before it was recorded, the run's n
+
+    def renumber(self, old_n: int, new_n: int) -> None:
+        """The committed units, numbered by `new_n` instead of `old_n` (the same (index, sample) pairs): samples added
+        to a run (a larger n) keep every unit it committed. The run is complete again only once the new ones are."""
+        if old_n == new_n:
+            self.n = new_n
+            return
+        committed = RangeSet()
+        for key in self.committed:
+            index, sample = divmod(key, old_n)
+            if sample >= new_n:
+                raise ValueError(f"sample {sample} of prompt {index} is committed: a run numbered by n={new_n} "
+                                 f"cannot hold it")
+            committed.add(index * new_n + sample)
+        self.committed, self.n = committed, new_n
+        self.complete = self.merged = False
 
     def mark_failed(self, label: str, reason: str) -> None:
         """A unit (records.unit_label) that gave up in this launch, and why."""
@@ -167,6 +185,7 @@ class Checkpoint:
                 "failure_sealed": self.failure_sealed,
                 "failure_offsets": self.failure_offsets,
                 "stream_ids": self.stream_ids,
+                "n": self.n,
             },
             option=orjson.OPT_INDENT_2,
         )
@@ -191,6 +210,7 @@ class Checkpoint:
             launch=d.get("launch", ""),
             complete=d.get("complete", False),
             merged=d.get("merged", False),
+            n=int(d.get("n") or 0),
         )
 
 
@@ -249,9 +269,18 @@ PENDING_LISTED = 10000  # pending units named one by one in failed_units.json (t
 def failed_listing(committed: int, total: int, failed: dict[str, str], pending: list[str]) -> bytes:
     """failed_units.json: each failed unit (index:sample) with its reason, and the units still pending when a writer
     alone delivers a partial output."""
+    from pipegen.run.stream import is_not_scored
+
+    unscored = sum(1 for reason in failed.values() if is_not_scored(str(reason)))
+    retry = []
+    if len(failed) > unscored:
+        retry.append("rerun the same command: it retries only the units that failed to generate, each with a fresh "
+                     "seed")
+    if unscored:
+        retry.append("the units not scored keep their samples: fix the reward, then pipegen rescore DIR scores them "
+                     "without generating")
     listing: dict[str, Any] = {"committed": committed, "total": total, "failed": len(failed),
-                               "retry": "rerun the same command: it retries only these units, each with a fresh seed",
-                               "units": failed}
+                               "retry": "; ".join(retry) or "nothing to retry", "units": failed}
     if pending:
         listing["pending"] = len(pending)
         listing["pending_why"] = ("not generated: no launcher or actor was alive when the writer ran alone; "

@@ -32,6 +32,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
                    "vocab.json", "merges.txt", "config.json", "generation_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 OVERRIDE_KEY = "resume_with_changes"
+# a run that had samples added (n 1 -> 2) keeps the run key it had, so its prompts' uids (stream.prompt_uid) stay
+KEPT_RUN_KEY = "run_key"
 
 
 SAMPLE_BYTES = 64 << 10
@@ -215,8 +217,17 @@ def fingerprint_bytes(fp: dict[str, Any]) -> bytes:
 
 
 def run_key_of(fp: dict[str, Any]) -> str:
-    """The run key a fingerprint gives once saved (RunDir.run_key reads it back from the file)."""
-    return hashlib.sha256(fingerprint_bytes(fp)).hexdigest()[:16]
+    """The run key a fingerprint gives once saved (RunDir.run_key reads it back from the file): the one it keeps, or
+    its digest."""
+    return fp.get(KEPT_RUN_KEY) or hashlib.sha256(fingerprint_bytes(fp)).hexdigest()[:16]
+
+
+def with_kept_run_key(stored: dict[str, Any] | None, current: dict[str, Any]) -> dict[str, Any]:
+    """This launch's fingerprint, keeping the run key the stored one keeps (a run that had samples added): what
+    the two are compared and saved as."""
+    if stored and stored.get(KEPT_RUN_KEY):
+        return {**current, KEPT_RUN_KEY: stored[KEPT_RUN_KEY]}
+    return current
 
 
 def save_fingerprint(path: Path, fp: dict[str, Any]) -> None:
@@ -256,4 +267,5 @@ def check_fingerprint(cfg: DictConfig, run) -> str | None:
     stored = load_fingerprint(run)
     if stored is None:
         return None
-    return mismatch_message(stored, orjson.loads(orjson.dumps(compute_fingerprint(cfg))), run.root)
+    current = orjson.loads(orjson.dumps(compute_fingerprint(cfg)))
+    return mismatch_message(stored, with_kept_run_key(stored, current), run.root)

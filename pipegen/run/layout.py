@@ -338,10 +338,18 @@ class RunDir:
 
     # ---- the small files every role reads ----
     def run_key(self) -> str:
-        """Stable across launches of one run and equal for identical setups: the fingerprint's digest.
-        Empty before the launcher has saved a fingerprint."""
-        path = self.fingerprint_file  # fingerprint.run_key_of gives the same digest before the file is saved
-        return hashlib.sha256(path.read_bytes()).hexdigest()[:16] if path.exists() else ""
+        """Stable across launches of one run and equal for identical setups: the fingerprint's digest, or the run key
+        it keeps (`"run_key"`: a run that had samples added keeps its prompts' uids). Empty before the launcher has
+        saved a fingerprint."""
+        path = self.fingerprint_file  # fingerprint.run_key_of gives the same key before the file is saved
+        if not path.exists():
+            return ""
+        data = path.read_bytes()
+        try:
+            kept = orjson.loads(data).get("run_key")
+        except (orjson.JSONDecodeError, AttributeError):
+            kept = None
+        return kept if isinstance(kept, str) and kept else hashlib.sha256(data).hexdigest()[:16]
 
     def write_manifest(self, indices: list[int], dataset: "DatasetFacts | None" = None) -> None:
         body = {"indices": indices, **({"dataset": asdict(dataset)} if dataset is not None else {})}

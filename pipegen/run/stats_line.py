@@ -166,6 +166,9 @@ class WriterStats(StatsLine):
     ROLE: ClassVar[str] = "writer"
 
     committed: int | None = field(default=None, metadata=RATED)  # units in batch files, every launch's
+    # the head's writer with a store: units the store held at its first look, before this launch's nodes committed
+    # (what this launch committed is committed minus it; a lost node's commits counted, its stats are not)
+    committed_before: int | None = None
     units_total: int | None = None
     batches: int | None = None
     buffered: int | None = None  # units read from the shards, not yet in a batch file

@@ -230,9 +230,15 @@ class RolloutRecord(_Line):
         return kwargs
 
 
-# the reason of a unit that generated but whose reward failed: its samples are kept, and a launch (or a rescore)
-# scores them without generating; every summary tells it from a failed generation by this start
-NOT_SCORED = "not scored (its samples are kept: the next launch scores them without generating)"
+# the reason of a unit that generated but whose reward failed: its samples are kept, and a rescore (or a launch with
+# the reward unchanged) scores them without generating; every summary tells it from a failed generation by
+# `is_not_scored`
+NOT_SCORED = "not scored (its samples are kept: pipegen rescore DIR scores them without generating)"
+
+
+def is_not_scored(reason: str) -> bool:
+    """Whether a failure's reason is NOT_SCORED's (its wording before 2027-01 included): generated, not scored."""
+    return reason.startswith("not scored (")
 
 
 @dataclass

@@ -52,7 +52,7 @@ def materialize(url: str, cache: Path | None = None, outputs: bool = False) -> R
         if data is not None:
             atomic_write_bytes(run.conf / name, data)
     n = int(load_run_config(run).actor_rollout_ref.rollout.n)
-    ckpt = Checkpoint(run_key=run.run_key())
+    ckpt = Checkpoint(run_key=run.run_key(), n=n)
     wanted = set()
     for seg, dropped in resolve(store.segments()):
         keys = [k for k in seg.unit_keys() if k not in dropped]

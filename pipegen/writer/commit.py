@@ -50,6 +50,7 @@ from omegaconf import DictConfig
 from pipegen.observe.stats import StatsAppender
 from pipegen.run.atomic import atomic_write_bytes
 from pipegen.run.checkpoint import failed_listing, failure_reason, failure_summary, load_checkpoint, save_checkpoint
+from pipegen.run.integrity import DamagedFile
 from pipegen.run.layout import RunDir
 from pipegen.run.medium import FAILURES, ROLLOUTS, open_medium
 from pipegen.run.stats_line import WriterStats
@@ -139,6 +140,11 @@ class Writer:
 
         self.ckpt = recover(self.run, self.ckpt, self.keys.n)
         self.ckpt.run_key = self.run.run_key()
+        if self.ckpt.n not in (0, self.keys.n):  # the launcher renumbers it when n changes (launch/resume.py)
+            raise DamagedFile(self.run.checkpoint, f"its units are numbered by n={self.ckpt.n}, this run's config says "
+                              f"n={self.keys.n}", "the batch files and shards",
+                              f"relaunch with n={self.keys.n} (the launcher renumbers it)")
+        self.ckpt.n = self.keys.n
         if self.ckpt.launch != self.launch:
             # A new launch retries the units that failed before; forget their old failures.
             self.ckpt.failed = {}

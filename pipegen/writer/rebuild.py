@@ -76,7 +76,7 @@ def _accept(path: Path, keys: UnitKeys, seen: set[int], aside: list[str]) -> tup
 def rebuild(run: RunDir, n: int) -> Rebuilt:
     """Rebuild checkpoint.json from the batch files on disk (see the module docstring)."""
     keys = UnitKeys(n)
-    ckpt = Checkpoint(run_key=run.run_key())
+    ckpt = Checkpoint(run_key=run.run_key(), n=n)
     result = Rebuilt(ckpt)
     kept: list[Path] = []
     seen: set[int] = set()

@@ -63,6 +63,10 @@ class StoreHead(Mode):
         self.follower = SegmentFollower(self.store, run.read_launch().launch)
         self.failed: dict[str, str] = {}
         self.last_said = 0
+        self.follower.refresh()
+        # what the store held at this writer's first look: before the nodes' first commits of this launch (their
+        # runners start servers and actors and fill a batch first); the closing line's "this launch" counts from it
+        self.committed_before = len(self.follower.committed)
         log.info("following %s: %d unit(s) to be committed by the nodes' writers", self.url, self.total)
         while not self.settled(0, time.monotonic()):
             time.sleep(POLL_S)
@@ -72,7 +76,7 @@ class StoreHead(Mode):
         self.follower.refresh()
         self.failed = failed_uncommitted(self.follower, self.keys)
         committed = len(self.follower.committed)
-        self.stats.append(WriterStats(committed=committed, units_total=self.total,
+        self.stats.append(WriterStats(committed=committed, units_total=self.total, committed_before=self.committed_before,
                                       batches=len(self.follower.segments), failed=len(self.failed)))
         if committed != self.last_said:
             log.info("%s: %d/%d unit(s) committed by %d segment(s), %d failed", self.url, committed, self.total,
@@ -96,5 +100,6 @@ class StoreHead(Mode):
         ckpt.merged = bool(segments)
         save_checkpoint(run.checkpoint, ckpt)
         self.stats.append(WriterStats(final=True, committed=committed, units_total=self.total,
-                                      batches=len(segments), failed=len(failed)))
+                                      committed_before=self.committed_before, batches=len(segments),
+                                      failed=len(failed)))
         return EXIT_FAILED_UNITS if failed else 0
