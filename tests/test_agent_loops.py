@@ -304,6 +304,7 @@ def test_multi_turn_records_are_token_exact_and_scored(tmp_path, tiny_model, scr
     """Every record's response = the server's outputs interleaved with tool tokens; rm_scores = verl's score."""
     from verl.utils.reward_score import default_compute_score
 
+    from pipegen.engines.request import turn_seed
     from pipegen.run.stream import unit_seed
 
     proxy = RecordingProxy("proxy", tmp_path, scripted.url)
@@ -320,9 +321,12 @@ def test_multi_turn_records_are_token_exact_and_scored(tmp_path, tiny_model, scr
 
     records = read_records(out)
     assert sorted((r["index"], r["sample"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # each turn carries its own seed, derived from the unit's (this engine's draws are not keyed on position)
+    unit_of = {turn_seed(unit_seed(11, i, s), t): unit_seed(11, i, s) for i in range(2) for s in range(2)
+               for t in range(3)}
     by_seed: dict[int, list[dict]] = {}
     for e in entries:
-        by_seed.setdefault(e["seed"], []).append(e)
+        by_seed.setdefault(unit_of[e["seed"]], []).append(e)
     assert all(e["status"] == 200 for e in entries)
     seeds = set()
     for rec in records:
@@ -331,6 +335,7 @@ def test_multi_turn_records_are_token_exact_and_scored(tmp_path, tiny_model, scr
         (traj,) = rec["trajectories"]
         calls = sorted(by_seed[rec["seed"]], key=lambda e: e["t"])
         assert len(calls) == 3  # one request per assistant turn, nothing re-sent
+        assert [c["seed"] for c in calls] == [turn_seed(rec["seed"], t) for t in range(3)]
         prompt, resp, mask, lps = traj["prompt_ids"], traj["response_ids"], traj["response_mask"], traj["response_logprobs"]
         pos = 0
         for k, call in enumerate(calls):
@@ -351,7 +356,7 @@ def test_multi_turn_records_are_token_exact_and_scored(tmp_path, tiny_model, scr
                 pos += len(nxt)
         assert pos == len(resp)
     assert len(seeds) == 4  # distinct per (index, sample)
-    assert {e["seed"] for e in entries} == seeds
+    assert {unit_of[e["seed"]] for e in entries} == seeds and len({e["seed"] for e in entries}) == 12
 
     # scoring: verl's default_compute_score on the decoded valid response, at the last valid token
     data_proto = load_trajectories(out / "trajectories.pkl")

@@ -267,6 +267,7 @@ def test_a_tool_loop_killed_mid_session_answers_its_recorded_turns_from_the_reco
 
     from conftest import assert_verified, launch_killing_the_actor, load_trajectories
     from fake_servers import FakeServer, RecordingProxy, write_dataset
+    from pipegen.engines.request import turn_seed
     from pipegen.run.stream import unit_seed
     from test_agent_loops import QUESTIONS, SCRIPT, tool_overrides
 
@@ -279,11 +280,12 @@ def test_a_tool_loop_killed_mid_session_answers_its_recorded_turns_from_the_reco
     out = tmp_path / "run"
     overrides = tool_overrides(tiny_model, data, "n=1", "seed=3", "generation.save_batch_size=1000",
                                "generation.partial_batch_quiet_s=60", "llm=external", f"llm.urls=[{proxy.url}]")
-    seeds = {unit_seed(3, i, 0): i for i in range(len(QUESTIONS))}
+    # a unit's calls by its turns' seeds (each turn's own, derived from the unit's: turn_seed)
+    unit_of = {turn_seed(unit_seed(3, i, 0), t): i for i in range(len(QUESTIONS)) for t in range(3)}
 
     def third_calls() -> bool:  # every unit has its first two calls answered: its third call is on its way
-        answered = [e["seed"] for e in proxy.entries() if e["status"] == 200]
-        return all(answered.count(s) >= 2 for s in seeds)
+        answered = [unit_of[e["seed"]] for e in proxy.entries() if e["status"] == 200]
+        return all(answered.count(i) >= 2 for i in range(len(QUESTIONS)))
 
     try:  # the calculator answers at once; the third call (8 tokens) takes ~0.6 s
         returncode, stderr = launch_killing_the_actor(out, overrides, third_calls, settle=0.3)
@@ -299,16 +301,17 @@ def test_a_tool_loop_killed_mid_session_answers_its_recorded_turns_from_the_reco
     calls: dict[int, list[dict]] = {}
     for e in sorted(entries, key=lambda e: e["t"]):
         if e["status"] == 200:
-            calls.setdefault(e["seed"], []).append(e)
+            calls.setdefault(unit_of[e["seed"]], []).append(e)
     nt = rows.non_tensor_batch
     resumed = 0
     for i, index in enumerate(map(int, nt["index"])):
-        seed = unit_seed(3, index, 0)
-        turns = sorted({len(e["input_ids"]): e for e in calls[seed]}.values(), key=lambda e: len(e["input_ids"]))
+        turns = sorted({len(e["input_ids"]): e for e in calls[index]}.values(), key=lambda e: len(e["input_ids"]))
         assert len(turns) == 3
+        # a resumed unit's third call carries the seed it carried in the life that was killed
+        assert [e["seed"] for e in turns] == [turn_seed(unit_seed(3, index, 0), t) for t in range(3)]
         # the first two calls reached the engine once, whether or not the unit was resumed
         for turn in turns[:2]:
-            assert sum(e["input_ids"] == turn["input_ids"] for e in calls[seed]) == 1
+            assert sum(e["input_ids"] == turn["input_ids"] for e in calls[index]) == 1
         if nt["resumed"][i]:
             resumed += 1
             assert nt["replayed_calls"][i] == 2 and nt["resumed_at_token"][i] == 0

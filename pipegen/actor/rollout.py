@@ -245,12 +245,11 @@ class UnitServerManager:
 
 
 def model_stop_ids(cfg: Any, tokenizer: Any) -> frozenset[int]:
-    """The model's EOS ids as the engines read them (config.json and generation_config.json), and the tokenizer's."""
-    from pipegen.cpu_server.model_backend import read_model_facts
+    """The model's EOS ids as the engines read them (inputs/models.py's `eos_ids`)."""
+    from pipegen.inputs.models import eos_ids
 
     eos = tokenizer.eos_token_id
-    facts = read_model_facts(str(cfg.actor_rollout_ref.model.path), default_eos=int(eos) if eos is not None else 2)
-    return facts.eos_token_ids | ({int(eos)} if eos is not None else set())
+    return eos_ids(str(cfg.actor_rollout_ref.model.path), int(eos) if eos is not None else None)
 
 
 class UnitRunner:

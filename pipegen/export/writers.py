@@ -158,10 +158,9 @@ class Detokenizer:
 
             self.slow = load_tokenizer(cfg)
             eos_id = self.slow.eos_token_id
-        # the tokenizer's EOS and generation_config.json's (one id or a list), as the servers stop on them
-        generation = _json_file(folder / "generation_config.json").get("eos_token_id")
-        ids = {eos_id} | set(generation if isinstance(generation, list) else [generation])
-        self.eos_ids = {int(i) for i in ids if i is not None}
+        from pipegen.inputs.models import eos_ids  # as the servers stop on them
+
+        self.eos_ids = set(eos_ids(folder, eos_id))
 
     def decode_batch(self, rows: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
         if self.fast is not None:

@@ -9,6 +9,7 @@ Owns:
     the cache;
   * ``build_folder_once`` - the idempotent, atomic, lock-protected "build a folder once" helper, which the
     tiny test models reuse;
+  * ``eos_ids`` - the ids a model's answers end on, as the engines stop on them;
   * a CLI: ``python -m pipegen.inputs.models smollm2-135m`` prints the resolved path (converting if needed).
 
 Must never:
@@ -487,6 +488,24 @@ def resolve_model_path(spec: str, cache_dir: str | None = None) -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model_path={spec}: folder has no config.json, so it is not a Hugging Face model; {choices}")
     return path
+
+
+def eos_ids(model_path: str | os.PathLike[str], tokenizer_eos: int | None = None) -> frozenset[int]:
+    """The ids a model's answers end on, as the engines stop on them: config.json's `eos_token_id` (its
+    text_config's too), generation_config.json's (one id or a list), and the tokenizer's."""
+    def ids_in(name: str) -> list:
+        try:
+            data = json.loads((Path(model_path) / name).read_text())
+        except (OSError, ValueError):
+            return []
+        if not isinstance(data, dict):
+            return []
+        text = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+        return [v for d in (data, text) for v in (d.get("eos_token_id") if isinstance(d.get("eos_token_id"), list)
+                                                   else [d.get("eos_token_id")])]
+
+    found = ids_in("config.json") + ids_in("generation_config.json") + [tokenizer_eos]
+    return frozenset(int(i) for i in found if isinstance(i, int))
 
 
 def main(argv: list[str] | None = None) -> int:
