@@ -48,16 +48,17 @@ def test_the_idle_tail_is_the_share_of_empty_slots_over_the_tail_and_every_view_
     assert "tail" in shown and "GPU-seconds idle" in shown
 
 
-def test_divided_answers_are_the_undivided_ones_bit_for_bit_on_the_cpu_server(tmp_path: Path):
+def test_divided_answers_are_the_undivided_ones_bit_for_bit_on_the_cpu_server(tmp_path: Path, tiny_model: str):
     """generation.reproducible (the CPU server's default): answers asked 5 tokens a request, each continued from the
-    prompt plus its tokens so far, are the answers asked whole, ids and log-probs alike."""
+    prompt plus its tokens so far, are the answers asked whole, ids and log-probs alike (the tiny model: its
+    answers run to the budget or stop early, both)."""
     from conftest import assert_same_trajectories, launch, load_trajectories
     from pipegen.observe.stats import actor_lines, latest_stats
     from pipegen.run.layout import RunDir
 
     whole, divided = tmp_path / "whole", tmp_path / "divided"
     for out, chunk in ((whole, 0), (divided, 5)):
-        proc = launch(out, *FAST, f"actors.chunk_tokens={chunk}")
+        proc = launch(out, *FAST, f"model_path={tiny_model}", f"actors.chunk_tokens={chunk}")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     requests = {out: sum(a.requests for a in actor_lines(latest_stats(RunDir(out).stats)).values())
                 for out in (whole, divided)}
