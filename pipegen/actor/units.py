@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import heapq
 import itertools
 import logging
 import math
@@ -87,52 +88,82 @@ class LengthEvidence:
     how far its samples in flight have run (a lower bound), and an earlier run's length for the same prompt
     (`earlier`, by position). A prompt with none of them is expected at the median of every length known so far
     (the longest possible before any is known), so a unit without evidence is never starved; among equals, the
-    prompt with fewer samples started goes first (one sample of each prompt probes its length), then manifest order.
-    Only the prompts already started and the next WINDOW unstarted ones are compared: a choice costs O(WINDOW)."""
+    prompt with fewer samples started goes first (one sample of each prompt probes its length), then the one
+    that waited longest.
 
-    WINDOW = 256
+    Three queues, each choice O(log prompts) (a run of a million units must not pay a scan per admission):
+    `based`, the prompts with a base length (finished samples or an earlier run's), by that length or how far a
+    sample in flight ran, whichever is more; `unbased`, the prompts started but with no sample finished, by how far
+    their samples in flight ran (below the median they count as the median, as a prompt without evidence does);
+    and the prompts not started yet, in manifest order, at the median. A prompt's entry is pushed again whenever
+    its evidence or its started count changes; stale entries are skipped when they come up (`version`)."""
 
     def __init__(self, todo: list[tuple[int, int]], earlier: dict[int, int]):
         self.pending: dict[int, deque[int]] = {}
         for pos, sample in todo:
             self.pending.setdefault(pos, deque()).append(sample)
-        self.unstarted: deque[int] = deque(self.pending)  # prompts in manifest order, none of their samples started
-        self.active: dict[int, None] = {}  # prompts with a sample started and samples still pending (ordered set)
+        self.earlier = earlier
         self.started: dict[int, int] = {}
         self.finished: dict[int, list[int]] = {}
         self.running: dict[int, int] = {}  # the most tokens a sample in flight has shown
-        self.earlier = earlier
         self.known = sorted(earlier.values())  # every length known: the prior of a prompt without evidence
+        self.version: dict[int, int] = {}
+        self.order = itertools.count()  # ties: the entry pushed first (the prompt that waited longest) wins
+        self.based: list[tuple[float, int, int, int, int]] = []  # (-expected, started, order, pos, version)
+        self.unbased: list[tuple[float, int, int, int, int]] = []  # (-running, started, order, pos, version)
+        self.unstarted: deque[int] = deque(p for p in self.pending if p not in earlier)  # manifest order
+        for pos in self.pending:
+            if pos in earlier:
+                self._push(pos)
+
+    def _base(self, pos: int) -> float | None:
+        done = self.finished.get(pos)
+        return sum(done) / len(done) if done else self.earlier.get(pos)
+
+    def _push(self, pos: int) -> None:
+        version = self.version[pos] = self.version.get(pos, 0) + 1
+        base, started = self._base(pos), self.started.get(pos, 0)
+        if base is not None:
+            heapq.heappush(self.based, (-max(base, self.running.get(pos, 0)), started, next(self.order), pos, version))
+        else:
+            heapq.heappush(self.unbased, (-self.running.get(pos, 0), started, next(self.order), pos, version))
+
+    def _top(self, heap: list) -> tuple | None:
+        while heap and (heap[0][3] not in self.pending or heap[0][4] != self.version.get(heap[0][3])):
+            heapq.heappop(heap)
+        return heap[0] if heap else None
 
     def observe(self, pos: int, tokens: int, finished: bool) -> None:
         if finished:
             self.finished.setdefault(pos, []).append(tokens)
-            self.known.insert(bisect.bisect(self.known, tokens), tokens)
+            bisect.insort(self.known, tokens)
+        elif tokens > self.running.get(pos, 0):
+            self.running[pos] = tokens
         else:
-            self.running[pos] = max(self.running.get(pos, 0), tokens)
-
-    def expected(self, pos: int, prior: float) -> float:
-        done = self.finished.get(pos)
-        base = sum(done) / len(done) if done else self.earlier.get(pos, prior)
-        return max(base, self.running.get(pos, 0))
+            return
+        if pos in self.pending and pos in self.started:
+            self._push(pos)
 
     def take(self) -> tuple[int, int] | None:
-        window = list(self.active) + list(itertools.islice(self.unstarted, self.WINDOW))
-        if not window:
-            return None
         prior = self.known[len(self.known) // 2] if self.known else math.inf
-        rank = {p: i for i, p in enumerate(window)}
-        pos = max(window, key=lambda p: (self.expected(p, prior), -self.started.get(p, 0),
-                                         p in self.earlier, -rank[p]))
+        choices = []  # (expected, -started, rank among the three, pos)
+        if (top := self._top(self.based)) is not None:
+            choices.append((-top[0], -top[1], 2, top[3]))
+        if (top := self._top(self.unbased)) is not None:
+            choices.append((max(prior, -top[0]), -top[1], 1, top[3]))
+        if self.unstarted:
+            choices.append((prior, 0, 0, self.unstarted[0]))
+        if not choices:
+            return None
+        pos = max(choices)[3]
+        if self.unstarted and pos == self.unstarted[0] and pos not in self.started:
+            self.unstarted.popleft()
         samples = self.pending[pos]
         sample = samples.popleft()
-        if pos not in self.started:
-            self.unstarted.remove(pos)  # within the window's first WINDOW entries
         self.started[pos] = self.started.get(pos, 0) + 1
         if samples:
-            self.active[pos] = None
+            self._push(pos)
         else:
-            self.active.pop(pos, None)
             del self.pending[pos]
         return pos, sample
 
