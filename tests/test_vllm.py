@@ -112,6 +112,7 @@ def check_exactly_once_and_token_exact(out: Path, answers: dict[int, dict]):
     return data
 
 
+@pytest.mark.timeout(900)  # 145 s on 2 idle cores, past 300 s beside other work: the held request runs to its deadline
 def test_a_run_against_vllm_is_exact_follows_its_load_and_survives_a_stall(vllm_server, smollm2, tmp_path):
     """llm=external with the protocol detected, at temperature 1, through a recording proxy that makes vLLM
     work on the first request far past its stall deadline (the whole context, ignore_eos)."""
