@@ -1,4 +1,4 @@
-"""The actors and the writer are forks of a forkserver that imported verl once (pipegen/launch/forks.py): each must
+"""The actors, the writer and the CPU server are forks of a forkserver that imported verl once (pipegen/launch/forks.py): each must
 be the `python -m` command it stands for, as `ps`, a kill, its log and its exit code show."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from test_status import wait_for
 def test_only_pipegens_own_roles_are_forked():
     assert forkable([sys.executable, "-m", "pipegen.actor", "output_dir=X", "rank=0"])
     assert forkable([sys.executable, "-m", "pipegen.writer", "output_dir=X"])
-    assert not forkable([sys.executable, "-m", "pipegen.cpu_server", "--port", "1"])  # a server is a command
+    assert forkable([sys.executable, "-m", "pipegen.cpu_server", "--port", "1"])  # pipegen's own server, torch loaded
+    assert not forkable([sys.executable, "-m", "sglang.launch_server", "--port", "1"])  # another engine is a command
     assert not forkable(["/other/env/bin/python", "-m", "pipegen.actor", "output_dir=X"])  # another interpreter
 
 

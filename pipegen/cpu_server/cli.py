@@ -93,6 +93,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S")
+                        datefmt="%Y-%m-%d %H:%M:%S", force=True)  # a fork (launch/forks.py) has handlers
     watch_parent()  # started by a launcher: exit with it, even when it is SIGKILLed
     return uvloop.run(serve(args))

@@ -1,23 +1,27 @@
-"""pipegen's own Python roles (actors, the writer) and the launcher's dataset read, forked from one process that
-imported verl, torch and transformers once.
+"""pipegen's own Python roles (actors, the writer, pipegen's CPU server) and the launcher's dataset read, forked
+from one process that imported verl, torch and transformers once.
 
-Why: those imports are nearly all of a role's start-up, about 6 s of CPU each (torch, tensordict's torch._dynamo,
-transformers, verl's agent loops). A launch paid them in the launcher, in every actor and in the writer, and again
-at every restart after a crash. A fork of a process that has imported them starts in milliseconds, and its pages
-are shared until written. Python's multiprocessing forkserver does the forking: a fresh interpreter, started
-with the first role of a launch (after its servers), that imports the preload list and forks on request. Hand-written here is only
-what makes a fork the `python -m` command it stands for: its own session, its log as stdout and stderr, stdin from
-/dev/null, its environment, working directory, argv and process title (`ps` and `pgrep -f` show the command).
-The command stays saved as DIR/logs/<role>.cmd.sh, and run by hand it behaves the same.
+Why: those imports are nearly all of a role's start-up, about 5-7 s of CPU each (torch, tensordict's torch._dynamo,
+transformers' model classes, verl's agent loops). A launch paid them in the launcher, in every actor, in the writer
+and in every CPU server, and again at every restart after a crash. A fork of a process that has imported them
+starts in milliseconds, and its pages are shared until written. Python's multiprocessing forkserver does the
+forking: a fresh interpreter, started with the first role of a launch (its first server), that imports the preload
+list and forks on request. Hand-written here is only what makes a fork the `python -m` command it stands for: its
+own session, its log as stdout and stderr, stdin from /dev/null, its environment, working directory, argv and
+process title (`ps` and `pgrep -f` show the command). The command stays saved as DIR/logs/<role>.cmd.sh, and run by
+hand it behaves the same.
+A fork first freezes what it inherited out of the garbage collector's reach (gc.freeze): every collection of the
+role would otherwise walk the forkserver's millions of objects, which made the forked CPU server 20% slower a token.
 
-Owns: this process's forkserver and its preload list. Must never: fork anything but pipegen's own modules (the
-inference servers run in their own Python environments and are started as commands), or import a role's modules
-into the launcher itself.
+Owns: this process's forkserver and its preload list. Must never: fork anything but pipegen's own modules under
+this interpreter (SGLang, vLLM and a CPU server under another `llm.python` run in their own Python environments
+and are started as commands), or import a role's modules into the launcher itself.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -33,14 +37,16 @@ from typing import Any, Callable
 from pipegen.observe.logs import PARENT_ENV
 from pipegen.run.handshake import ACTOR_IMPORTS, WRITER_IMPORTS
 
-# The roles started as forks; any other command (a server, a harness) runs as itself.
-FORKED_MODULES = frozenset({"pipegen.actor", "pipegen.writer"})
+# The roles started as forks; any other command (another engine's server, a harness) runs as itself.
+FORKED_MODULES = frozenset({"pipegen.actor", "pipegen.writer", "pipegen.cpu_server"})
 # What the forkserver imports before its first fork: each role's start-up imports, the modules each one imports
-# lazily on its way to work, and the dataset read's (launch/unit_manifest.py).
+# lazily on its way to work, the dataset read's (launch/unit_manifest.py) and the CPU server's (torch and a model
+# class are imported when its backend loads; verl's imports already hold them).
 PRELOAD = tuple(dict.fromkeys((
     *ACTOR_IMPORTS, *WRITER_IMPORTS,
     "pipegen.actor.attempts", "pipegen.actor.admission", "pipegen.writer.batches", "pipegen.inputs.dataset",
     "pipegen.inputs.media", "pipegen.launch.unit_manifest", "aiohttp", "uvloop",
+    "pipegen.cpu_server.cli", "pipegen.cpu_server.hf_backend", "transformers.models.auto.modeling_auto",
     "transformers.models.auto.tokenization_auto",
 )))
 TRACKER_WARNING = "ignore:resource_tracker:UserWarning"  # "resource_tracker: There appear to be N leaked ..."
@@ -114,6 +120,7 @@ def _run_module(argv: list[str], env: dict[str, str], log_path: str, cwd: str) -
     os.environ.update(env)
     os.chdir(cwd)
     _fresh_random_state()
+    gc.freeze()  # the forkserver's objects are this role's imports, never garbage: no collection walks them
     sys.argv = [argv[2], *argv[3:]]  # runpy puts the module's file in sys.argv[0], as `python -m` does
     atexit._clear()  # the forkserver's exit functions are not this role's; its own run below, as at a normal exit
     try:
