@@ -19,6 +19,9 @@ def test_only_pipegens_own_roles_are_forked():
     assert forkable([sys.executable, "-m", "pipegen.actor", "output_dir=X", "rank=0"])
     assert forkable([sys.executable, "-m", "pipegen.writer", "output_dir=X"])
     assert forkable([sys.executable, "-m", "pipegen.cpu_server", "--port", "1"])  # pipegen's own server, torch loaded
+    assert forkable([sys.executable, "-m", "pipegen.cpu_server", "--engine", "hf", "--port", "1"])
+    # a backend by import path imports no torch: it answers sooner as its own command than after the preload
+    assert not forkable([sys.executable, "-m", "pipegen.cpu_server", "--engine", "pkg.mod:Backend", "--port", "1"])
     assert not forkable([sys.executable, "-m", "sglang.launch_server", "--port", "1"])  # another engine is a command
     assert not forkable(["/other/env/bin/python", "-m", "pipegen.actor", "output_dir=X"])  # another interpreter
 

@@ -34,27 +34,36 @@ from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any, Callable
 
+from pipegen.config.schema import HF_BACKEND
 from pipegen.observe.logs import PARENT_ENV
 from pipegen.run.handshake import ACTOR_IMPORTS, WRITER_IMPORTS
 
 # The roles started as forks; any other command (another engine's server, a harness) runs as itself.
 FORKED_MODULES = frozenset({"pipegen.actor", "pipegen.writer", "pipegen.cpu_server"})
 # What the forkserver imports before its first fork: each role's start-up imports, the modules each one imports
-# lazily on its way to work, the dataset read's (launch/unit_manifest.py) and the CPU server's (torch and a model
-# class are imported when its backend loads; verl's imports already hold them).
+# lazily on its way to work, and the dataset read's (launch/unit_manifest.py); the CPU server's hf backend needs
+# torch and transformers' model classes, which verl's imports already hold. No module of the CPU server itself:
+# the forkserver's command line lists this preload, and `pgrep -f pipegen.cpu_server` must find servers alone.
 PRELOAD = tuple(dict.fromkeys((
     *ACTOR_IMPORTS, *WRITER_IMPORTS,
     "pipegen.actor.attempts", "pipegen.actor.admission", "pipegen.writer.batches", "pipegen.inputs.dataset",
     "pipegen.inputs.media", "pipegen.launch.unit_manifest", "aiohttp", "uvloop",
-    "pipegen.cpu_server.cli", "pipegen.cpu_server.hf_backend", "transformers.models.auto.modeling_auto",
     "transformers.models.auto.tokenization_auto",
 )))
 TRACKER_WARNING = "ignore:resource_tracker:UserWarning"  # "resource_tracker: There appear to be N leaked ..."
 
 
 def forkable(argv: list[str]) -> bool:
-    """`argv` is `python -m <one of pipegen's forked roles> ...` under this interpreter."""
-    return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in FORKED_MODULES
+    """`argv` is `python -m <one of pipegen's forked roles> ...` under this interpreter. The CPU server is forked
+    only with its model backend (`--engine hf`, the default), which imports torch and transformers: a backend named
+    by import path (a test double) imports neither, and as its own command it answers without waiting for the
+    forkserver's imports."""
+    if not (len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in FORKED_MODULES):
+        return False
+    if argv[2] == "pipegen.cpu_server" and "--engine" in argv[3:]:
+        at = argv.index("--engine", 3)
+        return at + 1 < len(argv) and argv[at + 1] == HF_BACKEND
+    return True
 
 
 def context() -> ForkServerContext:
