@@ -1,12 +1,12 @@
-"""pipegen's own Python roles (actors, the writer, pipegen's CPU server) and the launcher's dataset read, forked
-from one process that imported verl, torch and transformers once.
+"""pipegen's own Python roles (actors, the writer, pipegen's CPU server with its model backend) and the launcher's
+dataset read, forked from one process that imported verl, torch and transformers once.
 
 Why: those imports are nearly all of a role's start-up, about 5-7 s of CPU each (torch, tensordict's torch._dynamo,
 transformers' model classes, verl's agent loops). A launch paid them in the launcher, in every actor, in the writer
 and in every CPU server, and again at every restart after a crash. A fork of a process that has imported them
 starts in milliseconds, and its pages are shared until written. Python's multiprocessing forkserver does the
-forking: a fresh interpreter, started with the first role of a launch (its first server), that imports the preload
-list and forks on request. Hand-written here is only what makes a fork the `python -m` command it stands for: its
+forking: a fresh interpreter, started with the first fork a launch asks for (its first server, or its dataset
+read), that imports the preload list and forks on request. Hand-written here is only what makes a fork the `python -m` command it stands for: its
 own session, its log as stdout and stderr, stdin from /dev/null, its environment, working directory, argv and
 process title (`ps` and `pgrep -f` show the command). The command stays saved as DIR/logs/<role>.cmd.sh, and run by
 hand it behaves the same.
