@@ -143,8 +143,10 @@ def cluster_line(out: Path) -> dict:
 
 
 @pytest.mark.slow  # 3-node Ray cluster, 128 units, a node lost, one added, an actor killed: ~2 min on 2 cores
-# its own waits below add up past pytest's 300 s: the limit holds them all, at a load of 4 on 2 cores too
-@pytest.mark.timeout(900)
+# its own waits below add up past pytest's 300 s: the limit holds them all, at a load of 4 on 2 cores too. The waits
+# for the first nodes are deadlines, not bounds: beside a CPU hog and two other suites' workers a runner's forkserver
+# took 4 min to import verl, past the 240 s these waits had been
+@pytest.mark.timeout(1500)
 def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_model, ray_cluster):
     out = tmp_path / "run"
     workers = [add_generation_node(ray_cluster, NODE_RESOURCE) for _ in range(2)]
@@ -169,11 +171,11 @@ def test_ray_cluster_survives_a_lost_node_and_feeds_a_new_one(tmp_path, tiny_mod
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         placed = wait_for(lambda: sorted(p.stem for p in RunDir(out).nodes.glob("*.json")) if RunDir(out).nodes.exists()
-                          and len(list(RunDir(out).nodes.glob("*.json"))) >= 2 else None, 240,
+                          and len(list(RunDir(out).nodes.glob("*.json"))) >= 2 else None, 600,
                           "the first two runners placed", launcher)
         add_generation_node(ray_cluster, NODE_RESOURCE)  # joins the running launch: a runner of its own
         wait_for(lambda: len([a for a, n in shard_lines(out).items() if n > 0]) >= 2
-                 and sum(shard_lines(out).values()) >= 12, 240, "the first nodes writing units", launcher)
+                 and sum(shard_lines(out).values()) >= 12, 600, "the first nodes writing units", launcher)
         records = {name: RunDir(out).read_node(name) for name in placed}
         first_actors = tuple(f"actor_{name}-{record.incarnation}-" for name, record in records.items())
         removed_at = time.time()
