@@ -106,10 +106,11 @@ def test_the_closing_summary_names_the_harness_as_the_reward(scenarios):
     """A harness's own reward is the one used (the run's scores only what it leaves unscored): the summary says so,
     and the server line names the engine that answered, not its protocol alone."""
     from pipegen.observe.console import reward_name
+    from pipegen.run.config import load_run_config
     from pipegen.run.layout import RunDir
 
     _, _, out = scenarios
-    assert reward_name(RunDir(out)) == ("what external.harness=" + str(REPO / "tests" / "gateway_harnesses.py")
+    assert reward_name(load_run_config(RunDir(out))) == ("what external.harness=" + str(REPO / "tests" / "gateway_harnesses.py")
                                         + ":harness returns; for a unit it returns no reward for, verl's "
                                         "default_compute_score by data_source (rows without one, or a code "
                                         "data_source, stay unscored)")

@@ -31,6 +31,7 @@ from pipegen.observe.stats import (across_processes, actor_lines, aggregate, hum
                                    tail_metrics, tail_text)
 from pipegen.observe.tracking import ELAPSED_S, GPU_BUSY, RunTracker
 from pipegen.run.checkpoint import failure_summary, load_checkpoint
+from pipegen.run.config import load_run_config
 from pipegen.run.handshake import EXIT_DAMAGED
 from pipegen.run.layout import BATCH_GLOB, RunDir
 from pipegen.run.provenance import harness_named
@@ -120,10 +121,8 @@ class Console:
                 self.tracker.finish(exit_code=0 if exc_type is None else 1)
 
 
-def is_store_run(run: RunDir) -> bool:
-    from pipegen.run.config import load_run_config
-
-    return bool(load_run_config(run).storage.url)
+def is_store_run(cfg: DictConfig) -> bool:
+    return bool(cfg.storage.url)
 
 
 def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = True) -> str:
@@ -166,12 +165,10 @@ def run_counts(run: RunDir, snap: Snapshot, metrics: dict, generated: bool = Tru
     return f"{text}{this}."
 
 
-def trajectories_where(run: RunDir) -> str:
+def trajectories_where(run: RunDir, cfg: DictConfig) -> str:
     """Where the merged output is: a store run's in its store (with this node's copy), else the run directory's."""
-    from pipegen.run.config import load_run_config
-
     local = run.merged_output() or run.trajectories
-    url = load_run_config(run).storage.url
+    url = cfg.storage.url
     if not url:
         return str(local)
     from pipegen.transport.store_read import store_output
@@ -179,11 +176,9 @@ def trajectories_where(run: RunDir) -> str:
     return f"{store_output(str(url), run)} (this node's copy: {local})"
 
 
-def in_store(run: RunDir, path) -> str:
+def in_store(run: RunDir, cfg: DictConfig, path) -> str:
     """A run file as the user finds it: its object in the store on a store run (storage.url), else its path."""
-    from pipegen.run.config import load_run_config
-
-    url = load_run_config(run).storage.url
+    url = cfg.storage.url
     if not url:
         return str(path)
     from pipegen.run.store import output_key
@@ -191,15 +186,12 @@ def in_store(run: RunDir, path) -> str:
     return f"{str(url).rstrip('/')}/{output_key(path.relative_to(run.root))}"
 
 
-def streams_where(run: RunDir) -> str:
+def streams_where(run: RunDir, cfg: DictConfig) -> str:
     """The logs line's streams: the folder, or the Redis stream; with a cluster and a store each node's own stream,
     which the head's folder does not name (each node's scratch folder names its own in conf/streams.json)."""
-    from pipegen.run.config import load_run_config
-
-    medium = open_medium(run)
+    medium = open_medium(run, cfg)
     if medium.kind == "files":
         return f"{run.streams}/"
-    cfg = load_run_config(run)
     if cfg.cluster.kind == "ray" and cfg.storage.url:
         kept = ("named in that node's scratch folder's conf/streams.json" if cfg.generation.keep_streams else
                 "each deleted by its writer once its commits were in the store (generation.keep_streams=false)")
@@ -207,7 +199,7 @@ def streams_where(run: RunDir) -> str:
     return f"{run.streams}/ (stats), {medium.where(ROLLOUTS)}"
 
 
-def failed_what(run: RunDir, failed: dict) -> str:
+def failed_what(run: RunDir, cfg: DictConfig, failed: dict) -> str:
     """What failed and what to do, in words: units whose generation failed are retried by the same command, each
     with a fresh seed; units generated but not scored keep their samples, which a rescore scores without generating
     (rerunning is no fix for them: it generates nothing, and a changed reward is refused pointing to the rescore).
@@ -225,10 +217,10 @@ def failed_what(run: RunDir, failed: dict) -> str:
         parts.append(f"{unscored} unit(s) generated but not scored (the reward raised or gave no score; their samples "
                      f"are kept): fix the reward, then {command('rescore')} {run.root} scores them without "
                      f"generating")
-    return "; ".join(parts) + f". Listed in {in_store(run, run.failed_units)}."
+    return "; ".join(parts) + f". Listed in {in_store(run, cfg, run.failed_units)}."
 
 
-def unscored_line(run: RunDir, outcomes: Outcomes | None) -> str:
+def unscored_line(run: RunDir, cfg: DictConfig, outcomes: Outcomes | None) -> str:
     """The closing summary's warning when trajectories have no score ('' when every one has, or when the outcomes
     could not be read): how many, and how to score them."""
     if outcomes is None:
@@ -237,9 +229,6 @@ def unscored_line(run: RunDir, outcomes: Outcomes | None) -> str:
     scored = outcomes.rewards.scored if outcomes.rewards is not None else 0
     if not rows or scored >= rows:
         return ""
-    from pipegen.run.config import load_run_config
-
-    cfg = load_run_config(run)
     if not cfg.actors.scoring:
         return ""
     why = ("rows verl's default_compute_score cannot score: no data_source it knows, or no "
@@ -257,12 +246,9 @@ def node_totals(line: ClusterStats) -> tuple[int, int]:
     return sum(n.completed or 0 for n in nodes), sum(n.output_tokens or 0 for n in nodes)
 
 
-def reward_name(run: RunDir) -> str:
+def reward_name(cfg: DictConfig) -> str:
     """Which reward scored the run, as the closing summary names it: a harness's own where it returns one
     (actor/rollout.py scores only what it leaves unscored), then rewards/spec.py's order."""
-    from pipegen.run.config import load_run_config
-
-    cfg = load_run_config(run)
     if cfg.reward.verifier_url:
         run_reward = RewardSpec(url=str(cfg.reward.verifier_url)).describe()
     elif cfg.custom_reward_function.path:
@@ -291,14 +277,15 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
         print(f"pipegen: this node's actors finished; the writer of {run.root} commits and merges "
               f"(python -m pipegen.writer output_dir={run.root}).")
         return 0
+    cfg = load_run_config(run)  # once: every line below reads it (a load is ~50 ms of CPU)
     snap = snapshot(run, n)
     launch = snap.roles.get(LaunchStats.ROLE)
     metrics = launch.metrics if isinstance(launch, LaunchStats) else {}
     if snap.complete:
         print(f"pipegen: done: {snap.committed} samples{run_counts(run, snap, metrics, not already_complete)}")
-        print(f"  reward:       {reward_name(run)}")
+        print(f"  reward:       {reward_name(cfg)}")
         # a store run's lines stay on its nodes: its rows, as the store committed them, say what they scored
-        outcomes = committed_outcomes(run) if is_store_run(run) else unit_outcomes(run)
+        outcomes = committed_outcomes(run, cfg) if is_store_run(cfg) else unit_outcomes(run, cfg)
         scores = outcomes.rewards if outcomes is not None else None
         if run.role_log("rescore").exists():  # rescored (logs/rescore.log): the batch files hold the rewards, the
             # streams the rewards at generation
@@ -308,25 +295,25 @@ def report(run: RunDir, n: int, writer_rc: int | None, already_complete: bool = 
         if scores is not None:
             print(f"  rewards:      mean {scores.mean_reward:.3f} over {scores.scored} samples; pass@{n} "
                   f"{scores.pass_at_n:.2f} ({scores.passed} of {scores.prompts} prompts have a sample scoring > 0)")
-        unscored = unscored_line(run, outcomes)
+        unscored = unscored_line(run, cfg, outcomes)
         if unscored:
             print(unscored)
-        for line in job_lines(run, outcomes):  # prompts skipped, responses that reached the limit
+        for line in job_lines(run, cfg, outcomes):  # prompts skipped, responses that reached the limit
             print(line)
         tail = tail_text(tail_metrics(list(actor_lines(snap.roles).values())))
         if tail:  # the servers' idle slots once fewer answers than a full batch were left
             print(f"  tail:         {tail}")
         if snap.merged:
-            print(f"  trajectories: {trajectories_where(run)}")
+            print(f"  trajectories: {trajectories_where(run, cfg)}")
             print(f"  artifact:     {run.artifact}" + (" (made on this node; the store holds trajectories.pkl)"
-                                                       if is_store_run(run) else ""))
+                                                       if is_store_run(cfg) else ""))
         else:
             print(f"  batches:      {run.root / BATCH_GLOB} (generation.final_merge=false)")
-        print(f"  logs:         {run.logs}/   streams: {streams_where(run)}")
+        print(f"  logs:         {run.logs}/   streams: {streams_where(run, cfg)}")
         return 0
-    what = failed_what(run, snap.failed_units)
+    what = failed_what(run, cfg, snap.failed_units)
     if snap.merged or run.merged_output() is not None:
-        where = f"{trajectories_where(run)} and {run.artifact}"
+        where = f"{trajectories_where(run, cfg)} and {run.artifact}"
         print(f"pipegen: partial output: {snap.committed} of {snap.total} samples in {where}; {what}",
               file=sys.stderr)
     else:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from omegaconf import DictConfig
+
 from pipegen.run.layout import RunDir
 from pipegen.run.medium import ROLLOUTS, open_medium
 from pipegen.run.stream import TrajectoryKeys, read_head
@@ -45,8 +47,9 @@ class Outcomes:
     finishes: dict[str, int]  # units by their line's `finish` ("stop", "length"); lines of an older pipegen: none
 
 
-def unit_outcomes(run: RunDir) -> Outcomes | None:
-    """None when the rollout stream holds more than MAX_BYTES (or cannot be read)."""
+def unit_outcomes(run: RunDir, cfg: DictConfig | None = None) -> Outcomes | None:
+    """None when the rollout stream holds more than MAX_BYTES (or cannot be read). `cfg`: the run's saved config,
+    when the caller has it loaded (else read here)."""
     seen: set[tuple[int, int]] = set()
     total = 0.0
     scored = 0
@@ -54,7 +57,7 @@ def unit_outcomes(run: RunDir) -> Outcomes | None:
     finishes: dict[str, int] = {}
     read = 0
     try:
-        lines = open_medium(run).lines(ROLLOUTS)  # the shards, or the run's Redis stream
+        lines = open_medium(run, cfg).lines(ROLLOUTS)  # the shards, or the run's Redis stream
         for line in lines:  # complete lines only
             read += len(line)
             if read > MAX_BYTES:
@@ -78,7 +81,7 @@ def unit_outcomes(run: RunDir) -> Outcomes | None:
     return Outcomes(rewards, finishes)
 
 
-def committed_outcomes(run: RunDir) -> Outcomes | None:
+def committed_outcomes(run: RunDir, cfg: DictConfig | None = None) -> Outcomes | None:
     """The outcomes of the committed rows as the batch files hold them (a store run, whose lines stay on its nodes):
     the rewards, and each sample's last piece as "length" when its response reached the response limit, else "stop".
     None when there is no row."""
@@ -88,7 +91,7 @@ def committed_outcomes(run: RunDir) -> Outcomes | None:
     rows = committed_rows(run).rows
     if not rows:
         return None
-    limit = int(load_run_config(run).actor_rollout_ref.rollout.response_length)
+    limit = int((cfg or load_run_config(run)).actor_rollout_ref.rollout.response_length)
     ends: dict[tuple[int, int], tuple[int, int]] = {}
     for r in rows:
         unit = (r.index, r.sample)

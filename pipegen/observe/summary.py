@@ -94,11 +94,8 @@ def print_plan(cfg: DictConfig, run: RunDir, engine_reason: str = "") -> None:
     print(line, flush=True)
 
 
-def job_lines(run: RunDir, outcomes: Outcomes | None) -> list[str]:
+def job_lines(run: RunDir, cfg: DictConfig, outcomes: Outcomes | None) -> list[str]:
     """The closing summary's lines on prompts skipped and responses that reached the response limit."""
-    from pipegen.run.config import load_run_config
-
-    cfg = load_run_config(run)
     lines = []
     facts = run.read_dataset_facts()
     prompts = len(run.read_manifest()) if run.units_file.exists() else 0
@@ -146,7 +143,7 @@ def run_summary(run: RunDir) -> RunSummary:
     cfg = load_run_config(run)
     n = int(cfg.actor_rollout_ref.rollout.n)
     snap = snapshot(run, n)
-    outcomes = committed_outcomes(run) if cfg.storage.url else unit_outcomes(run)  # a store run's lines: on its nodes
+    outcomes = committed_outcomes(run, cfg) if cfg.storage.url else unit_outcomes(run, cfg)  # a store run's lines: on its nodes
     rewards = outcomes.rewards if outcomes is not None else None
     facts = run.read_dataset_facts()
     finishes = outcomes.finishes if outcomes is not None else {}
