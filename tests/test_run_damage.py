@@ -184,35 +184,45 @@ def test_every_damage_is_recovered_or_refused_with_a_fix_that_works(runs, launch
     assert_verified(out)
 
 
-# One case per recovery path, as a user meets it: the same command again, real processes (a config.yaml
-# is written again by every launch, before any process reads it: the in-process test covers it).
-END_TO_END = [
-    ("checkpoint", "garbage"),  # refused before any process starts; --rebuild; the same command finishes
-    ("checkpoint", "missing"),  # the writer rebuilds it from the batch files
-    ("fingerprint", "zero-filled"),  # restored: this launch's setup reproduces the recorded run key
-    ("units", "garbage"),  # set aside, read again from the dataset
-    ("batch", "truncated"),  # refused when the merge reads it; --rebuild; its units come from the shards
-    ("shard", "garbage"),  # its uncommitted units are generated again (no orphan batch holds them here)
-]
+# Each recovery path once, as a user meets it: the same command again, real processes (a config.yaml is written
+# again by every launch, before any process reads it: the in-process test covers it). The three files a launch
+# recovers without a word are damaged together, in one run directory: one launch recovers all three.
+END_TO_END = {
+    "checkpoint-garbage": [("checkpoint", "garbage")],  # refused before any process starts; --rebuild; the same command
+    "recovered-in-one-launch": [
+        ("checkpoint", "missing"),  # the writer rebuilds it from the batch files
+        ("fingerprint", "zero-filled"),  # restored: this launch's setup reproduces the recorded run key
+        ("units", "garbage"),  # set aside, read again from the dataset
+    ],
+    "batch-truncated": [("batch", "truncated")],  # refused when the merge reads it; --rebuild; its units from the shards
+    "shard-garbage": [("shard", "garbage")],  # its uncommitted units generated again (no orphan batch holds them here)
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,mode", END_TO_END)
-def test_a_damaged_file_end_to_end(runs, tmp_path, name, mode):
+@pytest.mark.parametrize("case", list(END_TO_END))
+def test_a_damaged_file_end_to_end(runs, tmp_path, case):
     overrides, clean, partial = runs
     out = tmp_path / "run"
     shutil.copytree(partial, out)
-    if name == "shard":  # as if the writer died before writing its unlisted batch files
+    damaged = END_TO_END[case]
+    if ("shard", "garbage") in damaged:  # as if the writer died before writing its unlisted batch files
         listed = orjson.loads((out / "checkpoint.json").read_bytes())["batches"]["count"]
         for orphan in sorted(out.glob(BATCH_GLOB))[listed:]:
             orphan.unlink()
-    target = out / FILES[name]
-    damage(target, mode)
+    targets = [out / FILES[name] for name, _ in damaged]
+    for target, (_, mode) in zip(targets, damaged):
+        damage(target, mode)
     before = batch_files(out)
 
     result = launch(out, *overrides)
     assert "Traceback" not in result.stderr + result.stdout, result.stderr[-3000:]
+    if len(damaged) > 1:  # the silent recoveries: the first launch finishes the run, each file recovered its way
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert list(out.glob("conf/fingerprint.json.damaged-*")) and list(out.glob("conf/units.json.damaged-*"))
+        assert "no checkpoint.json beside 3 batch file(s): rebuilding it" in (out / "logs" / "writer.log").read_text()
     if result.returncode != 0:
+        (target,) = targets
         line = assert_one_line(result, target)
         fix = fix_command(line)
         fixed = subprocess.run(fix, cwd=REPO, capture_output=True, text=True, timeout=120)
