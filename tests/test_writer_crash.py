@@ -1,7 +1,7 @@
 """The writer's exactly-once promise: SIGKILL it anywhere, restart it alone, get the same output.
 
 The actors keep generating (launcher with generation.run_writer=false) while the test kills the writer
-more than 20 times: at random moments, and deliberately inside each step of the commit cycle through
+6 times: 3 times at random moments, and once deliberately inside each step of the commit cycle through
 the writer's fault hook (mid batch write, between batch rename and checkpoint, mid checkpoint write).
 The final trajectories.pkl must equal an uninterrupted run's, unit for unit, on a deterministic server.
 """
@@ -23,7 +23,7 @@ from conftest import FAKE_ENGINE, FAST, REPO, assert_same_trajectories, launch, 
 from pipegen.run.layout import BATCH_GLOB, batch_file_name
 
 # The fake engine's output depends only on (seed, sampling_seed, context), not on its latency, so the
-# reference run can be instant while the killed run generates slowly enough to be killed 20+ times.
+# reference run can be instant while the killed run generates slowly enough to be killed 6 times.
 RUN = [FAKE_ENGINE, "max_samples=16", "n=2", "actors.concurrency=4", "generation.save_batch_size=2",
        "generation.partial_batch_quiet_s=0.2"]
 # Slow enough that the actors generate through most of the kills below (a writer start costs ~3 s of imports).
@@ -61,9 +61,9 @@ def test_writer_killed_over_and_over_gives_the_uninterrupted_output(tmp_path, ti
             assert launcher.poll() is None, launcher.stderr.read()[-2000:]
             time.sleep(0.2)
         for i in range(60):
-            # 8 kills, each commit point and a random moment at least once: every crash point is hit (each
-            # writer start imports verl for seconds of CPU, and more kills only repeat the same points)
-            if sum(kills.values()) >= 8 and min(kills.values()) >= 1:
+            # 6 kills, each commit point once and 3 random moments: every crash point is hit (each writer
+            # start imports verl for ~6 s of CPU, and more kills only repeat the same points)
+            if sum(kills.values()) >= 6 and min(kills.values()) >= 1:
                 break
             mode = cycle[i % len(cycle)]
             if mode == "random":
@@ -93,8 +93,8 @@ def test_writer_killed_over_and_over_gives_the_uninterrupted_output(tmp_path, ti
     final = _writer(out)
     assert final.wait(timeout=120) == 0, (out / "logs" / "test-writers.log").read_text()[-2000:]
 
-    assert sum(kills.values()) >= 8, kills
-    assert kills_while_generating >= 6, (kills_while_generating, kills)
+    assert sum(kills.values()) >= 6, kills
+    assert kills_while_generating >= 5, (kills_while_generating, kills)
     for point in ("batch_write", "after_batch_rename", "checkpoint_write"):
         assert kills[point] >= 1, kills
     ckpt = orjson.loads((out / "checkpoint.json").read_bytes())
