@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import orjson
+import pytest
 import torch
 
-from conftest import FAST, FAST_REPORTED, launch, load_trajectories
+from conftest import FAST_REPORTED, launch, load_trajectories
 
 VERL_TENSORS = ["prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                 "rollout_log_probs"]
 
 
-def test_launch_produces_verl_trajectories(tmp_path, tiny_model):
-    out = tmp_path / "run"
-    result = launch(out, f"model_path={tiny_model}", *FAST_REPORTED)
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_model):
+    """One small run, launched once for the module: (its directory, the launch's result)."""
+    out = tmp_path_factory.mktemp("spine") / "run"
+    return out, launch(out, f"model_path={tiny_model}", *FAST_REPORTED)
+
+
+def test_launch_produces_verl_trajectories(finished):
+    out, result = finished
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trajectories" in result.stdout
     assert result.stdout.strip().splitlines()[-1] == f"  report:       {out / 'report.html'}"  # the summary's last line
@@ -59,12 +66,11 @@ def test_launch_produces_verl_trajectories(tmp_path, tiny_model):
             assert (out / "logs" / f"{role}.cmd.sh").exists(), role
 
 
-def test_relaunch_of_a_complete_run_is_a_no_op(tmp_path, tiny_model):
-    out = tmp_path / "run"
-    first = launch(out, f"model_path={tiny_model}", *FAST)
+def test_relaunch_of_a_complete_run_is_a_no_op(finished, tiny_model):
+    out, first = finished
     assert first.returncode == 0, first.stderr[-3000:]
     before = (out / "trajectories.pkl").read_bytes()
-    again = launch(out, f"model_path={tiny_model}", *FAST)
+    again = launch(out, f"model_path={tiny_model}", *FAST_REPORTED)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already complete" in again.stdout
     assert (out / "trajectories.pkl").read_bytes() == before
