@@ -1,7 +1,7 @@
 """pipegen's own Python roles (actors, the writer, pipegen's CPU server with its model backend) and the launcher's
 dataset read, forked from one process that imported verl, torch and transformers once.
 
-Why: those imports are nearly all of a role's start-up, about 5-7 s of CPU each (torch, tensordict's torch._dynamo,
+Why: those imports are nearly all of a role's start-up, about 8 s of CPU each (torch, tensordict's torch._dynamo,
 transformers' model classes, verl's agent loops). A launch paid them in the launcher, in every actor, in the writer
 and in every CPU server, and again at every restart after a crash. A fork of a process that has imported them
 starts in milliseconds, and its pages are shared until written. Python's multiprocessing forkserver does the
