@@ -47,9 +47,8 @@ class Outcomes:
     finishes: dict[str, int]  # units by their line's `finish` ("stop", "length"); lines of an older pipegen: none
 
 
-def unit_outcomes(run: RunDir, cfg: DictConfig | None = None) -> Outcomes | None:
-    """None when the rollout stream holds more than MAX_BYTES (or cannot be read). `cfg`: the run's saved config,
-    when the caller has it loaded (else read here)."""
+def unit_outcomes(run: RunDir, cfg: DictConfig) -> Outcomes | None:
+    """None when the rollout stream holds more than MAX_BYTES (or cannot be read). `cfg`: the run's saved config."""
     seen: set[tuple[int, int]] = set()
     total = 0.0
     scored = 0
@@ -81,17 +80,16 @@ def unit_outcomes(run: RunDir, cfg: DictConfig | None = None) -> Outcomes | None
     return Outcomes(rewards, finishes)
 
 
-def committed_outcomes(run: RunDir, cfg: DictConfig | None = None) -> Outcomes | None:
+def committed_outcomes(run: RunDir, cfg: DictConfig) -> Outcomes | None:
     """The outcomes of the committed rows as the batch files hold them (a store run, whose lines stay on its nodes):
     the rewards, and each sample's last piece as "length" when its response reached the response limit, else "stop".
     None when there is no row."""
     from pipegen.observe.committed import committed_rows
-    from pipegen.run.config import load_run_config
 
     rows = committed_rows(run).rows
     if not rows:
         return None
-    limit = int((cfg or load_run_config(run)).actor_rollout_ref.rollout.response_length)
+    limit = int(cfg.actor_rollout_ref.rollout.response_length)
     ends: dict[tuple[int, int], tuple[int, int]] = {}
     for r in rows:
         unit = (r.index, r.sample)

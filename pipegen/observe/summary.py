@@ -143,7 +143,8 @@ def run_summary(run: RunDir) -> RunSummary:
     cfg = load_run_config(run)
     n = int(cfg.actor_rollout_ref.rollout.n)
     snap = snapshot(run, n)
-    outcomes = committed_outcomes(run, cfg) if cfg.storage.url else unit_outcomes(run, cfg)  # a store run's lines: on its nodes
+    # a store run's lines stay on its nodes
+    outcomes = committed_outcomes(run, cfg) if cfg.storage.url else unit_outcomes(run, cfg)
     rewards = outcomes.rewards if outcomes is not None else None
     facts = run.read_dataset_facts()
     finishes = outcomes.finishes if outcomes is not None else {}
